@@ -1,0 +1,200 @@
+"""torch.distributed calls that leave a record in `pplab.trace`.
+
+Same arguments and in-place behaviour as torch.distributed. Every call appends one
+Event to this rank's trace: its kind, start and end time, the peer (send/recv) or
+the group (collectives), and bytes:
+
+* point-to-point (`send`, `recv`, `isend`, `irecv`, `exchange`): `bytes_sent` and
+  `bytes_recv` are exactly the tensor bytes this rank put on / took off the wire,
+  so the bytes of any algorithm built from them can be checked against a formula;
+* collectives forwarded to the backend (`all_reduce`, `broadcast`, ...): what crosses
+  the wire depends on the backend's own algorithm, which pplab cannot see, so
+  `bytes_sent`/`bytes_recv` stay 0 and `meta["payload"]` holds the tensor bytes.
+
+Peers are global ranks, as in torch.distributed.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import trace
+from .trace import Event, now
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+        "product": dist.ReduceOp.PRODUCT}
+_SHORT = {"all_reduce": "AR", "broadcast": "BC", "reduce": "R", "all_gather": "AG",
+          "reduce_scatter": "RS", "gather": "G", "scatter": "S", "all_to_all": "A2A",
+          "barrier": "BAR"}
+
+
+def rank(group=None) -> int:
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+def world_size(group=None) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _group_ranks(group) -> tuple:
+    if group is None or group is dist.group.WORLD:
+        return tuple(range(dist.get_world_size()))
+    return tuple(dist.get_process_group_ranks(group))
+
+
+def _op(op):
+    if isinstance(op, str):
+        if op not in _OPS:
+            raise ValueError(f"unknown reduce op {op!r}: use one of {sorted(_OPS)}")
+        return _OPS[op]
+    return op
+
+
+# ----------------------------------------------------------------------------------
+# Point-to-point
+
+
+def _p2p_event(kind, tensor, peer, start, end=None) -> Event:
+    sending = kind in ("send", "isend")
+    n = _nbytes(tensor)
+    arrow = f"→{peer}" if sending else f"←{peer}"
+    return trace.record(Event(
+        trace._state["rank"], "send" if sending else "recv", "comm", start, end, arrow,
+        bytes_sent=n if sending else 0, bytes_recv=0 if sending else n, peer=peer,
+        seq=trace.next_seq(peer, sending) if trace.enabled() else None,
+        meta={"shape": tuple(tensor.shape), "dtype": str(tensor.dtype).replace("torch.", "")}))
+
+
+def _check_peer(peer, what):
+    if not isinstance(peer, int):
+        raise TypeError(f"{what} must be a rank number (int), got {peer!r}")
+    p = dist.get_world_size()
+    if not 0 <= peer < p:
+        raise ValueError(f"{what}={peer} is not a rank: ranks are 0..{p - 1}")
+    if peer == dist.get_rank():
+        raise ValueError(f"{what}={peer} is this rank itself: a rank cannot send to or receive from itself")
+
+
+def send(tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> None:
+    _check_peer(dst, "dst")
+    start = now()
+    dist.send(tensor, dst, group=group, tag=tag)
+    _p2p_event("send", tensor, dst, start, now())
+
+
+def recv(tensor: torch.Tensor, src: int, group=None, tag: int = 0) -> None:
+    """Receive into `tensor` from rank `src` (src is required: traces pair each recv with a send)."""
+    _check_peer(src, "src")
+    start = now()
+    dist.recv(tensor, src, group=group, tag=tag)
+    _p2p_event("recv", tensor, src, start, now())
+
+
+class Handle:
+    """An async operation in flight; `wait()` completes it and closes its trace event."""
+
+    def __init__(self, work, event: Event):
+        self.work, self.event = work, event
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+        if self.event.end is None:
+            self.event.end = now()
+
+    def is_completed(self) -> bool:
+        return self.work is None or self.work.is_completed()
+
+
+def isend(tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> Handle:
+    _check_peer(dst, "dst")
+    start = now()
+    return Handle(dist.isend(tensor, dst, group=group, tag=tag), _p2p_event("isend", tensor, dst, start))
+
+
+def irecv(tensor: torch.Tensor, src: int, group=None, tag: int = 0) -> Handle:
+    _check_peer(src, "src")
+    start = now()
+    return Handle(dist.irecv(tensor, src, group=group, tag=tag), _p2p_event("irecv", tensor, src, start))
+
+
+def exchange(send_tensor: torch.Tensor, dst: int, recv_tensor: torch.Tensor, src: int, group=None) -> None:
+    """Send to `dst` and receive from `src` at the same time (the step of every ring).
+
+    Posting both before waiting is what keeps a ring from deadlocking: if every rank
+    did a blocking send first, all would wait for a receiver that is itself sending.
+    """
+    handles = [isend(send_tensor, dst, group), irecv(recv_tensor, src, group)]
+    for h in handles:
+        h.wait()
+
+
+# ----------------------------------------------------------------------------------
+# Collectives (forwarded to the backend's own implementation)
+
+
+def _collective(kind, payload, group, fn, async_op=False):
+    start = now()
+    work = fn()
+    event = trace.record(Event(trace._state["rank"], kind, "comm", start, None, _SHORT.get(kind, kind),
+                               group=_group_ranks(group), meta={"payload": payload}))
+    handle = Handle(work if async_op else None, event)
+    if not async_op:
+        handle.wait()
+        return None
+    return handle
+
+
+def all_reduce(tensor, op="sum", group=None, async_op=False):
+    return _collective("all_reduce", _nbytes(tensor), group,
+                       lambda: dist.all_reduce(tensor, op=_op(op), group=group, async_op=async_op), async_op)
+
+
+def broadcast(tensor, src, group=None, async_op=False):
+    return _collective("broadcast", _nbytes(tensor), group,
+                       lambda: dist.broadcast(tensor, src, group=group, async_op=async_op), async_op)
+
+
+def reduce(tensor, dst, op="sum", group=None, async_op=False):
+    return _collective("reduce", _nbytes(tensor), group,
+                       lambda: dist.reduce(tensor, dst, op=_op(op), group=group, async_op=async_op), async_op)
+
+
+def all_gather(tensor_list, tensor, group=None, async_op=False):
+    return _collective("all_gather", _nbytes(tensor), group,
+                       lambda: dist.all_gather(tensor_list, tensor, group=group, async_op=async_op), async_op)
+
+
+def all_gather_into_tensor(output, input, group=None, async_op=False):
+    return _collective("all_gather", _nbytes(input), group,
+                       lambda: dist.all_gather_into_tensor(output, input, group=group, async_op=async_op),
+                       async_op)
+
+
+def reduce_scatter_tensor(output, input, op="sum", group=None, async_op=False):
+    return _collective("reduce_scatter", _nbytes(input), group,
+                       lambda: dist.reduce_scatter_tensor(output, input, op=_op(op), group=group,
+                                                          async_op=async_op), async_op)
+
+
+def gather(tensor, gather_list=None, dst=0, group=None, async_op=False):
+    return _collective("gather", _nbytes(tensor), group,
+                       lambda: dist.gather(tensor, gather_list, dst, group=group, async_op=async_op), async_op)
+
+
+def scatter(tensor, scatter_list=None, src=0, group=None, async_op=False):
+    return _collective("scatter", _nbytes(tensor), group,
+                       lambda: dist.scatter(tensor, scatter_list, src, group=group, async_op=async_op), async_op)
+
+
+def all_to_all_single(output, input, group=None, async_op=False):
+    return _collective("all_to_all", _nbytes(input), group,
+                       lambda: dist.all_to_all_single(output, input, group=group, async_op=async_op), async_op)
+
+
+def barrier(group=None):
+    return _collective("barrier", 0, group, lambda: dist.barrier(group=group))
