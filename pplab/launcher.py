@@ -178,7 +178,10 @@ def _rank_main(rank, world_size, port, backend, threads, timeout, parent_pid, pa
         phase = "return"
         message = cloudpickle.dumps(("ok", _to_cpu(result), trace.events()))
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the caller
-        text = traceback.format_exc()
+        tb = exc.__traceback__
+        if phase != "init" and tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next                 # start the traceback in the user's code, not here
+        text = "".join(traceback.format_exception(type(exc), exc, tb))
         message = cloudpickle.dumps(("err", phase, f"{type(exc).__name__}: {exc}", text))
         sys.stdout.flush(), sys.stderr.flush()
         conn.send_bytes(message)
@@ -438,7 +441,7 @@ def _collect(ranks, started, timeout, backend, method) -> LaunchResult:
         shown = "".join(f"\n  last output of rank {r}: " + " | ".join(lines) for r, lines in output.items() if lines)
         raise LaunchError(
             f"rank{'s' if len(running) > 1 else ''} {', '.join(map(str, running))} still running after "
-            f"{timeout:g} s (timeout={timeout:g}) and were stopped; "
+            f"{timeout:g} s (timeout={timeout:g}) and {'were' if len(running) > 1 else 'was'} stopped; "
             f"{len(ranks) - len(running)} of {len(ranks)} had finished. A rank waiting in recv() or in a "
             f"collective that some peer never joins waits forever; if the work is only slow, pass a larger "
             f"timeout=.{shown}", running=running, output=output)

@@ -223,11 +223,13 @@ class Timeline:
     """Events of all ranks on one clock, with time 0 at `t0` (default: the first event).
 
     `source` says where it came from ("measured" or "simulated"); the renderer and the
-    summaries do not care.
+    summaries do not care. `unit` is the time unit ("s" when measured; a simulator may
+    count in units of one forward pass), `memory_unit` what memory events count
+    ("B" for bytes; a pipeline simulator counts "micro-batches" of activations).
     """
 
     def __init__(self, events, world_size: int | None = None, source: str = "measured",
-                 t0: float | None = None, unit: str = "s"):
+                 t0: float | None = None, unit: str = "s", memory_unit: str = "B"):
         events = [e for e in events]
         for e in events:
             if e.end is None:
@@ -241,6 +243,7 @@ class Timeline:
             1 + max((e.rank for e in self.events), default=0)
         self.source = source
         self.unit = unit
+        self.memory_unit = memory_unit
 
     # -- selection --------------------------------------------------------------
     def select(self, rank=None, category=None, kind=None) -> list[Event]:
