@@ -25,6 +25,7 @@ laptop (`python train.py`) and on a cluster (`torchrun --nnodes 2 ... train.py`)
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import datetime
 import inspect
@@ -481,6 +482,14 @@ def _failure(ranks, failed) -> LaunchError:
 # torchrun, or a process group that already exists
 
 
+def _leave_together() -> None:
+    """At exit: wait for every rank, then close the group. A rank that leaves while a peer
+    still holds a connection to it makes that peer abort."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def _run_in_place(fn, args, kwargs, backend) -> LaunchResult:
     """Run fn on this rank only; every rank gets everyone's results (an all_gather)."""
     if not dist.is_initialized():
@@ -489,6 +498,7 @@ def _run_in_place(fn, args, kwargs, backend) -> LaunchResult:
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend)
+        atexit.register(_leave_together)    # we opened the group, so we close it, all together
     trace.reset(dist.get_rank())
     started = time.perf_counter()
     out = fn(*args, **kwargs)

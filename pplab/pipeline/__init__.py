@@ -1,0 +1,17 @@
+"""Pipeline parallelism: schedules as data, checked and simulated before anything runs.
+
+    from pplab.pipeline import make_schedule, simulate
+    s = make_schedule("1f1b", num_stages=4, num_microbatches=8)
+    print(s)                                  # rows = ranks, columns = the order of F/B
+    r = simulate(s, t_f=1, t_b=2)             # when everything starts and ends
+    r.makespan, r.utilization, r.peak_activations
+    pplab.swimlane.draw(r.timeline())         # drawn like a measured run
+
+schedules.py: Action, Schedule, the generators and make_schedule.
+simulate.py:  validate (complete? deadlock-free?), simulate, bubble_fraction.
+"""
+from .schedules import SCHEDULES, Action, Schedule, ScheduleError, make_schedule
+from .simulate import SimResult, bubble_fraction, simulate, validate
+
+__all__ = ["Action", "Schedule", "ScheduleError", "SCHEDULES", "make_schedule",
+           "validate", "simulate", "SimResult", "bubble_fraction"]

@@ -1,0 +1,314 @@
+"""Pipeline schedules as data: for every rank, the ordered list of what it computes.
+
+A schedule says nothing about time. Rank r runs `schedule.actions[r]` in order, and an
+action starts as soon as its rank is free and its inputs have arrived. The simulator
+(simulate.py) plays that out with durations; an executor plays it out on real processes.
+
+    Action("F", 3, stage=1)   forward of micro-batch 3 through stage 1
+    Action("B", 3, stage=1)   its backward: input gradient and weight gradient together
+    Action("I", 3, stage=1)   or the backward split in two (zero-bubble schedules):
+    Action("W", 3, stage=1)   I = gradient of the stage's input, which stage 0 is waiting
+                              for; W = gradient of the weights, wanted only by the optimizer
+                              step, so it can wait and fill a bubble.
+
+Stages and ranks. The model is cut into `num_stages = num_ranks * chunks` stages, run in
+order 0, 1, ..., num_stages - 1. With one chunk per rank, stage r lives on rank r.
+Interleaved 1F1B (Megatron) deals each rank v chunks round-robin: stage = chunk * p + rank.
+The V shape (ZB-V) goes down the ranks and back up: chunk 0 of rank r is stage r, chunk 1
+is stage 2p-1-r, so the last rank holds the two middle stages. `schedule.stage_to_rank`
+records the placement; `schedule.neighbour_ranks(stage)` says who to receive from and
+send to. The `chunk` of an action is the index of its stage among its rank's stages.
+
+Dependencies (checked by `validate`, obeyed by the simulator):
+    F of stage s, micro-batch i        needs F of stage s-1, i         (its input)
+    B or I of stage s, micro-batch i   needs F of stage s, i           (its activations)
+                                       and B or I of stage s+1, i      (its output's gradient)
+    W of stage s, micro-batch i        needs I of stage s, i
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..trace import _label
+
+KINDS = ("F", "B", "I", "W")
+
+
+class ScheduleError(ValueError):
+    """A schedule, or the arguments asked of a generator, cannot work; the message says why."""
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str          # "F", "B", "I" (input gradient) or "W" (weight gradient)
+    microbatch: int
+    stage: int         # which piece of the model, 0 .. num_stages-1
+    chunk: int = 0     # which of its rank's stages that is (0 unless chunks > 1)
+
+    def label(self, chunked: bool = False) -> str:
+        """"F3", or "F3.1" (chunk 1) when the schedule has several chunks per rank."""
+        return _label(self.kind, self.microbatch, self.chunk if chunked else None)
+
+
+@dataclass
+class Schedule:
+    name: str
+    num_ranks: int                   # p, the pipeline depth
+    num_microbatches: int            # m
+    chunks: int                      # v, stages per rank
+    actions: list[list[Action]]      # actions[rank]: what that rank computes, in order
+    stage_to_rank: list[int]         # stage_to_rank[stage]: the rank holding that stage
+
+    @property
+    def num_stages(self) -> int:
+        """Pieces the model is cut into: num_ranks * chunks."""
+        return len(self.stage_to_rank)
+
+    @property
+    def split_backward(self) -> bool:
+        """True when backwards are split into I and W (zero-bubble schedules)."""
+        return any(a.kind in ("I", "W") for acts in self.actions for a in acts)
+
+    def stages_of(self, rank: int) -> list[int]:
+        """The stages `rank` holds, in model order: its chunk 0, chunk 1, ..."""
+        return [s for s, r in enumerate(self.stage_to_rank) if r == rank]
+
+    def neighbour_ranks(self, stage: int) -> tuple[int | None, int | None]:
+        """(rank holding stage-1, rank holding stage+1); None at either end of the model.
+
+        An F of `stage` receives its input from the first and sends its output to the
+        second; a B or I receives the gradient from the second and sends one to the
+        first. Where the neighbour is the same rank (the turn of a V) nothing is sent.
+        """
+        if not 0 <= stage < self.num_stages:
+            raise ScheduleError(f"stage {stage} does not exist: this schedule has stages 0..{self.num_stages - 1}")
+        prev = self.stage_to_rank[stage - 1] if stage > 0 else None
+        nxt = self.stage_to_rank[stage + 1] if stage + 1 < self.num_stages else None
+        return prev, nxt
+
+    # -- printing ----------------------------------------------------------------------
+    def grid(self, max_columns: int | None = 48) -> str:
+        """Rows = ranks, columns = the order each rank runs its actions in (not time)."""
+        chunked = self.chunks > 1
+        cells = [[a.label(chunked) for a in acts] for acts in self.actions]
+        width = max((len(c) for row in cells for c in row), default=2)
+        head = f"{self.name}: {self.num_ranks} ranks, {self.num_microbatches} micro-batches"
+        if chunked:
+            head += f", {self.chunks} chunks per rank ({self.num_stages} stages)"
+        lines = [head]
+        for r, row in enumerate(cells):
+            shown = row if max_columns is None else row[:max_columns]
+            more = f" ... (+{len(row) - len(shown)})" if len(shown) < len(row) else ""
+            lines.append(f"rank {r:<{len(str(self.num_ranks - 1))}} | "
+                         + " ".join(c.ljust(width) for c in shown).rstrip() + more)
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.grid()
+
+    def __repr__(self) -> str:
+        return (f"Schedule({self.name!r}, ranks={self.num_ranks}, microbatches={self.num_microbatches}, "
+                f"chunks={self.chunks}, actions={sum(map(len, self.actions))})")
+
+
+# ----------------------------------------------------------------------------------
+# Generators. Each returns actions[rank]; make_schedule wraps and validates them.
+# p = ranks, m = micro-batches, v = chunks per rank.
+
+def naive(p, m):
+    """Model parallelism, no pipelining: a micro-batch goes all the way forward and back
+    before the next one enters. m > 1 is gradient accumulation, still one at a time, so
+    only one rank works at any moment: utilisation 1/p whatever m is."""
+    return [[Action(k, i, r) for i in range(m) for k in "FB"] for r in range(p)]
+
+
+def gpipe(p, m):
+    """GPipe (all forward, all backward): every rank holds all m micro-batches' activations."""
+    return [[Action("F", i, r) for i in range(m)] + [Action("B", i, r) for i in range(m)]
+            for r in range(p)]
+
+
+def _one_f_one_b_order(forwards, backwards, warmup):
+    """Warm-up forwards, then alternate one forward and one backward, then the last backwards."""
+    order = forwards[:warmup]
+    for i in range(len(forwards) - warmup):
+        order += [forwards[warmup + i], backwards[i]]
+    return order + backwards[len(forwards) - warmup:]
+
+
+def one_f_one_b(p, m):
+    """1F1B (PipeDream-Flush, Megatron): rank r runs p-1-r forwards ahead, then alternates,
+    so it never holds more than p-r micro-batches. Same bubble as GPipe, less memory."""
+    ranks = []
+    for r in range(p):
+        forwards = [Action("F", i, r) for i in range(m)]
+        backwards = [Action("B", i, r) for i in range(m)]
+        ranks.append(_one_f_one_b_order(forwards, backwards, warmup=min(p - 1 - r, m)))
+    return ranks
+
+
+def interleaved_1f1b(p, m, v):
+    """Interleaved 1F1B (Megatron-LM): v chunks per rank, stage = chunk * p + rank.
+
+    Forwards go in groups of p micro-batches: micro-batches 0..p-1 through chunk 0, the
+    same ones through chunk 1, ..., then the next p. Backwards visit chunks in reverse.
+    A micro-batch comes back to a rank after p - 1 hops, so the pipeline fills v times
+    faster and the bubble shrinks by 1/v, for v times more messages.
+    """
+    total = m * v                                   # chunk-forwards per rank
+
+    def microbatch(k):                               # k-th chunk-op of a rank
+        return (k // (p * v)) * p + k % p
+
+    def chunk(k):
+        return (k // p) % v
+
+    ranks = []
+    for r in range(p):
+        forwards = [Action("F", microbatch(k), chunk(k) * p + r, chunk(k)) for k in range(total)]
+        backwards = [Action("B", microbatch(k), (v - 1 - chunk(k)) * p + r, v - 1 - chunk(k))
+                     for k in range(total)]
+        warmup = min((v - 1) * p + 2 * (p - 1 - r), total)
+        ranks.append(_one_f_one_b_order(forwards, backwards, warmup))
+    return ranks
+
+
+def zb_h1(p, m):
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", 2024): 1F1B with each B split
+    into I and W. Rank r puts off its first r weight gradients (W) and does them in the
+    cool-down, where 1F1B would sit idle. It then holds at most p micro-batches between
+    an F and its W, the same peak as rank 0 of 1F1B; the bubble drops from
+    (p-1)(F+I+W) to (p-1)(F+I-W)."""
+    ranks = []
+    for r in range(p):
+        warmup = min(p - 1 - r, m)
+        order = [Action("F", i, r) for i in range(warmup)]
+        weights = 0
+        for i in range(m):
+            if warmup + i < m:
+                order.append(Action("F", warmup + i, r))
+            order.append(Action("I", i, r))
+            if i >= r:                              # r weight gradients stay deferred
+                order.append(Action("W", weights, r))
+                weights += 1
+        ranks.append(order + [Action("W", i, r) for i in range(weights, m)])
+    return ranks
+
+
+def zb_v(p, m):
+    """ZB-V (same paper, section 6): two chunks per rank in a V, chunk 0 = stage r going down,
+    chunk 1 = stage 2p-1-r coming back up, B split into I and W. The last rank turns a
+    micro-batch around without sending it anywhere, and the first rank computes the loss
+    stage as well as the first one. Order as in torch.distributed.pipelining.
+    """
+    n = max(2 * p - 1, m)   # build the order for >= 2p-1 micro-batches, then drop the extra ones
+    ranks = []
+    for r in range(p):
+        stage = (r, 2 * p - 1 - r)
+        order, f, b = [], [0, 0], [0, 0]             # f, b: next F and I micro-batch per chunk
+
+        def F(c):
+            order.append(Action("F", f[c], stage[c], c))
+            f[c] += 1
+
+        def I(c, W=False):
+            order.append(Action("I", b[c], stage[c], c))
+            if W:
+                order.append(Action("W", b[c], stage[c], c))
+            b[c] += 1
+
+        for _ in range(2 * (p - r) - 1):            # warm-up: go down the V ...
+            F(0)
+        for _ in range(r):
+            F(1)
+            F(0)
+        for _ in range(p - r):                      # ... and start coming back up
+            F(1)
+            I(1, W=True)
+        while f[1] < f[0] or f[0] < n:              # steady state
+            if f[0] < n:
+                F(0)
+            I(0, W=True)
+            F(1)
+            I(1, W=True)
+        w = list(b)                                 # cool-down: I first, W fills the gaps
+        for _ in range(r):
+            I(0)
+            I(1)
+        for _ in range(p - r):
+            I(0)
+            order.append(Action("W", w[0], stage[0], 0))
+            w[0] += 1
+        order += [Action("W", i, stage[1], 1) for i in range(w[1], b[1])]
+        order += [Action("W", i, stage[0], 0) for i in range(w[0], b[0])]
+        ranks.append([a for a in order if a.microbatch < m])
+    return ranks
+
+
+# ----------------------------------------------------------------------------------
+# make_schedule: name -> validated Schedule.
+
+def one_stage_per_rank(p, v=1):
+    return list(range(p))
+
+
+def interleaved_placement(p, v):
+    return [s % p for s in range(p * v)]               # stage = chunk * p + rank
+
+
+def v_placement(p, v=2):
+    return [s if s < p else 2 * p - 1 - s for s in range(2 * p)]
+
+
+#          name:           (generator, placement, allowed chunks, default chunks)
+SCHEDULES = {
+    "naive":            (naive, one_stage_per_rank, (1,), 1),
+    "gpipe":            (gpipe, one_stage_per_rank, (1,), 1),
+    "1f1b":             (one_f_one_b, one_stage_per_rank, (1,), 1),
+    "interleaved-1f1b": (interleaved_1f1b, interleaved_placement, "v >= 2", 2),
+    "zb-h1":            (zb_h1, one_stage_per_rank, (1,), 1),
+    "zb-v":             (zb_v, v_placement, (2,), 2),
+}
+
+
+def _positive_int(value, what):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ScheduleError(f"{what} must be a positive integer, got {value!r}")
+
+
+def make_schedule(name: str, num_stages: int, num_microbatches: int, chunks: int | None = None) -> Schedule:
+    """Build and validate a named schedule.
+
+    num_stages: p, the pipeline depth = number of ranks (the lecture's p).
+    num_microbatches: m, micro-batches per training step. For "naive" they run one after
+        another, never overlapping (gradient accumulation without pipelining).
+    chunks: v, stages per rank; default 1, or 2 for "interleaved-1f1b" and "zb-v". The
+        model is then cut into p * v stages (schedule.num_stages).
+    """
+    key = str(name).lower().replace("_", "-")
+    if key not in SCHEDULES:
+        raise ScheduleError(f"unknown schedule {name!r}; known schedules: {', '.join(SCHEDULES)}")
+    generate, placement, allowed, default = SCHEDULES[key]
+    _positive_int(num_stages, "num_stages (p, the number of pipeline ranks)")
+    _positive_int(num_microbatches, "num_microbatches (m)")
+    p, m = num_stages, num_microbatches
+    v = default if chunks is None else chunks
+    _positive_int(v, "chunks (v, stages per rank)")
+    if key == "interleaved-1f1b":
+        if v < 2:
+            raise ScheduleError("interleaved-1f1b needs chunks >= 2 (with one chunk per rank use '1f1b')")
+        if m % p:
+            raise ScheduleError(
+                f"interleaved-1f1b sends micro-batches through each chunk in groups of p, so it needs "
+                f"the number of micro-batches to be a multiple of the number of stages: got m={m}, p={p} "
+                f"(try m={p * max(1, round(m / p))})")
+        actions = generate(p, m, v)
+    elif v not in allowed:
+        raise ScheduleError(f"{key} runs {allowed[0]} chunk(s) per rank, got chunks={v}"
+                            + (" (for several chunks per rank use 'interleaved-1f1b' or 'zb-v')" if allowed == (1,) else ""))
+    else:
+        actions = generate(p, m)
+    schedule = Schedule(key, p, m, v, actions, placement(p, v))
+    from .simulate import validate                      # validation plays the schedule out
+    validate(schedule)
+    return schedule

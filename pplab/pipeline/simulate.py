@@ -1,0 +1,275 @@
+"""Play a schedule out: check it can run (`validate`), and time it (`simulate`).
+
+Both walk the same way. Each rank runs its actions in order; an action starts when its
+rank is free and everything it needs (see schedules.py) has finished, plus `p2p_latency`
+when that came from another rank. Ranks are visited in turn and each runs as far as it
+can; a rank that must wait is parked until the result it waits for exists. If every
+unfinished rank is parked, no order of events can ever unstick them: a deadlock.
+
+Whether a schedule deadlocks does not depend on durations, only on the orders, so
+`validate` plays it with unit times. It assumes sends never block (isend, or a buffer),
+which is how an executor should post them.
+
+    >>> r = simulate(make_schedule("gpipe", 4, 4), t_f=1, t_b=2)
+    >>> r.makespan, r.utilization          # (m + p - 1)(t_f + t_b) = 21, 48 / 84
+    (21.0, 0.5714285714285714)
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from ..trace import Event, Timeline
+from .schedules import KINDS, Action, Schedule, ScheduleError
+
+
+def bubble_fraction(p: int, m: int, v: int = 1) -> float:
+    """Idle time / useful time of a flushed pipeline: (p-1)/(v*m).
+
+    p stages, m micro-batches, v chunks per rank. The fill and drain cost (p-1)(t_f+t_b)/v
+    per rank, against m(t_f+t_b) of work: GPipe and 1F1B have v = 1.
+    """
+    if min(p, m, v) < 1:
+        raise ValueError(f"bubble_fraction needs p, m, v >= 1, got p={p}, m={m}, v={v}")
+    return (p - 1) / (v * m)
+
+
+# ----------------------------------------------------------------------------------
+# What an action needs and what it makes. A B and an I both make the input gradient
+# ("B" here), which is what stage s-1 waits for.
+
+def _needs(a: Action, num_stages: int) -> list[tuple]:
+    s, i = a.stage, a.microbatch
+    if a.kind == "F":
+        return [("F", s - 1, i)] if s > 0 else []
+    if a.kind == "W":
+        return [("B", s, i)]
+    return [("F", s, i)] + ([("B", s + 1, i)] if s + 1 < num_stages else [])
+
+
+def _makes(a: Action) -> tuple:
+    return ("F" if a.kind == "F" else "W" if a.kind == "W" else "B", a.stage, a.microbatch)
+
+
+def _describe(key) -> str:
+    kind, s, i = key
+    return {"F": f"F{i} of stage {s}", "B": f"the input gradient (B/I) {i} of stage {s}",
+            "W": f"W{i} of stage {s}"}[kind]
+
+
+def _play(schedule: Schedule, duration: dict, latency: float = 0.0):
+    """Times of every action: start[r][k], end[r][k] of schedule.actions[r][k].
+
+    duration[kind][stage] is how long one such action takes.
+    """
+    p, S = schedule.num_ranks, schedule.num_stages
+    start = [[0.0] * len(acts) for acts in schedule.actions]
+    end = [[0.0] * len(acts) for acts in schedule.actions]
+    done = {}                     # (kind, stage, microbatch) -> (end time, rank)
+    parked = {}                   # (kind, stage, microbatch) -> ranks waiting for it
+    nxt, free = [0] * p, [0.0] * p
+    ready = list(range(p))
+    while ready:
+        r = ready.pop()
+        acts = schedule.actions[r]
+        while nxt[r] < len(acts):
+            a = acts[nxt[r]]
+            t = free[r]
+            missing = None
+            for key in _needs(a, S):
+                if key not in done:
+                    missing = key
+                    break
+                t_done, src = done[key]
+                t = max(t, t_done + latency if src != r else t_done)
+            if missing is not None:
+                parked.setdefault(missing, []).append(r)
+                break
+            k = nxt[r]
+            start[r][k], end[r][k] = t, t + duration[a.kind][a.stage]
+            free[r] = end[r][k]
+            nxt[r] += 1
+            key = _makes(a)
+            done[key] = (end[r][k], r)
+            ready.extend(parked.pop(key, ()))
+    stuck = [r for r in range(p) if nxt[r] < len(schedule.actions[r])]
+    if stuck:
+        raise ScheduleError(_deadlock_message(schedule, stuck, nxt, done))
+    return start, end
+
+
+def _deadlock_message(schedule, stuck, nxt, done) -> str:
+    chunked = schedule.chunks > 1
+    where = {}                    # what each rank still has to do: key -> (rank, step)
+    for r in stuck:
+        for k in range(nxt[r], len(schedule.actions[r])):
+            where.setdefault(_makes(schedule.actions[r][k]), (r, k))
+    lines = [f"deadlock in {schedule.name!r}: ranks {stuck} wait for each other forever"]
+    for r in stuck[:8]:
+        a = schedule.actions[r][nxt[r]]
+        key = next(k for k in _needs(a, schedule.num_stages) if k not in done)
+        owner, step = where[key]
+        later = ("which it runs itself later, at step {1}: move that earlier" if owner == r else
+                 "which rank {0} runs at step {1}, behind its own stuck step {2}")
+        lines.append(f"  rank {r} is stuck at step {nxt[r]} ({a.label(chunked)} of stage {a.stage}), "
+                     f"waiting for {_describe(key)}, " + later.format(owner, step, nxt[owner]))
+    if len(stuck) > 8:
+        lines.append(f"  ... and {len(stuck) - 8} more ranks")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------
+# validate: is it the whole job, on the right ranks, and can it run?
+
+def _check_parts(schedule: Schedule) -> None:
+    p, v, m, S = schedule.num_ranks, schedule.chunks, schedule.num_microbatches, schedule.num_stages
+    if sorted(schedule.stage_to_rank) != sorted(list(range(p)) * v):
+        raise ScheduleError(f"stage_to_rank must give each of the {p} ranks exactly {v} stage(s), "
+                            f"got {schedule.stage_to_rank}")
+    if len(schedule.actions) != p:
+        raise ScheduleError(f"actions must hold one list per rank: {p} ranks, got {len(schedule.actions)} lists")
+    chunk_of = {s: c for r in range(p) for c, s in enumerate(schedule.stages_of(r))}
+    for r, acts in enumerate(schedule.actions):
+        for k, a in enumerate(acts):
+            at = f"rank {r}, step {k}"
+            if not isinstance(a, Action):
+                raise ScheduleError(f"{at}: expected an Action, got {a!r}")
+            if a.kind not in KINDS:
+                raise ScheduleError(f"{at}: unknown action kind {a.kind!r}; kinds are {', '.join(KINDS)}")
+            if not 0 <= a.microbatch < m:
+                raise ScheduleError(f"{at}: micro-batch {a.microbatch} out of range 0..{m - 1}")
+            if not 0 <= a.stage < S:
+                raise ScheduleError(f"{at}: stage {a.stage} out of range 0..{S - 1}")
+            if schedule.stage_to_rank[a.stage] != r:
+                raise ScheduleError(f"{at}: {a.kind}{a.microbatch} of stage {a.stage} is on rank {r}, "
+                                    f"but stage {a.stage} lives on rank {schedule.stage_to_rank[a.stage]}")
+            if a.chunk != chunk_of[a.stage]:
+                raise ScheduleError(f"{at}: stage {a.stage} is chunk {chunk_of[a.stage]} of rank {r}, "
+                                    f"but the action says chunk {a.chunk}")
+
+
+def _check_counts(schedule: Schedule) -> None:
+    """Every (stage, micro-batch): one F, and one B or else one I and one W."""
+    count = Counter((a.kind, a.stage, a.microbatch) for acts in schedule.actions for a in acts)
+    problems = []
+    for s in range(schedule.num_stages):
+        for i in range(schedule.num_microbatches):
+            f, b, i_, w = (count[(k, s, i)] for k in KINDS)
+            if f != 1:
+                problems.append(f"F{i} of stage {s} appears {f} times, not once")
+            if (b, i_, w) not in ((1, 0, 0), (0, 1, 1)):
+                problems.append(f"backward {i} of stage {s} appears as {b} B, {i_} I, {w} W: "
+                                f"needs one B, or one I and one W")
+    if problems:
+        more = f"\n  ... and {len(problems) - 8} more" if len(problems) > 8 else ""
+        raise ScheduleError(f"schedule {schedule.name!r} is not one full training step:\n  "
+                            + "\n  ".join(problems[:8]) + more)
+
+
+def validate(schedule: Schedule) -> Schedule:
+    """Raise ScheduleError saying what is wrong, unless `schedule` runs a whole step.
+
+    Checks: each action is on the rank holding its stage; every (stage, micro-batch)
+    has one F and one B (or one I and one W); the ranks' orders admit an execution
+    that respects every dependency (no deadlock, so nothing runs before its inputs).
+    """
+    _check_parts(schedule)
+    _check_counts(schedule)
+    unit = {k: [1.0] * schedule.num_stages for k in KINDS}
+    _play(schedule, unit)
+    return schedule
+
+
+# ----------------------------------------------------------------------------------
+# simulate: time it.
+
+@dataclass
+class SimResult:
+    schedule: Schedule
+    start: list[list[float]]         # start[r][k]: when schedule.actions[r][k] starts
+    end: list[list[float]]
+    makespan: float                  # the step's length
+    utilization: float               # busy / (ranks x makespan)
+    bubble: list[float]              # per rank: idle time within the makespan
+    peak_activations: list[float]    # per rank: most micro-batches' activations held at once
+    unit: str = "t_f"
+
+    def activations(self, rank: int) -> list[tuple[float, float, Action]]:
+        """(time, activations held after it, action) each time `rank`'s count changes.
+
+        A rank holds a micro-batch for a stage from the start of its F to the end of its
+        B, or of its W when the backward is split: W reads the same stored inputs. (The
+        zero-bubble paper frees most of it at I already; we count whole micro-batches.)
+        One chunk counts 1/v: units are one micro-batch through the rank's whole share.
+        """
+        v, held, steps = self.schedule.chunks, 0, []
+        for a, s, e in zip(self.schedule.actions[rank], self.start[rank], self.end[rank]):
+            if a.kind == "F":
+                held += 1
+                steps.append((s, held / v if v > 1 else held, a))
+            elif a.kind in ("B", "W"):              # an I frees nothing: its W still needs the inputs
+                held -= 1
+                steps.append((e, held / v if v > 1 else held, a))
+        return steps
+
+    def timeline(self) -> Timeline:
+        """The run as a Timeline (source "simulated"), for the swimlane renderer and summaries."""
+        sched, chunked, events = self.schedule, self.schedule.chunks > 1, []
+        for r, acts in enumerate(sched.actions):
+            for a, s, e in zip(acts, self.start[r], self.end[r]):
+                events.append(Event(r, a.kind, "compute", s, e, a.label(chunked),
+                                    meta={"microbatch": a.microbatch, "stage": a.stage, "chunk": a.chunk}))
+            for t, held, a in self.activations(r):
+                events.append(Event(r, "memory", "memory", t, t, a.label(chunked), value=held))
+        return Timeline(events, world_size=sched.num_ranks, source="simulated", t0=0.0,
+                        unit=self.unit, memory_unit="micro-batches")
+
+    def __repr__(self) -> str:
+        return (f"SimResult({self.schedule.name!r}, makespan {self.makespan:.4g} {self.unit}, "
+                f"utilisation {self.utilization:.1%}, peak activations {self.peak_activations})")
+
+
+def _per_stage(value, what: str, schedule: Schedule) -> list[float]:
+    """A number is one rank's whole share (split evenly over its chunks); a list, one per stage."""
+    S, v = schedule.num_stages, schedule.chunks
+    if isinstance(value, (int, float)):
+        values = [value / v] * S
+    else:
+        values = list(value)
+        if len(values) != S:
+            raise ScheduleError(f"{what} has {len(values)} values, but {schedule.name!r} has {S} stages: "
+                                f"give one per stage, or a single number")
+    if any(not isinstance(x, (int, float)) or x < 0 for x in values):
+        raise ScheduleError(f"{what} must be non-negative numbers, got {value!r}")
+    return [float(x) for x in values]
+
+
+def simulate(schedule: Schedule, t_f=1.0, t_b=2.0, t_w=None, p2p_latency: float = 0.0) -> SimResult:
+    """Time `schedule`: every action starts as soon as its rank and its inputs allow.
+
+    t_f, t_b: forward and backward time of one micro-batch through one rank's share of
+        the model (the lecture's t_f, t_b); with v chunks each chunk takes t/v. A list
+        gives one time per stage instead (imbalanced stages), used as is.
+    t_w: for schedules that split B into I and W, the W part; I takes t_b - t_w. Default
+        t_b / 2. Ignored by schedules that do not split.
+    p2p_latency: added whenever an input comes from another rank.
+    """
+    _check_parts(schedule)
+    _check_counts(schedule)
+    if p2p_latency < 0:
+        raise ScheduleError(f"p2p_latency must be >= 0, got {p2p_latency}")
+    f, b = _per_stage(t_f, "t_f", schedule), _per_stage(t_b, "t_b", schedule)
+    w = [x / 2 for x in b] if t_w is None else _per_stage(t_w, "t_w", schedule)
+    if schedule.split_backward and any(ws > bs for ws, bs in zip(w, b)):
+        raise ScheduleError(f"t_w is the weight-gradient part of t_b, so it must be <= t_b: got t_w={t_w}, t_b={t_b}")
+    duration = {"F": f, "B": b, "I": [bs - ws for ws, bs in zip(w, b)], "W": w}
+    start, end = _play(schedule, duration, p2p_latency)
+
+    p = schedule.num_ranks
+    makespan = max((e[-1] for e in end if e), default=0.0)
+    busy = [sum(duration[a.kind][a.stage] for a in acts) for acts in schedule.actions]
+    result = SimResult(schedule, start, end, makespan,
+                       sum(busy) / (p * makespan) if makespan > 0 else 0.0,
+                       [makespan - x for x in busy], [], "t_f" if t_f == 1 else "time units")
+    result.peak_activations = [max((h for _, h, _ in result.activations(r)), default=0) for r in range(p)]
+    return result

@@ -1,0 +1,43 @@
+import os
+
+import matplotlib
+import pytest
+
+matplotlib.use("Agg")
+
+
+def descendants(pid=None):
+    """Pids of every live process below `pid` (default: this test process), from /proc."""
+    pid = pid or os.getpid()
+    parent = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] != "Z":                      # zombies are dead, just not reaped
+                parent[int(entry)] = int(fields[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {c for c, p in parent.items() if p in frontier} - found
+        found |= frontier
+    return found
+
+
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def no_leftover_processes():
+    """Fail the test if it leaves any child process running."""
+    before = descendants()
+    yield
+    leftover = descendants() - before
+    assert not leftover, f"processes left behind: {sorted(leftover)}"

@@ -1,0 +1,251 @@
+"""pplab.launch: real ranks, results by rank, and every way a launch can go wrong."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import pplab
+from conftest import alive, descendants
+
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")
+
+
+def test_results_come_back_by_rank():
+    def f(x, *, scale):
+        return (dist.get_rank(), dist.get_world_size(), x * scale)
+
+    for p in (1, 2, 3):
+        assert pplab.launch(f, 2, world_size=p, scale=5) == [(r, p, 10) for r in range(p)]
+
+
+def test_first_all_reduce_matches_sum():
+    def f():
+        t = torch.arange(5, dtype=torch.float64) * (dist.get_rank() + 1)
+        pplab.comm.all_reduce(t)
+        return t
+
+    out = pplab.launch(f, world_size=4)
+    expected = torch.arange(5, dtype=torch.float64) * (1 + 2 + 3 + 4)
+    for t in out:
+        assert torch.equal(t, expected)
+
+
+def test_closure_and_spawn_path():
+    secret = torch.tensor([1.5, 2.5])
+
+    def f():
+        return secret * (dist.get_rank() + 1)
+
+    for method in ("fork", "spawn"):
+        out = pplab.launch(f, world_size=2, start_method=method)
+        assert out.start_method == method
+        assert torch.equal(out[1], secret * 2)
+
+
+def test_large_result_and_timeline():
+    def f():
+        with pplab.trace.span("work"):
+            big = torch.full((1_000_000,), float(dist.get_rank()))   # 4 MB through the pipe
+        return big
+
+    out = pplab.launch(f, world_size=2)
+    assert out[1].shape == (1_000_000,) and out[1][0] == 1.0
+    assert len(out.timeline.select(category="compute")) == 2
+
+
+def test_output_is_prefixed_with_rank(capsys):
+    def f():
+        print("hello", dist.get_rank())
+        print("to stderr", file=sys.stderr)
+        os.write(1, b"raw fd write\n")          # C-level output goes through the same pipe
+
+    pplab.launch(f, world_size=2)
+    out, err = capsys.readouterr()
+    assert "[rank 0] hello 0" in out and "[rank 1] hello 1" in out
+    assert "[rank 1] raw fd write" in out
+    assert "[rank 0] to stderr" in err
+
+
+def test_callers_environment_is_untouched():
+    before = dict(os.environ)
+    pplab.launch(lambda: os.environ["RANK"], world_size=2)
+    assert dict(os.environ) == before
+
+
+def test_one_torch_thread_per_rank_unless_told():
+    assert pplab.launch(torch.get_num_threads, world_size=2) == [1, 1]
+    assert pplab.launch(torch.get_num_threads, world_size=2, threads_per_rank=2) == [2, 2]
+
+
+def test_raising_rank_names_rank_and_traceback():
+    def f():
+        if dist.get_rank() == 1:
+            raise ValueError("bad shape on purpose")
+        dist.barrier()            # rank 0 would wait forever for rank 1
+
+    with pytest.raises(pplab.LaunchError) as info:
+        pplab.launch(f, world_size=3, timeout=60)
+    err = info.value
+    assert err.rank == 1 and not err.running            # reported at once, not at the timeout
+    assert "rank 1 raised ValueError: bad shape on purpose" in str(err)
+    assert "bad shape on purpose" in err.tracebacks[1] and "in f" in err.tracebacks[1]
+    assert pplab.launch(lambda: 7, world_size=2) == [7, 7]           # the next launch works
+
+
+def test_hanging_rank_is_stopped_and_named(tmp_path):
+    def f():
+        if dist.get_rank() == 0:
+            dist.recv(torch.zeros(1), src=1)        # rank 1 never sends
+        else:
+            child = subprocess.Popen(["sleep", "300"])  # a grandchild that must die too
+            (tmp_path / "grandchild").write_text(str(child.pid))
+            time.sleep(300)
+
+    with pytest.raises(pplab.LaunchError) as info:
+        pplab.launch(f, world_size=2, timeout=3)
+    assert info.value.running == (0, 1)
+    assert "ranks 0, 1 still running after 3 s" in str(info.value)
+    grandchild = int((tmp_path / "grandchild").read_text())
+    for _ in range(50):
+        if not alive(grandchild):
+            break
+        time.sleep(0.1)
+    assert not alive(grandchild)
+
+
+def test_rank_that_dies_without_answering():
+    def f():
+        if dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        dist.barrier()
+
+    with pytest.raises(pplab.LaunchError, match="rank 1 exited without returning a result .killed by signal SIGKILL"):
+        pplab.launch(f, world_size=2, timeout=60)
+
+
+def test_interrupt_in_process_ends_every_rank():
+    def raise_interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, raise_interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 1.0)
+        with pytest.raises(KeyboardInterrupt):
+            pplab.launch(time.sleep, 60, world_size=3, timeout=120)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert not descendants()
+    assert pplab.launch(lambda: 1, world_size=2) == [1, 1]
+
+
+def test_ctrl_c_of_a_script_ends_every_rank(tmp_path):
+    script = tmp_path / "hang.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, time, pplab
+        def f():
+            open(os.path.join({str(tmp_path)!r}, f"rank{{os.environ['RANK']}}"), "w").write(str(os.getpid()))
+            time.sleep(300)
+        if __name__ == "__main__":
+            pplab.launch(f, world_size=2, timeout=300)
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stderr=subprocess.PIPE)
+    pid_files = [tmp_path / "rank0", tmp_path / "rank1"]
+    deadline = time.monotonic() + 60
+    while not all(p.exists() and p.read_text() for p in pid_files):
+        assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read().decode()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode != 0 and b"KeyboardInterrupt" in err
+    for p in pid_files:
+        assert not alive(int(p.read_text()))
+
+
+def test_fifty_launches_leak_nothing():
+    def f():
+        t = torch.ones(3)
+        pplab.comm.all_reduce(t)
+        return t[0].item()
+
+    pplab.launch(f, world_size=2)                  # warm-up: lazy imports open their files once
+    fds_before = len(os.listdir("/proc/self/fd"))
+    for _ in range(50):
+        assert pplab.launch(f, world_size=2) == [2.0, 2.0]
+    assert len(os.listdir("/proc/self/fd")) == fds_before
+    assert not descendants()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(world_size=0), "world_size must be a whole number >= 1"),
+    (dict(world_size=2.5), "world_size must be a whole number >= 1"),
+    (dict(backend="mpi"), "backend='mpi' is not one pplab knows"),
+    (dict(timeout=-1), "timeout must be a number of seconds > 0"),
+    (dict(threads_per_rank=0), "threads_per_rank must be an int >= 1"),
+    (dict(start_method="forkserver"), "start_method='forkserver'"),
+])
+def test_bad_arguments_are_explained(kwargs, message):
+    with pytest.raises((ValueError, TypeError), match=message.replace("(", r"\(").replace(")", r"\)")):
+        pplab.launch(lambda: None, **kwargs)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 8, reason="has 8 GPUs")
+def test_nccl_without_enough_gpus_is_explained():
+    with pytest.raises(ValueError, match="backend='nccl' needs one GPU per rank"):
+        pplab.launch(lambda: None, world_size=8, backend="nccl")
+
+
+def test_arguments_that_do_not_fit_fn_fail_before_starting():
+    def f(a, b):
+        return a + b
+
+    with pytest.raises(TypeError, match=r"cannot be called with the arguments given to launch\(\)"):
+        pplab.launch(f, 1, world_size=2)
+    with pytest.raises(TypeError, match="needs a function"):
+        pplab.launch(42, world_size=2)
+
+
+def test_unsendable_result_is_explained():
+    def f():
+        import threading
+        return threading.Lock()
+
+    with pytest.raises(pplab.LaunchError, match="its result could not be sent back"):
+        pplab.launch(f, world_size=2)
+
+
+SCRIPT = '''
+import torch, torch.distributed as dist, pplab
+
+def f(scale):
+    t = torch.ones(2) * (dist.get_rank() + 1)
+    pplab.comm.all_reduce(t)
+    return t[0].item() * scale
+
+if __name__ == "__main__":
+    out = pplab.launch(f, 10, world_size=2)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        raise SystemExit(0)
+    print("RESULT", out, out.start_method, len(out.timeline.select(kind="all_reduce")))
+'''
+
+
+def test_same_script_runs_under_python_and_torchrun(tmp_path):
+    """The function written for pplab.launch runs unchanged under torchrun (in place, gathered)."""
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    plain = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert "RESULT [30.0, 30.0] fork 2" in plain.stdout, plain.stderr
+    from pplab.launcher import _free_port
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                "--master-port", str(_free_port()), str(script)]
+    ran = subprocess.run(torchrun, capture_output=True, text=True, timeout=180, env=env)
+    assert "RESULT [30.0, 30.0] in-place 2" in ran.stdout, ran.stderr[-3000:]
+    assert ran.returncode == 0, ran.stderr[-3000:]
