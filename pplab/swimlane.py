@@ -36,6 +36,7 @@ import zlib
 from collections import defaultdict
 
 import matplotlib.colors as mcolors
+import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
@@ -105,6 +106,7 @@ def _row(rank: int, e, comm_lanes: bool) -> tuple[float, float]:
 
 
 def _check(timeline, time_range, labels, colors):
+    """Clear errors for bad input; returns the time range to show."""
     if not isinstance(timeline, Timeline):
         hint = " (a pplab.launch result: pass results.timeline)" if hasattr(timeline, "timeline") else ""
         raise TypeError(f"swimlane.draw needs a pplab.trace.Timeline, e.g. results.timeline from "
@@ -114,15 +116,16 @@ def _check(timeline, time_range, labels, colors):
     for kind, c in (colors or {}).items():
         if not mcolors.is_color_like(c):
             raise ValueError(f"colors[{kind!r}] = {c!r} is not a matplotlib colour (try '#1f77b4' or 'tab:blue')")
+    makespan = timeline.makespan
     if time_range is None:
-        return 0.0, (timeline.makespan if timeline.makespan > 0 else 1.0)
+        return 0.0, (makespan if makespan > 0 else 1.0)
     try:
         t0, t1 = (float(t) for t in time_range)
     except (TypeError, ValueError):
         raise ValueError(f"time_range must be (start, end) in {timeline.unit}, got {time_range!r}") from None
     if not (math.isfinite(t0) and math.isfinite(t1) and t0 < t1):
         raise ValueError(f"time_range=({t0:g}, {t1:g}) is empty or reversed: give (start, end) with "
-                         f"start < end, e.g. (0, {timeline.makespan:.4g}) for the whole run")
+                         f"start < end, e.g. (0, {makespan:.4g}) for the whole run")
     return t0, t1
 
 
@@ -142,26 +145,29 @@ def _memory_scale(unit: str, peak: float):
     return 1.0, "B"
 
 
-def draw(timeline, *, ax=None, comm_lanes=True, arrows=False, memory=False, time_range=None,
+def draw(timeline, *, ax=None, comm_lanes="auto", arrows=False, memory=False, time_range=None,
          title=None, labels="auto", colors=None, figsize=None) -> Figure:
     """Draw `timeline` (a pplab.trace.Timeline) as swimlanes; return the figure.
 
     ax: draw into this Axes (or, with memory=True, a pair (lanes_ax, memory_ax));
       default: a new figure sized to the number of ranks and boxes.
-    comm_lanes: a comm lane under each rank (False: messages are not drawn).
+    comm_lanes: a comm lane under each rank (False: messages are not drawn; "auto":
+      only if the timeline has communication, so simulated schedules get no empty lanes).
     arrows: an arrow from the end of each send to the end of its receive.
     memory: a curve of what each rank holds, under the lanes, on the same time axis.
     time_range: (start, end) to zoom in, in timeline.unit.
     labels: "auto" (text only in boxes wide enough for it), True or False.
     colors: {kind: colour} overriding KIND_COLORS.
 
-    The figure is not registered with pyplot: in a notebook it shows when it is the
-    value of a cell (or with display(fig)); elsewhere use fig.savefig("lanes.png").
+    A figure draw makes is closed in pyplot before it is returned: in a notebook it
+    shows as the value of a cell (or with display(fig)); in a script, fig.savefig(...).
     """
     t0, t1 = _check(timeline, time_range, labels, colors)
-    tl, comm_lanes = timeline, bool(comm_lanes)
+    if comm_lanes == "auto":
+        comm_lanes = any(e.category == "comm" for e in timeline.events)
+    tl, comm_lanes, makespan = timeline, bool(comm_lanes), timeline.makespan
     shown = [e for e in tl.events if e.category == "compute" or (comm_lanes and e.category == "comm")]
-    shown = [e for e in shown if e.end > t0 and e.start < t1 or e.start == e.end and t0 <= e.start <= t1]
+    shown = [e for e in shown if (e.end > t0 and e.start < t1) or (e.start == e.end and t0 <= e.start <= t1)]
     n_lanes = max([tl.world_size] + [e.rank + 1 for e in tl.events])
 
     # -- the figure and its axes ---------------------------------------------------
@@ -170,8 +176,10 @@ def draw(timeline, *, ax=None, comm_lanes=True, arrows=False, memory=False, time
         per_lane = defaultdict(int)
         for e in shown:
             per_lane[e.rank] += e.category == "compute"
-        fig = Figure(figsize=figsize or _auto_figsize(n_lanes, comm_lanes, memory, max(per_lane.values(), default=0)),
-                     layout="constrained")
+        # Made with pyplot (which sets up a notebook's inline display), then closed at the
+        # end: pyplot keeps no reference, and the figure shows once, as the cell's value.
+        fig = plt.figure(figsize=figsize or _auto_figsize(n_lanes, comm_lanes, memory, max(per_lane.values(), default=0)),
+                         layout="constrained")
         if memory:
             ax, mem_ax = fig.subplots(2, 1, sharex=True, height_ratios=[n_lanes * (0.5 if comm_lanes else 0.34), 1.4])
         else:
@@ -185,13 +193,15 @@ def draw(timeline, *, ax=None, comm_lanes=True, arrows=False, memory=False, time
             ax, mem_ax = ax
         else:
             mem_ax = None
+        if not all(hasattr(a, "broken_barh") for a in (ax, mem_ax) if a is not None):
+            raise TypeError(f"ax must be a matplotlib Axes (e.g. from fig.subplots()), got {type(ax).__name__}")
         fig = ax.figure
     ax.set_label("swimlanes")
     ax.set_xlim(t0, t1)
     ax.set_ylim(n_lanes, -0.15)            # inverted: rank 0 at the top
 
     # -- lane backgrounds: idle time shows through as grey -------------------------
-    lane_span = [(0.0, max(tl.makespan, t1))]
+    lane_span = [(0.0, max(makespan, t1))]
     compute_row = _COMPUTE if comm_lanes else _COMPUTE_ONLY
     for r in range(n_lanes):
         ax.broken_barh(lane_span, (r + compute_row[0], compute_row[1]), facecolors=IDLE, zorder=0, gid="idle")
@@ -247,22 +257,23 @@ def draw(timeline, *, ax=None, comm_lanes=True, arrows=False, memory=False, time
         ax.spines[side].set_visible(False)
     right = blended_transform_factory(ax.transAxes, ax.transData)
     ax.text(1.005, -0.15, "busy", transform=right, ha="left", va="bottom", fontsize=7, color="#555555")
+    busy = [tl.busy(r) for r in range(n_lanes)]       # utilisation = busy / makespan, as tl.utilization(r)
     for r in range(n_lanes):
-        ax.text(1.005, r + compute_row[0] + compute_row[1] / 2, f"{tl.utilization(r):.1%}", transform=right,
-                ha="left", va="center", fontsize=8 if n_lanes <= 16 else 6, gid="util")
+        ax.text(1.005, r + compute_row[0] + compute_row[1] / 2, f"{busy[r] / makespan if makespan else 0:.1%}",
+                transform=right, ha="left", va="center", fontsize=8 if n_lanes <= 16 else 6, gid="util")
 
+    # Times stay in timeline.unit (time_range too); a measured run under 1 s is *shown* in ms.
+    scale, unit = (1e3, "ms") if tl.unit == "s" and 0 < max(makespan, t1) < 1 else (1.0, tl.unit)
     time_ax = mem_ax if mem_ax is not None else ax
-    if tl.unit == "s" and max(abs(t0), abs(t1)) < 1:        # a fast measured run reads better in ms
-        time_ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v * 1e3:g}"))
-        time_ax.set_xlabel("time (ms)")
-    else:
-        time_ax.set_xlabel(f"time ({tl.unit})")
+    time_ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v * scale:g}"))
+    time_ax.set_xlabel(f"time ({unit})")
 
-    busy = sum(tl.busy(r) for r in range(tl.world_size))
-    head = title or f"{tl.source.capitalize()} timeline: {n_lanes} rank{'s' * (n_lanes != 1)}" + \
-        (f", makespan {tl.makespan:.4g} {tl.unit}" if tl.events else " (no events)")
-    util = (f"utilisation {tl.utilization():.1%} (busy {busy:.4g} of {tl.world_size * tl.makespan:.4g} "
-            f"rank-{tl.unit})") + (f", showing {t0:.4g} to {t1:.4g} {tl.unit}" if time_range is not None else "")
+    total, busy = tl.world_size * makespan, sum(busy[:tl.world_size])
+    default = f"{tl.source.capitalize()} timeline: {n_lanes} rank{'s' * (n_lanes != 1)}" + \
+        (f", makespan {makespan * scale:.4g} {unit}" if tl.events else " (no events)")
+    util = (f"utilisation {busy / total if total else 0:.1%} (busy {busy * scale:.4g} of {total * scale:.4g} "
+            f"rank-{unit})") + (f", showing {t0 * scale:.4g} to {t1 * scale:.4g} {unit}" if time_range is not None else "")
+    head = title or default
     ax.set_title(f"{head}\n{util}", fontsize=10)
 
     present = {e.kind for e in shown}
@@ -276,6 +287,8 @@ def draw(timeline, *, ax=None, comm_lanes=True, arrows=False, memory=False, time
 
     if mem_ax is not None:
         _draw_memory(mem_ax, tl, n_lanes)
+    if own_figure:
+        plt.close(fig)
     return fig
 
 
@@ -368,6 +381,7 @@ def explore(source, **controls):
                 box.timeline, state["stale"] = tl, False
                 span = tl.makespan if tl.makespan > 0 else 1.0
                 state["quiet"] = True           # resetting the slider must not re-render twice
+                time.description = f"time ({tl.unit})"
                 with time.hold_trait_notifications():
                     time.max, time.min = span, 0.0
                     time.step, time.value = span / 500, (0.0, span)

@@ -38,7 +38,7 @@ class ScheduleError(ValueError):
     """A schedule, or the arguments asked of a generator, cannot work; the message says why."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Action:
     kind: str          # "F", "B", "I" (input gradient) or "W" (weight gradient)
     microbatch: int
@@ -46,7 +46,7 @@ class Action:
     chunk: int = 0     # which of its rank's stages that is (0 unless chunks > 1)
 
     def label(self, chunked: bool = False) -> str:
-        """"F3", or "F3.1" (chunk 1) when the schedule has several chunks per rank."""
+        """Its name in grids and swimlanes: F3, or F3.1 (chunk 1) when ranks hold several chunks."""
         return _label(self.kind, self.microbatch, self.chunk if chunked else None)
 
 
@@ -123,7 +123,8 @@ def naive(p, m):
 
 
 def gpipe(p, m):
-    """GPipe (all forward, all backward): every rank holds all m micro-batches' activations."""
+    """GPipe (all forward, all backward): every rank holds all m micro-batches' activations.
+    Backwards in micro-batch order, as in torch.distributed.pipelining's ScheduleGPipe."""
     return [[Action("F", i, r) for i in range(m)] + [Action("B", i, r) for i in range(m)]
             for r in range(p)]
 
@@ -152,8 +153,9 @@ def interleaved_1f1b(p, m, v):
 
     Forwards go in groups of p micro-batches: micro-batches 0..p-1 through chunk 0, the
     same ones through chunk 1, ..., then the next p. Backwards visit chunks in reverse.
-    A micro-batch comes back to a rank after p - 1 hops, so the pipeline fills v times
-    faster and the bubble shrinks by 1/v, for v times more messages.
+    A chunk is 1/v of a rank's layers, so filling and draining the pipeline takes p-1
+    chunk-times instead of p-1 stage-times: the bubble shrinks by 1/v, for v times more
+    messages and more activations held during the longer warm-up.
     """
     total = m * v                                   # chunk-forwards per rank
 
@@ -177,8 +179,8 @@ def zb_h1(p, m):
     """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", 2024): 1F1B with each B split
     into I and W. Rank r puts off its first r weight gradients (W) and does them in the
     cool-down, where 1F1B would sit idle. It then holds at most p micro-batches between
-    an F and its W, the same peak as rank 0 of 1F1B; the bubble drops from
-    (p-1)(F+I+W) to (p-1)(F+I-W)."""
+    an F and its W, the same peak as rank 0 of 1F1B; with m >= p and W no longer than
+    F or I, the bubble drops from (p-1)(F+I+W) to (p-1)(F+I-W)."""
     ranks = []
     for r in range(p):
         warmup = min(p - 1 - r, m)
@@ -211,26 +213,26 @@ def zb_v(p, m):
             order.append(Action("F", f[c], stage[c], c))
             f[c] += 1
 
-        def I(c, W=False):
+        def I(c, then_w=False):                     # input gradient, maybe weight gradient at once
             order.append(Action("I", b[c], stage[c], c))
-            if W:
+            if then_w:
                 order.append(Action("W", b[c], stage[c], c))
             b[c] += 1
 
-        for _ in range(2 * (p - r) - 1):            # warm-up: go down the V ...
+        for _ in range(2 * (p - r) - 1):            # warm-up: fill the way down the V,
             F(0)
-        for _ in range(r):
+        for _ in range(r):                          # meet the first micro-batches coming back up,
             F(1)
             F(0)
-        for _ in range(p - r):                      # ... and start coming back up
+        for _ in range(p - r):                      # and start their backwards at the top
             F(1)
-            I(1, W=True)
-        while f[1] < f[0] or f[0] < n:              # steady state
+            I(1, then_w=True)
+        while f[1] < f[0] or f[0] < n:              # steady state: F I W on each chunk in turn
             if f[0] < n:
                 F(0)
-            I(0, W=True)
+            I(0, then_w=True)
             F(1)
-            I(1, W=True)
+            I(1, then_w=True)
         w = list(b)                                 # cool-down: I first, W fills the gaps
         for _ in range(r):
             I(0)
@@ -249,7 +251,7 @@ def zb_v(p, m):
 # make_schedule: name -> validated Schedule.
 
 def one_stage_per_rank(p, v=1):
-    return list(range(p))
+    return list(range(p))                               # stage r on rank r
 
 
 def interleaved_placement(p, v):
@@ -257,17 +259,17 @@ def interleaved_placement(p, v):
 
 
 def v_placement(p, v=2):
-    return [s if s < p else 2 * p - 1 - s for s in range(2 * p)]
+    return [s if s < p else 2 * p - 1 - s for s in range(2 * p)]   # down the ranks, back up
 
 
-#          name:           (generator, placement, allowed chunks, default chunks)
+#   name:               (generator, placement, chunks per rank by default)
 SCHEDULES = {
-    "naive":            (naive, one_stage_per_rank, (1,), 1),
-    "gpipe":            (gpipe, one_stage_per_rank, (1,), 1),
-    "1f1b":             (one_f_one_b, one_stage_per_rank, (1,), 1),
-    "interleaved-1f1b": (interleaved_1f1b, interleaved_placement, "v >= 2", 2),
-    "zb-h1":            (zb_h1, one_stage_per_rank, (1,), 1),
-    "zb-v":             (zb_v, v_placement, (2,), 2),
+    "naive":            (naive, one_stage_per_rank, 1),
+    "gpipe":            (gpipe, one_stage_per_rank, 1),
+    "1f1b":             (one_f_one_b, one_stage_per_rank, 1),
+    "interleaved-1f1b": (interleaved_1f1b, interleaved_placement, 2),
+    "zb-h1":            (zb_h1, one_stage_per_rank, 1),
+    "zb-v":             (zb_v, v_placement, 2),
 }
 
 
@@ -277,38 +279,36 @@ def _positive_int(value, what):
 
 
 def make_schedule(name: str, num_stages: int, num_microbatches: int, chunks: int | None = None) -> Schedule:
-    """Build and validate a named schedule.
+    """Build and validate a named schedule (see SCHEDULES for the names).
 
     num_stages: p, the pipeline depth = number of ranks (the lecture's p).
     num_microbatches: m, micro-batches per training step. For "naive" they run one after
         another, never overlapping (gradient accumulation without pipelining).
-    chunks: v, stages per rank; default 1, or 2 for "interleaved-1f1b" and "zb-v". The
-        model is then cut into p * v stages (schedule.num_stages).
+    chunks: v, stages per rank: 1, except "interleaved-1f1b" (any v >= 2, default 2)
+        and "zb-v" (2). The model is then cut into p * v stages (schedule.num_stages).
     """
     key = str(name).lower().replace("_", "-")
     if key not in SCHEDULES:
         raise ScheduleError(f"unknown schedule {name!r}; known schedules: {', '.join(SCHEDULES)}")
-    generate, placement, allowed, default = SCHEDULES[key]
+    generate, placement, default_chunks = SCHEDULES[key]
     _positive_int(num_stages, "num_stages (p, the number of pipeline ranks)")
     _positive_int(num_microbatches, "num_microbatches (m)")
-    p, m = num_stages, num_microbatches
-    v = default if chunks is None else chunks
+    p, m, v = num_stages, num_microbatches, default_chunks if chunks is None else chunks
     _positive_int(v, "chunks (v, stages per rank)")
     if key == "interleaved-1f1b":
         if v < 2:
-            raise ScheduleError("interleaved-1f1b needs chunks >= 2 (with one chunk per rank use '1f1b')")
+            raise ScheduleError("interleaved-1f1b needs chunks >= 2 (with one chunk per rank, use '1f1b')")
         if m % p:
             raise ScheduleError(
-                f"interleaved-1f1b sends micro-batches through each chunk in groups of p, so it needs "
-                f"the number of micro-batches to be a multiple of the number of stages: got m={m}, p={p} "
+                f"interleaved-1f1b sends micro-batches through each chunk in groups of p, so the number of "
+                f"micro-batches must be a multiple of the number of stages: got m={m}, p={p} "
                 f"(try m={p * max(1, round(m / p))})")
         actions = generate(p, m, v)
-    elif v not in allowed:
-        raise ScheduleError(f"{key} runs {allowed[0]} chunk(s) per rank, got chunks={v}"
-                            + (" (for several chunks per rank use 'interleaved-1f1b' or 'zb-v')" if allowed == (1,) else ""))
+    elif v != default_chunks:
+        hint = " (for several chunks per rank use 'interleaved-1f1b' or 'zb-v')" if default_chunks == 1 else ""
+        raise ScheduleError(f"{key} puts {default_chunks} chunk(s) on each rank, got chunks={v}{hint}")
     else:
         actions = generate(p, m)
     schedule = Schedule(key, p, m, v, actions, placement(p, v))
-    from .simulate import validate                      # validation plays the schedule out
-    validate(schedule)
-    return schedule
+    from .simulate import validate                      # validating = playing the schedule out
+    return validate(schedule)

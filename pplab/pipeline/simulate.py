@@ -16,8 +16,9 @@ which is how an executor should post them.
 """
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
+from numbers import Real
+from itertools import accumulate
 
 from ..trace import Event, Timeline
 from .schedules import KINDS, Action, Schedule, ScheduleError
@@ -35,26 +36,19 @@ def bubble_fraction(p: int, m: int, v: int = 1) -> float:
 
 
 # ----------------------------------------------------------------------------------
-# What an action needs and what it makes. A B and an I both make the input gradient
-# ("B" here), which is what stage s-1 waits for.
+# What an action waits for, as (kind, stage) of the same micro-batch: "F" = that
+# stage's forward, "B" = that stage's input gradient (made by its B, or by its I).
 
-def _needs(a: Action, num_stages: int) -> list[tuple]:
-    s, i = a.stage, a.microbatch
+def _inputs(a: Action, num_stages: int) -> tuple:
     if a.kind == "F":
-        return [("F", s - 1, i)] if s > 0 else []
+        return (("F", a.stage - 1),) if a.stage > 0 else ()
     if a.kind == "W":
-        return [("B", s, i)]
-    return [("F", s, i)] + ([("B", s + 1, i)] if s + 1 < num_stages else [])
+        return (("B", a.stage),)
+    return (("F", a.stage), ("B", a.stage + 1)) if a.stage + 1 < num_stages else (("F", a.stage),)
 
 
-def _makes(a: Action) -> tuple:
-    return ("F" if a.kind == "F" else "W" if a.kind == "W" else "B", a.stage, a.microbatch)
-
-
-def _describe(key) -> str:
-    kind, s, i = key
-    return {"F": f"F{i} of stage {s}", "B": f"the input gradient (B/I) {i} of stage {s}",
-            "W": f"W{i} of stage {s}"}[kind]
+def _output(a: Action) -> str:
+    return "F" if a.kind == "F" else "B" if a.kind in ("B", "I") else "W"
 
 
 def _play(schedule: Schedule, duration: dict, latency: float = 0.0):
@@ -62,57 +56,64 @@ def _play(schedule: Schedule, duration: dict, latency: float = 0.0):
 
     duration[kind][stage] is how long one such action takes.
     """
-    p, S = schedule.num_ranks, schedule.num_stages
+    p, S, m = schedule.num_ranks, schedule.num_stages, schedule.num_microbatches
+    owner = schedule.stage_to_rank
     start = [[0.0] * len(acts) for acts in schedule.actions]
     end = [[0.0] * len(acts) for acts in schedule.actions]
-    done = {}                     # (kind, stage, microbatch) -> (end time, rank)
-    parked = {}                   # (kind, stage, microbatch) -> ranks waiting for it
+    finished = {k: [[None] * m for _ in range(S)] for k in "FBW"}  # [kind][stage][mb] -> end time
+    parked = {}                   # (kind, stage, mb) -> ranks waiting for it
     nxt, free = [0] * p, [0.0] * p
     ready = list(range(p))
     while ready:
         r = ready.pop()
-        acts = schedule.actions[r]
-        while nxt[r] < len(acts):
-            a = acts[nxt[r]]
-            t = free[r]
-            missing = None
-            for key in _needs(a, S):
-                if key not in done:
-                    missing = key
+        acts, k = schedule.actions[r], nxt[r]
+        while k < len(acts):                        # run rank r as far as it can go
+            a = acts[k]
+            t, missing = free[r], None
+            for kind, s in _inputs(a, S):
+                t_done = finished[kind][s][a.microbatch]
+                if t_done is None:
+                    missing = (kind, s, a.microbatch)
                     break
-                t_done, src = done[key]
-                t = max(t, t_done + latency if src != r else t_done)
+                if owner[s] != r:
+                    t_done += latency     # it has to travel from another rank
+                if t_done > t:
+                    t = t_done
             if missing is not None:
                 parked.setdefault(missing, []).append(r)
                 break
-            k = nxt[r]
-            start[r][k], end[r][k] = t, t + duration[a.kind][a.stage]
-            free[r] = end[r][k]
-            nxt[r] += 1
-            key = _makes(a)
-            done[key] = (end[r][k], r)
-            ready.extend(parked.pop(key, ()))
+            start[r][k] = t
+            free[r] = end[r][k] = t + duration[a.kind][a.stage]
+            kind = _output(a)
+            finished[kind][a.stage][a.microbatch] = free[r]
+            ready.extend(parked.pop((kind, a.stage, a.microbatch), ()))
+            k += 1
+        nxt[r] = k
     stuck = [r for r in range(p) if nxt[r] < len(schedule.actions[r])]
     if stuck:
-        raise ScheduleError(_deadlock_message(schedule, stuck, nxt, done))
+        raise ScheduleError(_deadlock_message(schedule, stuck, nxt, finished))
     return start, end
 
 
-def _deadlock_message(schedule, stuck, nxt, done) -> str:
+def _deadlock_message(schedule, stuck, nxt, finished) -> str:
     chunked = schedule.chunks > 1
-    where = {}                    # what each rank still has to do: key -> (rank, step)
+    where = {}                    # what stuck ranks still have to make: key -> (rank, step)
     for r in stuck:
         for k in range(nxt[r], len(schedule.actions[r])):
-            where.setdefault(_makes(schedule.actions[r][k]), (r, k))
-    lines = [f"deadlock in {schedule.name!r}: ranks {stuck} wait for each other forever"]
+            a = schedule.actions[r][k]
+            where.setdefault((_output(a), a.stage, a.microbatch), (r, k))
+    names = {"F": "F{2} of stage {1}", "B": "B{2} (or I{2}) of stage {1}"}
+    lines = [f"deadlock in {schedule.name!r}: rank(s) {stuck} can never go on"]
     for r in stuck[:8]:
         a = schedule.actions[r][nxt[r]]
-        key = next(k for k in _needs(a, schedule.num_stages) if k not in done)
-        owner, step = where[key]
+        kind, s = next((k, s) for k, s in _inputs(a, schedule.num_stages)
+                       if finished[k][s][a.microbatch] is None)
+        owner, step = where[(kind, s, a.microbatch)]
         later = ("which it runs itself later, at step {1}: move that earlier" if owner == r else
                  "which rank {0} runs at step {1}, behind its own stuck step {2}")
         lines.append(f"  rank {r} is stuck at step {nxt[r]} ({a.label(chunked)} of stage {a.stage}), "
-                     f"waiting for {_describe(key)}, " + later.format(owner, step, nxt[owner]))
+                     f"waiting for {names[kind].format(kind, s, a.microbatch)}, "
+                     + later.format(owner, step, nxt[owner]))
     if len(stuck) > 8:
         lines.append(f"  ... and {len(stuck) - 8} more ranks")
     return "\n".join(lines)
@@ -123,43 +124,53 @@ def _deadlock_message(schedule, stuck, nxt, done) -> str:
 
 def _check_parts(schedule: Schedule) -> None:
     p, v, m, S = schedule.num_ranks, schedule.chunks, schedule.num_microbatches, schedule.num_stages
+    for what in ("num_ranks", "num_microbatches", "chunks"):
+        value = getattr(schedule, what)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ScheduleError(f"schedule.{what} must be a positive integer, got {value!r}")
     if sorted(schedule.stage_to_rank) != sorted(list(range(p)) * v):
         raise ScheduleError(f"stage_to_rank must give each of the {p} ranks exactly {v} stage(s), "
                             f"got {schedule.stage_to_rank}")
     if len(schedule.actions) != p:
         raise ScheduleError(f"actions must hold one list per rank: {p} ranks, got {len(schedule.actions)} lists")
     chunk_of = {s: c for r in range(p) for c, s in enumerate(schedule.stages_of(r))}
+
+    def problem(r, a):            # what is wrong with action a on rank r, if anything
+        if not isinstance(a, Action):
+            return f"expected an Action, got {a!r}"
+        if a.kind not in KINDS:
+            return f"unknown action kind {a.kind!r}; kinds are {', '.join(KINDS)}"
+        if not 0 <= a.microbatch < m:
+            return f"micro-batch {a.microbatch} out of range 0..{m - 1}"
+        if not 0 <= a.stage < S:
+            return f"stage {a.stage} out of range 0..{S - 1}"
+        if schedule.stage_to_rank[a.stage] != r:
+            return (f"{a.kind}{a.microbatch} of stage {a.stage} is on rank {r}, "
+                    f"but stage {a.stage} lives on rank {schedule.stage_to_rank[a.stage]}")
+        if a.chunk != chunk_of[a.stage]:
+            return f"stage {a.stage} is chunk {chunk_of[a.stage]} of rank {r}, but the action says chunk {a.chunk}"
+
     for r, acts in enumerate(schedule.actions):
         for k, a in enumerate(acts):
-            at = f"rank {r}, step {k}"
-            if not isinstance(a, Action):
-                raise ScheduleError(f"{at}: expected an Action, got {a!r}")
-            if a.kind not in KINDS:
-                raise ScheduleError(f"{at}: unknown action kind {a.kind!r}; kinds are {', '.join(KINDS)}")
-            if not 0 <= a.microbatch < m:
-                raise ScheduleError(f"{at}: micro-batch {a.microbatch} out of range 0..{m - 1}")
-            if not 0 <= a.stage < S:
-                raise ScheduleError(f"{at}: stage {a.stage} out of range 0..{S - 1}")
-            if schedule.stage_to_rank[a.stage] != r:
-                raise ScheduleError(f"{at}: {a.kind}{a.microbatch} of stage {a.stage} is on rank {r}, "
-                                    f"but stage {a.stage} lives on rank {schedule.stage_to_rank[a.stage]}")
-            if a.chunk != chunk_of[a.stage]:
-                raise ScheduleError(f"{at}: stage {a.stage} is chunk {chunk_of[a.stage]} of rank {r}, "
-                                    f"but the action says chunk {a.chunk}")
+            if (why := problem(r, a)) is not None:
+                raise ScheduleError(f"rank {r}, step {k}: {why}")
 
 
 def _check_counts(schedule: Schedule) -> None:
     """Every (stage, micro-batch): one F, and one B or else one I and one W."""
-    count = Counter((a.kind, a.stage, a.microbatch) for acts in schedule.actions for a in acts)
+    S, m = schedule.num_stages, schedule.num_microbatches
+    count = {k: [[0] * m for _ in range(S)] for k in KINDS}      # [kind][stage][mb]
+    for acts in schedule.actions:
+        for a in acts:
+            count[a.kind][a.stage][a.microbatch] += 1
     problems = []
-    for s in range(schedule.num_stages):
-        for i in range(schedule.num_microbatches):
-            f, b, i_, w = (count[(k, s, i)] for k in KINDS)
+    for s in range(S):
+        for i, (f, b, i_, w) in enumerate(zip(*(count[k][s] for k in KINDS))):
             if f != 1:
                 problems.append(f"F{i} of stage {s} appears {f} times, not once")
             if (b, i_, w) not in ((1, 0, 0), (0, 1, 1)):
                 problems.append(f"backward {i} of stage {s} appears as {b} B, {i_} I, {w} W: "
-                                f"needs one B, or one I and one W")
+                                f"it needs one B, or one I and one W")
     if problems:
         more = f"\n  ... and {len(problems) - 8} more" if len(problems) > 8 else ""
         raise ScheduleError(f"schedule {schedule.name!r} is not one full training step:\n  "
@@ -183,6 +194,23 @@ def validate(schedule: Schedule) -> Schedule:
 # ----------------------------------------------------------------------------------
 # simulate: time it.
 
+# Activations held. A rank holds a micro-batch for a stage from the start of its F to the
+# end of its B, or of its W when the backward is split: W reads the same stored inputs.
+# (The zero-bubble paper frees most of it at I already; we count whole micro-batches.)
+# One chunk counts 1/v: the unit is one micro-batch through a rank's whole share.
+_HOLD = {"F": +1, "B": -1, "I": 0, "W": -1}
+
+
+def _activation_steps(schedule: Schedule, start, end, rank: int) -> list:
+    """(time, micro-batches held from then on, action), each time `rank`'s count changes."""
+    v, held, steps = schedule.chunks, 0, []
+    for a, s, e in zip(schedule.actions[rank], start, end):
+        if _HOLD[a.kind]:
+            held += _HOLD[a.kind]
+            steps.append((s if a.kind == "F" else e, held / v if v > 1 else held, a))
+    return steps
+
+
 @dataclass
 class SimResult:
     schedule: Schedule
@@ -195,25 +223,15 @@ class SimResult:
     unit: str = "t_f"
 
     def activations(self, rank: int) -> list[tuple[float, float, Action]]:
-        """(time, activations held after it, action) each time `rank`'s count changes.
-
-        A rank holds a micro-batch for a stage from the start of its F to the end of its
-        B, or of its W when the backward is split: W reads the same stored inputs. (The
-        zero-bubble paper frees most of it at I already; we count whole micro-batches.)
-        One chunk counts 1/v: units are one micro-batch through the rank's whole share.
-        """
-        v, held, steps = self.schedule.chunks, 0, []
-        for a, s, e in zip(self.schedule.actions[rank], self.start[rank], self.end[rank]):
-            if a.kind == "F":
-                held += 1
-                steps.append((s, held / v if v > 1 else held, a))
-            elif a.kind in ("B", "W"):              # an I frees nothing: its W still needs the inputs
-                held -= 1
-                steps.append((e, held / v if v > 1 else held, a))
-        return steps
+        """(time, activations held from then on, action) each time `rank`'s count changes."""
+        return _activation_steps(self.schedule, self.start[rank], self.end[rank], rank)
 
     def timeline(self) -> Timeline:
-        """The run as a Timeline (source "simulated"), for the swimlane renderer and summaries."""
+        """The run as a Timeline (source "simulated"), for the swimlane renderer and summaries.
+
+        One compute event per action (kind F/B/I/W, meta microbatch/stage/chunk) and one
+        memory event per change of activations held; meant for runs small enough to draw.
+        """
         sched, chunked, events = self.schedule, self.schedule.chunks > 1, []
         for r, acts in enumerate(sched.actions):
             for a, s, e in zip(acts, self.start[r], self.end[r]):
@@ -232,14 +250,14 @@ class SimResult:
 def _per_stage(value, what: str, schedule: Schedule) -> list[float]:
     """A number is one rank's whole share (split evenly over its chunks); a list, one per stage."""
     S, v = schedule.num_stages, schedule.chunks
-    if isinstance(value, (int, float)):
+    if isinstance(value, Real):
         values = [value / v] * S
     else:
         values = list(value)
         if len(values) != S:
             raise ScheduleError(f"{what} has {len(values)} values, but {schedule.name!r} has {S} stages: "
                                 f"give one per stage, or a single number")
-    if any(not isinstance(x, (int, float)) or x < 0 for x in values):
+    if any(not isinstance(x, Real) or x < 0 for x in values):
         raise ScheduleError(f"{what} must be non-negative numbers, got {value!r}")
     return [float(x) for x in values]
 
@@ -256,20 +274,22 @@ def simulate(schedule: Schedule, t_f=1.0, t_b=2.0, t_w=None, p2p_latency: float 
     """
     _check_parts(schedule)
     _check_counts(schedule)
-    if p2p_latency < 0:
-        raise ScheduleError(f"p2p_latency must be >= 0, got {p2p_latency}")
+    if not isinstance(p2p_latency, Real) or p2p_latency < 0:
+        raise ScheduleError(f"p2p_latency must be a number >= 0, got {p2p_latency!r}")
     f, b = _per_stage(t_f, "t_f", schedule), _per_stage(t_b, "t_b", schedule)
     w = [x / 2 for x in b] if t_w is None else _per_stage(t_w, "t_w", schedule)
-    if schedule.split_backward and any(ws > bs for ws, bs in zip(w, b)):
+    if t_w is not None and any(ws > bs for ws, bs in zip(w, b)):
         raise ScheduleError(f"t_w is the weight-gradient part of t_b, so it must be <= t_b: got t_w={t_w}, t_b={t_b}")
     duration = {"F": f, "B": b, "I": [bs - ws for ws, bs in zip(w, b)], "W": w}
     start, end = _play(schedule, duration, p2p_latency)
 
     p = schedule.num_ranks
     makespan = max((e[-1] for e in end if e), default=0.0)
-    busy = [sum(duration[a.kind][a.stage] for a in acts) for acts in schedule.actions]
-    result = SimResult(schedule, start, end, makespan,
-                       sum(busy) / (p * makespan) if makespan > 0 else 0.0,
-                       [makespan - x for x in busy], [], "t_f" if t_f == 1 else "time units")
-    result.peak_activations = [max((h for _, h, _ in result.activations(r)), default=0) for r in range(p)]
-    return result
+    busy = [sum(e - s for s, e in zip(start[r], end[r])) for r in range(p)]
+    v = schedule.chunks
+    peaks = [max(accumulate(_HOLD[a.kind] for a in acts), default=0) for acts in schedule.actions]
+    peaks = [x / v for x in peaks] if v > 1 else peaks
+    return SimResult(schedule, start, end, makespan,
+                     utilization=sum(busy) / (p * makespan) if makespan > 0 else 0.0,
+                     bubble=[makespan - x for x in busy], peak_activations=peaks,
+                     unit="t_f" if isinstance(t_f, Real) and t_f == 1 else "time units")

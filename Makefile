@@ -1,0 +1,44 @@
+# pplab: two commands.
+#   make lab    install (once) and open the course in JupyterLab at notebooks/00_start_here.ipynb
+#   make test   install (once) and run every test, the notebooks included
+#
+# The install goes into .venv. If `python3` can already import torch (your own CUDA
+# build, say), the venv sees it and keeps it; otherwise it installs $(TORCH), which on
+# the course machines is a local CPU wheel. No CUDA packages are pulled in either way.
+
+PYTHON ?= python3
+VENV   ?= .venv
+TORCH  ?= torch==2.13.0
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.pplab-installed
+
+.PHONY: lab test install exercises benchmarks clean
+
+lab: $(STAMP)
+	$(BIN)/jupyter lab notebooks/00_start_here.ipynb
+
+test: $(STAMP)
+	$(BIN)/python -m pytest --nbval-lax --nbval-cell-timeout=900 --durations=15 -q tests notebooks solutions
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@if $(PYTHON) -c "import torch" >/dev/null 2>&1; then \
+	  echo "torch $$($(PYTHON) -c 'import torch; print(torch.__version__)') is already importable: keeping it"; \
+	  $(PYTHON) -m venv --system-site-packages $(VENV); \
+	else \
+	  $(PYTHON) -m venv $(VENV) && $(BIN)/pip install $(TORCH); \
+	fi
+	$(BIN)/pip install -e .
+	$(BIN)/python -c "import torch, pplab; print('pplab', pplab.__version__, 'with torch', torch.__version__)"
+	touch $(STAMP)
+
+exercises: $(STAMP)          # regenerate exercises/ from solutions/ (the one source of truth)
+	$(BIN)/pplab exercises
+
+benchmarks: $(STAMP)
+	$(BIN)/python benchmarks/launch.py
+	$(BIN)/python benchmarks/swimlane.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info
