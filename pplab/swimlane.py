@@ -158,6 +158,7 @@ def draw(timeline, *, ax=None, comm_lanes="auto", arrows=False, memory=False, ti
     time_range: (start, end) to zoom in, in timeline.unit.
     labels: "auto" (text only in boxes wide enough for it), True or False.
     colors: {kind: colour} overriding KIND_COLORS.
+    title: the first title line (default: timeline.title if set, else what the timeline is).
 
     A figure draw makes is closed in pyplot before it is returned: in a notebook it
     shows as the value of a cell (or with display(fig)); in a script, fig.savefig(...).
@@ -273,7 +274,7 @@ def draw(timeline, *, ax=None, comm_lanes="auto", arrows=False, memory=False, ti
         (f", makespan {makespan * scale:.4g} {unit}" if tl.events else " (no events)")
     util = (f"utilisation {busy / total if total else 0:.1%} (busy {busy * scale:.4g} of {total * scale:.4g} "
             f"rank-{unit})") + (f", showing {t0 * scale:.4g} to {t1 * scale:.4g} {unit}" if time_range is not None else "")
-    head = title or default
+    head = title or getattr(timeline, "title", None) or default
     ax.set_title(f"{head}\n{util}", fontsize=10)
 
     present = {e.kind for e in shown}
@@ -388,7 +389,9 @@ def explore(source, **controls):
                 state["quiet"] = False
             lo, hi = time.value
             zoom = None if (lo, hi) == (time.min, time.max) else (lo, hi)
-            box.figure = draw(box.timeline, time_range=zoom, **{n: c.value for n, c in view.items()})
+            shown_view = {n: c.value for n, c in view.items()}
+            shown_view["comm_lanes"] = "auto" if shown_view["comm_lanes"] else False   # no empty lanes
+            box.figure = draw(box.timeline, time_range=zoom, **shown_view)
             box.error = None
         except (TypeError, ValueError) as exc:
             state["quiet"] = False

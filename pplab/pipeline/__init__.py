@@ -15,3 +15,6 @@ from .simulate import SimResult, bubble_fraction, simulate, validate
 
 __all__ = ["Action", "Schedule", "ScheduleError", "SCHEDULES", "make_schedule",
            "validate", "simulate", "SimResult", "bubble_fraction"]
+from .explorer import explore, pipeline_timeline  # noqa: E402
+
+__all__ += ["explore", "pipeline_timeline"]
