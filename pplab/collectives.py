@@ -5,15 +5,26 @@ its result (floats up to rounding: the additions happen in another order). But e
 a short loop of `comm.send` / `comm.recv` / `comm.isend` / `comm.irecv`, so every byte it
 moves is in the trace, and the swimlane shows who talks to whom, step by step.
 
+    broadcast(tensor, src)                  binomial tree
+    reduce(tensor, dst, op)                 binomial tree
+    scatter(tensor, scatter_list, src)      the root sends to each rank
+    gather(tensor, gather_list, dst)        each rank sends to the root
+    all_gather(tensor_list, tensor)         ring (also all_gather_into_tensor(output, input))
+    reduce_scatter_tensor(output, input)    ring, on p equal pieces of the flattened input
+    all_to_all_single(output, input)        pairwise exchange, p equal pieces
+    all_reduce(tensor, op, algorithm)       naive | tree | ring | recursive_doubling | halving_doubling
+
+Every one also takes group= (from dist.new_group); src and dst are global ranks, as in
+torch.distributed; op is "sum", "product", "max" or "min". Like torch.distributed's, they
+move data outside autograd (under torch.no_grad()), so parameters can be passed too.
+
 Costs use the α-β(-γ) model: a message of n bytes takes α + nβ, combining n bytes takes
 nγ. N is the tensor's size in bytes, p the number of ranks in the group, and "sends" is
 what one rank sends. A chunk that is empty (numel < p) is not sent at all.
 
-Roots (src, dst) are global ranks, as in torch.distributed; `group` (from dist.new_group)
-restricts a collective to some ranks. Before any data moves, the ranks of the group swap
-a few bytes describing their call (untraced bookkeeping), so that a mismatch (shapes,
-dtypes, roots, algorithms) raises the same ValueError on every rank, never a hang or a
-silently wrong answer.
+Before any data moves, the ranks of the group swap a few bytes describing their call
+(untraced bookkeeping), so that a mismatch (shapes, dtypes, roots, algorithms) raises the
+same ValueError on every rank: never a hang or a silently wrong answer.
 """
 from __future__ import annotations
 
@@ -39,69 +50,6 @@ def _sendrecv(send, dst, recv, src, group):
               ([comm.irecv(recv, src, group)] if recv.numel() else [])
     for h in handles:
         h.wait()
-
-
-# ----------------------------------------------------------------------------------
-# Checking the call: every rank of the group must agree, or every rank raises.
-
-
-def _group_ranks(group) -> list[int]:
-    if not dist.is_initialized():
-        return [0]
-    if group is None or group is dist.group.WORLD:
-        return list(range(dist.get_world_size()))
-    return list(dist.get_process_group_ranks(group))
-
-
-def _describe(t) -> str:
-    return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}"
-
-
-def _list_problems(name, tensors, like, p) -> list[str]:
-    """What is wrong with a list that must hold p tensors shaped like `like`, if anything."""
-    if tensors is None or len(tensors) != p:
-        return [f"{name} must hold one tensor per rank of the group ({p}), "
-                f"got {0 if tensors is None else len(tensors)}"]
-    return [f"{name}[{i}] is {_describe(t)}{'' if t.is_contiguous() else ' (not contiguous)'}, "
-            f"it must be a contiguous {_describe(like)} like the tensor"
-            for i, t in enumerate(tensors) if _describe(t) != _describe(like) or not t.is_contiguous()]
-
-
-def _setup(kind, group, tensor, problems=(), **call):
-    """Check the call on every rank of the group; return (ranks, me): its global ranks, my index.
-
-    `tensor` must have the same shape and dtype on every rank, and `call` (root, op,
-    algorithm) the same values. Every rank hands the others a description of its call
-    (dist.all_gather_object, not traced: it is bookkeeping, not the algorithm), so all
-    see the same facts and raise the same error: no rank is left waiting for a message.
-    """
-    ranks = _group_ranks(group)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    if rank not in ranks:
-        raise ValueError(f"{kind}: rank {rank} is not in the group {ranks}; only its ranks may call it")
-    problems = list(problems)
-    if not tensor.is_contiguous():
-        problems.append("the tensor is not contiguous: pass tensor.contiguous()")
-    if call.get("op", "sum") not in OPS:
-        problems.append(f"unknown op {call['op']!r}: use one of {', '.join(OPS)}")
-    mine = {"problems": problems, "call": {"collective": kind, **call}, "tensor": _describe(tensor)}
-    everyone = [mine]
-    if len(ranks) > 1:
-        everyone = [None] * len(ranks)
-        dist.all_gather_object(everyone, mine, group=group)
-    found = [f"rank {r}: {msg}" for r, d in zip(ranks, everyone) for msg in d["problems"]]
-    if found:
-        raise ValueError(f"{kind}: " + "; ".join(found))
-    for key, what in (("call", "the call"), ("tensor", "the tensor's dtype and shape")):
-        if any(d[key] != everyone[0][key] for d in everyone):
-            listing = ", ".join(f"rank {r}: {d[key]}" for r, d in zip(ranks, everyone))
-            raise ValueError(f"{kind}: the ranks of the group disagree on {what} ({listing}); "
-                             f"every rank must pass the same")
-    for name in ("src", "dst"):
-        if name in call and call[name] not in ranks:
-            raise ValueError(f"{kind}: {name}={call[name]!r} is not a rank of the group: use one of "
-                             f"{ranks} ({name} is a global rank, as in torch.distributed)")
-    return ranks, ranks.index(rank)
 
 
 # ----------------------------------------------------------------------------------
@@ -142,6 +90,7 @@ def _tree_reduce(acc, ranks, root, me, group, op):
             _combine(acc, incoming, op)
 
 
+@torch.no_grad()
 def broadcast(tensor, src, group=None):
     """Copy rank `src`'s tensor into `tensor` on every rank of the group."""
     ranks, me = _setup("broadcast", group, tensor, src=src)
@@ -149,6 +98,7 @@ def broadcast(tensor, src, group=None):
         _tree_broadcast(tensor.view(-1), ranks, ranks.index(src), me, group)
 
 
+@torch.no_grad()
 def reduce(tensor, dst, op="sum", group=None):
     """Combine all ranks' tensors with `op` into `tensor` on rank `dst`; the others keep theirs."""
     ranks, me = _setup("reduce", group, tensor, op=op, dst=dst)
@@ -158,15 +108,15 @@ def reduce(tensor, dst, op="sum", group=None):
         _tree_reduce(acc, ranks, root, me, group, op)
 
 
+@torch.no_grad()
 def scatter(tensor, scatter_list=None, src=0, group=None):
     """Rank `src` sends scatter_list[i] to the i-th rank of the group (into its `tensor`).
 
     Linear: the root posts p-1 sends at once, one piece of n bytes per rank.
     Cost: (p-1)·n bytes leave the root: up to (p-1)(α + nβ) if its link sends one at a time.
     (scatter_list is only looked at on the root.)"""
-    ranks = _group_ranks(group)
     root = comm.rank() == src
-    problems = _list_problems("scatter_list", scatter_list, tensor, len(ranks)) if root else []
+    problems = _list_problems("scatter_list", scatter_list, tensor, len(_group_ranks(group))) if root else []
     ranks, me = _setup("scatter", group, tensor, problems, src=src)
     if root:
         handles = [comm.isend(piece, r, group) for r, piece in zip(ranks, scatter_list)
@@ -178,13 +128,13 @@ def scatter(tensor, scatter_list=None, src=0, group=None):
         comm.recv(tensor, src, group)
 
 
+@torch.no_grad()
 def gather(tensor, gather_list=None, dst=0, group=None):
     """Every rank sends `tensor` to rank `dst`, which puts the i-th rank's into gather_list[i].
 
     Linear, the mirror of scatter: (p-1)·n bytes arrive at the root, p-1 messages."""
-    ranks = _group_ranks(group)
     root = comm.rank() == dst
-    problems = _list_problems("gather_list", gather_list, tensor, len(ranks)) if root else []
+    problems = _list_problems("gather_list", gather_list, tensor, len(_group_ranks(group))) if root else []
     ranks, me = _setup("gather", group, tensor, problems, dst=dst)
     if root:
         handles = [comm.irecv(out, r, group) for r, out in zip(ranks, gather_list)
@@ -226,12 +176,11 @@ def _ring_reduce_scatter(chunks, ranks, me, group, op):
         _combine(into, incoming, op)
 
 
+@torch.no_grad()
 def all_gather_into_tensor(output, input, group=None):
     """output = every rank's `input`, concatenated in group-rank order (p × input.numel())."""
     p = len(_group_ranks(group))
-    ok = output.numel() == p * input.numel() and output.dtype == input.dtype and output.is_contiguous()
-    problems = [] if ok else [f"output is {_describe(output)}: it must be a contiguous {input.dtype} "
-                              f"tensor of {p} x {input.numel()} elements (group size x input)"]
+    problems = _output_problem(output, input.dtype, p * input.numel(), f"{p} x input.numel()")
     ranks, me = _setup("all_gather", group, input, problems)
     if input.numel():
         chunks = output.view(-1).split(input.numel())
@@ -239,6 +188,7 @@ def all_gather_into_tensor(output, input, group=None):
         _ring_all_gather(chunks, ranks, me, group)
 
 
+@torch.no_grad()
 def all_gather(tensor_list, tensor, group=None):
     """tensor_list[i] = the i-th rank's `tensor`, on every rank (ring)."""
     problems = _list_problems("tensor_list", tensor_list, tensor, len(_group_ranks(group)))
@@ -247,27 +197,17 @@ def all_gather(tensor_list, tensor, group=None):
     _ring_all_gather(tensor_list, ranks, me, group)
 
 
+@torch.no_grad()
 def reduce_scatter_tensor(output, input, op="sum", group=None):
     """output = the i-th of p equal pieces of the ranks' `input`s, combined with `op` (ring).
     `input` is left as it was."""
     p = len(_group_ranks(group))
-    ok = input.numel() == p * output.numel() and output.dtype == input.dtype and output.is_contiguous()
-    problems = [] if ok else [f"output is {_describe(output)}: it must be a contiguous {input.dtype} "
-                              f"tensor of input.numel() / group size = {input.numel() / p:g} elements"]
+    problems = _output_problem(output, input.dtype, input.numel() / p, f"input.numel() / {p}")
     ranks, me = _setup("reduce_scatter", group, input, problems, op=op)
     if output.numel():
         chunks = input.view(-1).clone().split(output.numel())   # partial results go in a copy
         _ring_reduce_scatter(chunks, ranks, me, group, op)
         output.view(-1).copy_(chunks[me])
-
-
-def reduce_scatter(output, input_list, op="sum", group=None):
-    """output = input_list[i] of every rank, combined with `op`, on the i-th rank (ring)."""
-    problems = _list_problems("input_list", input_list, output, len(_group_ranks(group)))
-    ranks, me = _setup("reduce_scatter", group, output, problems, op=op)
-    chunks = [t.clone() for t in input_list]
-    _ring_reduce_scatter(chunks, ranks, me, group, op)
-    output.copy_(chunks[me])
 
 
 # ----------------------------------------------------------------------------------
@@ -286,29 +226,18 @@ def _pairwise_all_to_all(outs, ins, ranks, me, group):
         _sendrecv(ins[to], ranks[to], outs[frm], ranks[frm], group)
 
 
+@torch.no_grad()
 def all_to_all_single(output, input, group=None):
-    """Split `input` into p equal pieces; piece j goes to the j-th rank, which puts the
-    piece from rank i at the i-th place of its `output` (equal splits only)."""
+    """Split `input` into p equal pieces; piece j goes to the j-th rank of the group, which
+    puts the piece from the i-th rank at the i-th place of its `output`."""
     p = len(_group_ranks(group))
-    ok = input.numel() % p == 0 and output.numel() == input.numel() and output.dtype == input.dtype \
-        and output.is_contiguous()
-    problems = [] if ok else [f"input ({_describe(input)}) must split into {p} equal pieces and output "
-                              f"({_describe(output)}) must be a contiguous tensor of the same size and dtype"]
+    problems = _output_problem(output, input.dtype, input.numel(), "input.numel()")
+    if input.numel() % p:
+        problems.append(f"input has {input.numel()} elements: it must split into {p} equal pieces")
     ranks, me = _setup("all_to_all", group, input, problems)
     if input.numel():
-        _pairwise_all_to_all(output.view(-1).split(input.numel() // p),
-                             input.view(-1).split(input.numel() // p), ranks, me, group)
-
-
-def all_to_all(output_list, input_list, group=None):
-    """input_list[j] goes to the j-th rank, into its output_list[i] (i = my index).
-    Every tensor of both lists must have one shape and dtype."""
-    p = len(_group_ranks(group))
-    first = input_list[0] if input_list else torch.empty(0)
-    problems = _list_problems("input_list", input_list, first, p) + \
-        _list_problems("output_list", output_list, first, p)
-    ranks, me = _setup("all_to_all", group, first, problems)
-    _pairwise_all_to_all(output_list, input_list, ranks, me, group)
+        n = input.numel() // p
+        _pairwise_all_to_all(output.view(-1).split(n), input.view(-1).split(n), ranks, me, group)
 
 
 # ----------------------------------------------------------------------------------
@@ -412,6 +341,7 @@ def _fold_to_power_of_two(algorithm, flat, ranks, me, group, op):
         comm.send(flat, ranks[me - 1], group)
 
 
+@torch.no_grad()
 def all_reduce(tensor, op="sum", algorithm="ring", group=None):
     """Combine every rank's `tensor` with `op` ("sum", "product", "max", "min"); all get the result.
 
@@ -425,14 +355,79 @@ def all_reduce(tensor, op="sum", algorithm="ring", group=None):
     ranks, me = _setup("all_reduce", group, tensor, problems, op=op, algorithm=algorithm)
     if len(ranks) == 1 or tensor.numel() == 0:
         return
-    flat = tensor.view(-1)
-    if algorithm == "naive":
-        _naive_all_reduce(flat, ranks, me, group, op)
-    elif algorithm == "tree":
-        _tree_all_reduce(flat, ranks, me, group, op)
-    elif algorithm == "ring":
-        _ring_all_reduce(flat, ranks, me, group, op)
-    elif algorithm == "recursive_doubling":
-        _fold_to_power_of_two(_recursive_doubling, flat, ranks, me, group, op)
+    run = {"naive": _naive_all_reduce, "tree": _tree_all_reduce, "ring": _ring_all_reduce,
+           "recursive_doubling": _recursive_doubling, "halving_doubling": _halving_doubling}[algorithm]
+    if algorithm in ("recursive_doubling", "halving_doubling"):
+        _fold_to_power_of_two(run, tensor.view(-1), ranks, me, group, op)
     else:
-        _fold_to_power_of_two(_halving_doubling, flat, ranks, me, group, op)
+        run(tensor.view(-1), ranks, me, group, op)
+
+
+# ----------------------------------------------------------------------------------
+# Checking the call: every rank of the group must agree, or every rank raises (the same error).
+
+
+def _group_ranks(group) -> list[int]:
+    if not dist.is_initialized():
+        return [0]
+    if group is None or group is dist.group.WORLD:
+        return list(range(dist.get_world_size()))
+    return list(dist.get_process_group_ranks(group))
+
+
+def _describe(t) -> str:
+    return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}"
+
+
+def _list_problems(name, tensors, like, p) -> list[str]:
+    """What is wrong with a list that must hold p tensors shaped like `like`, if anything."""
+    if tensors is None or len(tensors) != p:
+        return [f"{name} must hold one tensor per rank of the group ({p}), "
+                f"got {0 if tensors is None else len(tensors)}"]
+    return [f"{name}[{i}] is {_describe(t)}{'' if t.is_contiguous() else ' (not contiguous)'}, "
+            f"it must be a contiguous {_describe(like)} like the tensor"
+            for i, t in enumerate(tensors) if _describe(t) != _describe(like) or not t.is_contiguous()]
+
+
+def _output_problem(output, dtype, numel, formula) -> list[str]:
+    if output.dtype == dtype and output.numel() == numel and output.is_contiguous():
+        return []
+    return [f"output is {_describe(output)}: it must be a contiguous {str(dtype)[6:]} tensor of "
+            f"{formula} = {numel:g} elements"]
+
+
+def _setup(kind, group, tensor, problems=(), **call):
+    """Check the call on every rank of the group; return (ranks, me): its global ranks, my index.
+
+    `tensor` must have the same shape and dtype on every rank, and `call` (root, op,
+    algorithm) the same values. Every rank hands the others a description of its call
+    (dist.all_gather_object, not traced: it is bookkeeping, not the algorithm), so all
+    see the same facts and raise the same error: no rank is left waiting for a message.
+    """
+    ranks = _group_ranks(group)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank not in ranks:
+        raise ValueError(f"{kind}: rank {rank} is not in the group {ranks}; only its ranks may call it")
+    problems = list(problems)
+    if not tensor.is_contiguous():
+        problems.append("the tensor is not contiguous: pass tensor.contiguous()")
+    if call.get("op", "sum") not in OPS:
+        problems.append(f"unknown op {call['op']!r}: use one of {', '.join(OPS)}")
+    mine = {"problems": problems, "call": {"collective": kind, **call}, "tensor": _describe(tensor)}
+    everyone = [mine]
+    if len(ranks) > 1:
+        everyone = [None] * len(ranks)
+        dist.all_gather_object(everyone, mine, group=group)
+    found = [f"rank {r}: {msg}" for r, d in zip(ranks, everyone) for msg in d["problems"]]
+    if found:
+        raise ValueError(f"{kind}: " + "; ".join(found))
+    for key, what in (("call", "the call"), ("tensor", "the tensor's dtype and shape")):
+        if any(d[key] != everyone[0][key] for d in everyone):
+            listing = ", ".join(f"rank {r}: {d[key]}" for r, d in zip(ranks, everyone))
+            raise ValueError(f"{kind}: the ranks of the group disagree on {what} ({listing}); "
+                             f"every rank must pass the same")
+    for name in ("src", "dst"):
+        if name in call and call[name] not in ranks:
+            raise ValueError(f"{kind}: {name}={call[name]!r} is not a rank of the group: use one of "
+                             f"{ranks} ({name} is a global rank, as in torch.distributed)")
+    return ranks, ranks.index(rank)
