@@ -14,7 +14,8 @@ from . import comm, trace
 from .launcher import LaunchError, LaunchResult, device, launch
 
 __version__ = "0.1.0"
-_LAZY = ("swimlane", "pipeline", "collectives", "checks", "grading")
+_LAZY = ("swimlane", "pipeline", "collectives", "checks", "grading", "costmodel", "data_parallel",
+         "parameter_server", "compression")
 __all__ = ["launch", "LaunchError", "LaunchResult", "device", "check", "comm", "trace", *_LAZY]
 
 
