@@ -1,0 +1,503 @@
+"""Exercise checks: run a student's answer for real and say exactly what is wrong.
+
+    result = pplab.check("broadcast", my_broadcast)
+    ✔ broadcast: passed on world sizes 2, 3, 4 (18 trials with random data, ...)
+
+Every exercise is registered once, with `@exercise(id, title, answer=...)` on its
+checker. `answer` is the name the student defines (the grader looks for it in the
+notebook). A checker is a plain function `checker(answer, seed, timeout)` that
+returns a short summary of what it tried, or raises `Fail("what was wrong")`:
+
+* a checker for a collective runs the answer on real ranks with `pplab.launch`,
+  compares every rank with a reference, and forbids the library collective the
+  exercise replaces (`watch_comm`);
+* a checker for a numeric answer (a bubble fraction, a byte count) just compares
+  a number (`check_number`), no ranks needed.
+
+Inputs are random, from a seed drawn fresh on every call (os.urandom) unless you
+pass seed=, so an answer cannot be tuned to them; a failure says which seed
+reproduces it.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import math
+import os
+import random
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from . import comm
+from .launcher import LaunchError, launch
+
+# ----------------------------------------------------------------------------------
+# The registry
+
+
+class Fail(Exception):
+    """Raised by a checker (or inside a rank) with the message the student will read.
+
+    seed_matters=False for failures that no other input would change (nothing written
+    yet, a forbidden call): their message does not offer the seed.
+    """
+
+    def __init__(self, message: str, seed_matters: bool = True):
+        super().__init__(message)
+        self.seed_matters = seed_matters
+
+
+class Forbidden(Fail):
+    """The answer called (or names) a library function the exercise asks to replace."""
+
+    def __init__(self, message: str):
+        super().__init__(message, seed_matters=False)
+
+
+@dataclass(frozen=True)
+class Exercise:
+    id: str
+    title: str
+    answer: str                          # the name the student defines: a function or a variable
+    checker: Callable                    # checker(answer, seed, timeout) -> summary, or raise Fail
+    notebook: str = ""                   # where the exercise lives, for messages and the grader
+
+
+EXERCISES: dict[str, Exercise] = {}
+
+
+def exercise(id: str, title: str, answer: str, notebook: str = ""):
+    """Register the decorated function as the checker of exercise `id`."""
+    def register(checker):
+        EXERCISES[id] = Exercise(id, title, answer, checker, notebook)
+        return checker
+    return register
+
+
+@dataclass
+class CheckResult:
+    """What `check` found. Truthy if and only if the answer passed."""
+
+    exercise: str
+    passed: bool
+    message: str
+    seed: int
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    def __str__(self) -> str:
+        return f"{'✔' if self.passed else '✘'} {self.exercise}: {self.message}"
+
+    def __repr__(self) -> str:
+        return f"<CheckResult {self.exercise}: {'passed' if self.passed else 'failed'}>"
+
+
+def get_exercise(exercise_id: str) -> Exercise:
+    if exercise_id not in EXERCISES:
+        known = ", ".join(sorted(EXERCISES)) or "(none)"
+        raise ValueError(f"unknown exercise {exercise_id!r}: the exercises are {known}")
+    return EXERCISES[exercise_id]
+
+
+def run_check(exercise_id: str, answer, *, seed: int | None = None, timeout: float = 30.0) -> CheckResult:
+    """Check `answer` against exercise `exercise_id` without printing anything.
+
+    timeout: seconds each launch of ranks may take before the ranks still running are
+    reported as hung (a check launches once per world size).
+    """
+    ex = get_exercise(exercise_id)
+    if seed is None:
+        seed = int.from_bytes(os.urandom(4), "little")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+        raise ValueError(f"seed must be a whole number from 0 to 2**32 - 1, got {seed!r}")
+    try:
+        if answer is None or answer is Ellipsis:
+            raise Fail(f"{ex.answer} has no answer yet.", seed_matters=False)
+        summary = ex.checker(answer, seed, timeout)
+    except Fail as failure:
+        hint = f" Re-run with seed={seed} to reproduce." if failure.seed_matters else ""
+        return CheckResult(ex.id, False, f"{failure}{hint}", seed)
+    return CheckResult(ex.id, True, f"passed {summary}", seed)
+
+
+def check(exercise_id: str, answer, *, seed: int | None = None, timeout: float = 30.0) -> CheckResult:
+    """Check your answer to an exercise, print ✔ or ✘ with what was wrong, return the result.
+
+        result = pplab.check("broadcast", my_broadcast)
+        assert result                # truthy if and only if it passed
+
+    seed: fix the random inputs (a failure prints the seed that reproduces it).
+    timeout: seconds per launch of ranks before a rank still waiting is called hung.
+    """
+    result = run_check(exercise_id, answer, seed=seed, timeout=timeout)
+    print(result, flush=True)
+    return result
+
+
+# ----------------------------------------------------------------------------------
+# Helpers for checkers
+
+
+def check_number(got, expected: float, *, what: str, rel_tol: float = 1e-6, abs_tol: float = 1e-12) -> str:
+    """A numeric answer: pass if math.isclose(got, expected), else Fail saying both."""
+    if isinstance(got, bool) or not isinstance(got, (int, float)) or isinstance(got, complex):
+        if isinstance(got, torch.Tensor) and got.numel() == 1:
+            got = got.item()
+        else:
+            raise Fail(f"{what} should be a number, got {type(got).__name__} {got!r}.", seed_matters=False)
+    if not math.isclose(got, expected, rel_tol=rel_tol, abs_tol=abs_tol):
+        raise Fail(f"{what} is {got:.6g}, expected {expected:.6g} (relative tolerance {rel_tol:g}).")
+    return f"({what} = {got:.6g})"
+
+
+def first_difference(got: torch.Tensor, expected: torch.Tensor, *, atol=0.0, rtol=0.0):
+    """(index, got value, expected value) of the first element that differs, or None.
+
+    The index is an int for 1-D tensors, a tuple otherwise. atol=rtol=0 means exact.
+    """
+    if got.shape != expected.shape:
+        raise ValueError(f"shapes differ: {tuple(got.shape)} vs {tuple(expected.shape)}")
+    if atol or rtol:
+        bad = ~torch.isclose(got, expected, atol=atol, rtol=rtol)
+    else:
+        bad = got != expected
+    flat = bad.flatten().nonzero()
+    if flat.numel() == 0:
+        return None
+    i = int(flat[0])
+    index = tuple(int(k) for k in torch.unravel_index(torch.tensor(i), got.shape)) if got.dim() != 1 else i
+    return index, got.flatten()[i].item(), expected.flatten()[i].item()
+
+
+def _fmt(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+# What a student may not call when an exercise asks them to build a collective from
+# point-to-point operations. Looked up by name so a missing one (older torch) is skipped.
+_TORCH_COLLECTIVES = (
+    "broadcast", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor", "_all_gather_base",
+    "reduce_scatter", "reduce_scatter_tensor", "_reduce_scatter_base", "gather", "scatter",
+    "all_to_all", "all_to_all_single", "broadcast_object_list", "all_gather_object", "gather_object",
+    "scatter_object_list", "all_reduce_coalesced", "all_gather_coalesced")
+_COMM_COLLECTIVES = ("broadcast", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor",
+                     "reduce_scatter_tensor", "gather", "scatter", "all_to_all_single")
+# Every torch.distributed collective ends in a method of the process group: blocking
+# these too catches a collective imported by name (`from torch.distributed import broadcast`).
+_PROCESS_GROUP_COLLECTIVES = (
+    "broadcast", "allreduce", "allreduce_coalesced", "reduce", "allgather", "_allgather_base",
+    "allgather_coalesced", "allgather_into_tensor_coalesced", "reduce_scatter", "_reduce_scatter_base",
+    "reduce_scatter_tensor_coalesced", "gather", "scatter", "alltoall", "alltoall_base")
+
+
+def _collectives_module():
+    """pplab.collectives (the course's own collectives built from p2p), if there is one."""
+    try:
+        return importlib.import_module("pplab.collectives")
+    except ImportError:
+        return None
+
+
+def _forbidden_targets():
+    """(owner, shown name, attribute) of every collective an exercise may forbid."""
+    targets = [(dist, f"torch.distributed.{n}", n) for n in _TORCH_COLLECTIVES]
+    targets += [(comm, f"pplab.comm.{n}", n) for n in _COMM_COLLECTIVES]
+    module = _collectives_module()
+    if module is not None:
+        targets += [(module, f"pplab.collectives.{n}", n) for n, f in vars(module).items()
+                    if inspect.isfunction(f) and f.__module__ == module.__name__ and not n.startswith("_")]
+    targets += [(dist.ProcessGroup, f"a library collective (ProcessGroup.{n})", n)
+                for n in _PROCESS_GROUP_COLLECTIVES]
+    return [(owner, shown, n) for owner, shown, n in targets if hasattr(owner, n)]
+
+
+def _forbidden_message(exercise_id: str, builds: str, shown: str, verb: str = "called") -> str:
+    replaced = shown.rsplit(".", 1)[-1].rstrip(")") in (builds, {"all_reduce": "allreduce"}.get(builds))
+    what = "the library collective it replaces" if replaced else "a library collective"
+    return (f"exercise '{exercise_id}' asks you to build {builds} from point-to-point sends and receives "
+            f"(pplab.comm.send/recv/isend/irecv); you {verb} {shown}, {what}.")
+
+
+def forbidden_references(fn, exercise_id: str, builds: str) -> str | None:
+    """A Fail message if `fn` (or a function of the student's it calls) names a forbidden
+    collective imported by name (e.g. `from pplab.collectives import broadcast`), else None.
+
+    Calls through a module (`dist.broadcast(...)`) are caught when they run (watch_comm);
+    a name bound before the check would slip past that, so look for it here.
+    """
+    forbidden = {id(getattr(owner, n)): shown for owner, shown, n in _forbidden_targets()
+                 if owner is not dist.ProcessGroup}
+    seen, todo = set(), [fn]
+    while todo:
+        f = todo.pop()
+        code = getattr(f, "__code__", None)
+        if code is None or id(f) in seen:
+            continue
+        seen.add(id(f))
+        names, codes = set(), [code]
+        while codes:                                    # nested functions and comprehensions too
+            c = codes.pop()
+            names |= set(c.co_names) | set(c.co_freevars)
+            codes += [k for k in c.co_consts if inspect.iscode(k)]
+        cells = {}
+        for name, cell in zip(code.co_freevars, f.__closure__ or ()):
+            with contextlib.suppress(ValueError):       # an empty cell
+                cells[name] = cell.cell_contents
+        for name in sorted(names):
+            value = cells.get(name, getattr(f, "__globals__", {}).get(name))
+            if id(value) in forbidden and value is not None:
+                return _forbidden_message(exercise_id, builds, forbidden[id(value)], verb="use")
+            if inspect.isfunction(value) and value.__module__ == getattr(fn, "__module__", None):
+                todo.append(value)                      # a helper of the student's: look inside
+    return None
+
+
+class CommWatch:
+    """What the code on this rank did while watched: forbidden calls, receives posted."""
+
+    def __init__(self):
+        self.forbidden: list[str] = []
+        self.receives = 0
+
+    def raise_if_forbidden(self):
+        """A forbidden call the student's code caught and ignored still fails the check."""
+        if self.forbidden:
+            raise Forbidden(self.forbidden[0])
+
+
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def watch_comm(exercise_id: str, builds: str):
+    """Inside a rank: make every library collective raise a clear error, and count the
+    point-to-point receives this rank posts (at the process group, so receives through
+    pplab.comm and torch.distributed, blocking or not, all count). Restored on exit.
+    """
+    watch = CommWatch()
+    saved = []
+
+    def blocked(shown):
+        def collective(*args, **kwargs):
+            message = _forbidden_message(exercise_id, builds, shown)
+            watch.forbidden.append(message)
+            raise Forbidden(message)
+        return collective
+
+    def counted(original):
+        def receive(*args, **kwargs):
+            watch.receives += 1
+            return original(*args, **kwargs)
+        return receive
+
+    def replace(owner, name, new):
+        # Save the attribute as stored (vars), not as looked up: a pybind method looked up
+        # on its class loses its binding, and an inherited one must be deleted, not copied.
+        saved.append((owner, name, vars(owner).get(name, _MISSING)))
+        setattr(owner, name, new)
+
+    try:
+        for owner, shown, name in _forbidden_targets():
+            replace(owner, name, blocked(shown))
+        for name in ("recv", "recv_anysource"):
+            if hasattr(dist.ProcessGroup, name):
+                replace(dist.ProcessGroup, name, counted(getattr(dist.ProcessGroup, name)))
+        yield watch
+    finally:
+        for owner, name, original in reversed(saved):
+            if original is _MISSING:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+
+
+def _last_exception(traceback_text: str) -> tuple[str, str]:
+    """('ExceptionType', 'message') of the last exception in a formatted traceback."""
+    block = traceback_text.rstrip().split("Traceback (most recent call last):")[-1]
+    lines = block.splitlines()
+    start = next((i for i in range(1, len(lines)) if lines[i] and not lines[i].startswith(" ")), len(lines) - 1)
+    text = "\n".join(lines[start:]).strip()
+    kind, _, message = text.partition(": ")
+    return kind.rsplit(".", 1)[-1], message.strip()
+
+
+def _student_frame(traceback_text: str, filename: str) -> str:
+    """' (in f, line 9: `comm.send(x, 3)`)' for the deepest frame in the student's file."""
+    frames = re.findall(r'File "(.*?)", line (\d+), in (\S+)\n(?: {4}(.*)\n)?', traceback_text + "\n")
+    mine = [f for f in frames if f[0] == filename]
+    if not mine:
+        return ""
+    _, line, func, code = mine[-1]
+    return f" (in {func}, line {line}" + (f": `{code.strip()}`)" if code else ")")
+
+
+def run_on_ranks(job, *args, world_size: int, timeout: float, answer=None, describe=None):
+    """launch(job, *args) on `world_size` ranks, turning every way it can fail into a Fail.
+
+    `job` gets a progress directory as its last argument and writes the number of the
+    trial it is on to PROGRESS/<rank> (`progress(...)`), so a failure or a hang can say
+    which trial it was: `describe(world_size, trial)` words it, and every message starts
+    with it ("world_size=3, src=1, ...: rank 2's result differs ...").
+    """
+    directory = tempfile.mkdtemp(prefix="pplab-check-")
+    try:
+        return launch(job, *args, directory, world_size=world_size, timeout=timeout, backend="gloo")
+    except LaunchError as err:
+        def trial_of(rank):
+            with contextlib.suppress(OSError, ValueError):
+                with open(os.path.join(directory, str(rank))) as f:
+                    return int(f.read())
+            return None
+
+        def where(rank):
+            trial = trial_of(rank)
+            if describe is None or trial is None:
+                return f"world_size={world_size}: "
+            return f"{describe(world_size, trial)}: "
+
+        name = getattr(answer, "__name__", "your function")
+        if err.running:                                      # a hang
+            ranks = ", ".join(map(str, err.running))
+            several = len(err.running) > 1
+            raise Fail(f"{where(err.running[0])}rank{'s' if several else ''} {ranks} "
+                       f"{'were' if several else 'was'} still waiting after {timeout:g} s: a deadlock? Every "
+                       f"recv needs a matching send from the rank it names, and a rank that waits to receive "
+                       f"before it sends waits forever if its sender is waiting too.") from None
+        if err.rank in err.tracebacks:                       # a rank raised
+            text = err.tracebacks[err.rank]
+            kind, message = _last_exception(text)
+            if kind == "Forbidden":                          # the same whatever the trial
+                raise Forbidden(message) from None
+            if kind == "Fail":                               # a check inside the rank failed
+                raise Fail(where(err.rank) + message) from None
+            if kind == "NotImplementedError":
+                raise Fail(f"{name} is not implemented yet (it raises NotImplementedError): write your "
+                           f"solution in its cell, run that cell, then run the check again.",
+                           seed_matters=False) from None
+            filename = getattr(getattr(answer, "__code__", None), "co_filename", None)
+            frame = _student_frame(text, filename) if filename else ""
+            raise Fail(f"{where(err.rank)}rank {err.rank} raised {kind}: {message}{frame}.") from None
+        first_line = str(err).split("\n")[0]                 # a rank died
+        raise Fail(where(err.rank if err.rank is not None else 0) + first_line) from None
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def progress(directory: str, trial: int) -> None:
+    """Inside a rank: note the trial this rank is on (see run_on_ranks)."""
+    with open(os.path.join(directory, str(dist.get_rank())), "w") as f:
+        f.write(str(trial))
+
+
+# ----------------------------------------------------------------------------------
+# Exercise "broadcast": build broadcast from point-to-point operations
+
+
+@dataclass(frozen=True)
+class _Trial:
+    src: int
+    dtype: str
+    shape: tuple
+
+
+_BROADCAST_CASES = [("float32", (17,)), ("int64", (1,)), ("float32", (3, 5)), ("int64", (2, 3, 4)),
+                    ("float32", (1,)), ("float32", (1000,))]
+
+
+def _broadcast_trials(seed: int, world_size: int) -> list[_Trial]:
+    """Every src at least once (in random order), every dtype/shape case once."""
+    rng = random.Random(seed * 31 + world_size)
+    sources = list(range(world_size))
+    rng.shuffle(sources)
+    cases = list(_BROADCAST_CASES)
+    rng.shuffle(cases)
+    n = max(world_size, len(cases))
+    return [_Trial(sources[i % world_size], *cases[i % len(cases)]) for i in range(n)]
+
+
+def _broadcast_inputs(seed: int, world_size: int, index: int, trial: _Trial) -> list[torch.Tensor]:
+    """A different random tensor for every rank; every rank can compute all of them."""
+    g = torch.Generator().manual_seed(seed * 1000 + world_size * 100 + index)
+    if trial.dtype == "int64":
+        return [torch.randint(-10**6, 10**6, trial.shape, generator=g) for _ in range(world_size)]
+    return [torch.randn(trial.shape, generator=g) for _ in range(world_size)]
+
+
+def _describe(trials):
+    def describe(world_size, i):
+        t = trials[world_size][i]
+        return f"world_size={world_size}, src={t.src}, dtype={t.dtype}, shape={t.shape}"
+    return describe
+
+
+def _broadcast_rank(fn, trials, seed, progress_dir):
+    """Run on every rank: call the student's fn on each trial and check this rank's tensor."""
+    rank, p = dist.get_rank(), dist.get_world_size()
+    name = getattr(fn, "__name__", "your function")
+    with watch_comm("broadcast", "broadcast") as watch:
+        for i, trial in enumerate(trials):
+            progress(progress_dir, i)
+            inputs = _broadcast_inputs(seed, p, i, trial)
+            tensor = inputs[rank].clone()
+            received = watch.receives
+            returned = fn(tensor, trial.src)
+            watch.raise_if_forbidden()
+            expected = inputs[trial.src]
+            if tensor.dtype != expected.dtype or tensor.shape != expected.shape:
+                raise Fail(f"rank {rank}'s tensor changed from {expected.dtype}{tuple(expected.shape)} to "
+                           f"{tensor.dtype}{tuple(tensor.shape)}: write the values into it, keep its dtype "
+                           f"and shape.")
+            diff = first_difference(tensor, expected)
+            if diff is not None:
+                new = isinstance(returned, torch.Tensor) and returned is not tensor
+                if new and returned.shape == expected.shape and torch.equal(returned, expected.to(returned.dtype)):
+                    raise Fail(f"{name} returned the result as a new tensor on rank {rank} but left `tensor` "
+                               f"unchanged: write into `tensor` itself, in place, as torch.distributed.broadcast "
+                               f"does (recv into it, or tensor.copy_(result)).")
+                index, got, want = diff
+                if rank == trial.src:
+                    raise Fail(f"rank {rank} is the src, so its tensor must stay as it was, but it changed at "
+                               f"index {index} (got {_fmt(got)}, expected {_fmt(want)}).")
+                raise Fail(f"rank {rank}'s result differs from the reference (rank {trial.src}'s tensor, the src) "
+                           f"at index {index} (got {_fmt(got)}, expected {_fmt(want)}).")
+            if rank != trial.src and watch.receives == received:
+                raise Fail(f"rank {rank} ended with the right values but received no point-to-point message: "
+                           f"the data must travel with send/recv (pplab.comm or torch.distributed), not another "
+                           f"way.")
+    return True
+
+
+@exercise("broadcast", "Broadcast built from point-to-point messages", answer="my_broadcast",
+          notebook="00_broadcast")
+def check_broadcast(fn, seed: int, timeout: float) -> str:
+    """my_broadcast(tensor, src), called on every rank, leaves every rank's tensor equal to
+    rank src's, in place, using only point-to-point operations."""
+    if not callable(fn):
+        raise Fail(f"pass your function itself: pplab.check('broadcast', my_broadcast), got {type(fn).__name__}.",
+                   seed_matters=False)
+    try:
+        inspect.signature(fn).bind(torch.zeros(1), 0)
+    except TypeError:
+        raise Fail(f"{fn.__name__} must take (tensor, src); yours takes {inspect.signature(fn)}.",
+                   seed_matters=False) from None
+    except ValueError:
+        pass                                             # no signature to inspect (a builtin)
+    reference = forbidden_references(fn, "broadcast", "broadcast")
+    if reference:
+        raise Forbidden(reference)
+    sizes = (2, 3, 4)                                    # 3: not a power of two
+    trials = {p: _broadcast_trials(seed, p) for p in sizes}
+    for p in sizes:
+        run_on_ranks(_broadcast_rank, fn, trials[p], seed, world_size=p, timeout=timeout,
+                     answer=fn, describe=_describe(trials))
+    n = sum(len(t) for t in trials.values())
+    return (f"on world sizes {', '.join(map(str, sizes))} ({n} trials with random data: every src, "
+            f"float32 and int64, 1 to 1000 elements, exact match)")

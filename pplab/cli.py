@@ -1,0 +1,76 @@
+"""The `pplab` command.
+
+    pplab exercises [--check]                  write exercises/ from solutions/ (or name what is stale)
+    pplab grade SUBMISSIONS --out grades.csv   run and score every submitted notebook
+    pplab list                                 the exercises and the name each one asks you to define
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="pplab", description="pplab course tools")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    ex = sub.add_parser("exercises", help="write exercises/*.ipynb from solutions/*.ipynb")
+    ex.add_argument("--check", action="store_true", help="write nothing; exit 1 if exercises/ is out of date")
+    ex.add_argument("--solutions", default="solutions", help="folder of solution notebooks (default: solutions)")
+    ex.add_argument("--exercises", default="exercises", help="folder to write (default: exercises)")
+
+    gr = sub.add_parser("grade", help="run every submitted notebook and write one row per student")
+    gr.add_argument("submissions", help="folder of DIR/<student>.ipynb or DIR/<student>/*.ipynb")
+    gr.add_argument("--out", default="grades.csv", help="CSV to write (default: grades.csv)")
+    gr.add_argument("--timeout", type=float, default=600.0,
+                    help="seconds per submitted notebook before it is killed (default: 600)")
+    gr.add_argument("--cell-timeout", type=float, default=120.0,
+                    help="seconds per cell before the kernel is interrupted (default: 120)")
+    gr.add_argument("--check-timeout", type=float, default=30.0,
+                    help="seconds per launch of ranks in a check before it counts as hung (default: 30)")
+    gr.add_argument("--jobs", type=int, default=1, help="notebooks graded at the same time (default: 1)")
+
+    sub.add_parser("list", help="list the exercises")
+
+    args = parser.parse_args(argv)
+    if args.command == "exercises":
+        from .grading import sync_exercises
+
+        try:
+            problems = sync_exercises(args.solutions, args.exercises, check=args.check)
+        except (FileNotFoundError, ValueError) as err:
+            print(f"pplab exercises: {err}", file=sys.stderr)
+            return 2
+        if args.check:
+            if problems:
+                print(f"out of date in {args.exercises}/: {', '.join(problems)}. "
+                      f"Run `pplab exercises` to regenerate.", file=sys.stderr)
+                return 1
+            print(f"{args.exercises}/ is up to date")
+            return 0
+        for p in problems:
+            print(("left alone: " if "no solution" in p else "wrote: ") + p)
+        return 0
+    if args.command == "grade":
+        from .grading import grade
+
+        try:
+            rows = grade(args.submissions, args.out, timeout=args.timeout, cell_timeout=args.cell_timeout,
+                         check_timeout=args.check_timeout, jobs=args.jobs,
+                         log=lambda line: print(line, file=sys.stderr, flush=True))
+        except (FileNotFoundError, ValueError) as err:
+            print(f"pplab grade: {err}", file=sys.stderr)
+            return 2
+        print(f"wrote {args.out}: {len(rows)} student(s)")
+        return 0
+    if args.command == "list":
+        from .checks import EXERCISES
+
+        for e in EXERCISES.values():
+            print(f"{e.id:<20} define {e.answer:<20} {e.title}" + (f" ({e.notebook})" if e.notebook else ""))
+        return 0
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

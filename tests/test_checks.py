@@ -1,0 +1,217 @@
+"""pplab.check: the solution passes, the stub and every plausible wrong answer fail with
+a message that says what was wrong."""
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+import torch
+import torch.distributed as dist
+
+import pplab
+from pplab import checks, comm
+from pplab.grading import exercise_notebook
+from wrong_solutions import WRONG
+
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def notebook_function(nb, name):
+    """Run the code cells of `nb` up to the one that defines `name`; return it.
+
+    The solution lives only in the notebook: the tests take it from there."""
+    namespace = {"__name__": f"notebook_{name}"}
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        exec(compile(cell.source, f"<{name} notebook cell {i}>", "exec"), namespace)
+        if re.search(rf"^def {name}\(", cell.source, re.M):
+            return namespace[name]
+    raise AssertionError(f"no cell defines {name}")
+
+
+def solution(exercise_id):
+    ex = checks.get_exercise(exercise_id)
+    return notebook_function(nbformat.read(REPO / "solutions" / f"{ex.notebook}.ipynb", 4), ex.answer)
+
+
+def stub(exercise_id):
+    ex = checks.get_exercise(exercise_id)
+    nb = exercise_notebook(nbformat.read(REPO / "solutions" / f"{ex.notebook}.ipynb", 4))
+    return notebook_function(nb, ex.answer)
+
+
+@pytest.mark.parametrize("exercise_id", sorted(checks.EXERCISES))
+def test_solution_passes(exercise_id, capsys):
+    result = checks.check(exercise_id, solution(exercise_id))
+    out = capsys.readouterr().out
+    assert result and result.passed, result.message
+    assert out.startswith(f"✔ {exercise_id}: passed")
+    if exercise_id == "broadcast":
+        assert "on world sizes 2, 3, 4" in result.message
+
+
+@pytest.mark.parametrize("exercise_id", sorted(checks.EXERCISES))
+def test_stub_fails_as_not_implemented(exercise_id, capsys):
+    result = checks.check(exercise_id, stub(exercise_id))
+    assert not result
+    assert "is not implemented yet" in result.message
+    assert "seed=" not in result.message                 # no input would change that
+    assert capsys.readouterr().out.startswith(f"✘ {exercise_id}: ")
+
+
+CASES = [(ex, fn, patterns, timeout) for ex, cases in WRONG.items() for fn, patterns, timeout in cases]
+
+
+@pytest.mark.parametrize("exercise_id, fn, patterns, timeout", CASES, ids=[c[1].__name__ for c in CASES])
+def test_wrong_answer_fails_with_a_clear_message(exercise_id, fn, patterns, timeout):
+    result = checks.run_check(exercise_id, fn, timeout=timeout or 30.0)
+    assert not result
+    for pattern in patterns:
+        assert re.search(pattern, result.message), f"{pattern!r} not in: {result.message}"
+
+
+def test_every_exercise_has_wrong_answers():
+    assert set(WRONG) == set(checks.EXERCISES)
+
+
+# -- other correct answers pass: the check asks for a result, not for one algorithm --
+
+def linear_with_torch_distributed(tensor, src):
+    if dist.get_rank() == src:
+        for r in range(dist.get_world_size()):
+            if r != src:
+                dist.send(tensor, r)
+    else:
+        dist.recv(tensor, src)
+
+
+def tree_with_nonblocking_sends(tensor, src):
+    rank, p = comm.rank(), comm.world_size()
+    me, mask = (rank - src) % p, 1
+    while mask < p:                       # receive in my round, then post all my sends at once
+        if mask <= me < 2 * mask:
+            comm.irecv(tensor, (me - mask + src) % p).wait()
+        mask *= 2
+    handles = []
+    while mask > 1:
+        mask //= 2
+        if me < mask and me + mask < p:
+            handles.append(comm.isend(tensor, (me + mask + src) % p))
+    for h in handles:
+        h.wait()
+
+
+@pytest.mark.parametrize("fn", [linear_with_torch_distributed, tree_with_nonblocking_sends])
+def test_other_correct_broadcasts_pass(fn):
+    result = checks.run_check("broadcast", fn)
+    assert result, result.message
+
+
+# -- library collectives are refused ------------------------------------------------
+
+def test_course_collectives_are_refused_too():
+    collectives = pytest.importorskip("pplab.collectives")
+    if not hasattr(collectives, "broadcast"):
+        pytest.skip("pplab.collectives has no broadcast")
+    bc = collectives.broadcast
+
+    def through_module(tensor, src):
+        collectives.broadcast(tensor, src)
+
+    def imported_by_name(tensor, src):
+        bc(tensor, src)
+
+    result = checks.run_check("broadcast", through_module)
+    assert "you called pplab.collectives.broadcast, the library collective it replaces" in result.message
+    result = checks.run_check("broadcast", imported_by_name)
+    assert "you use pplab.collectives.broadcast" in result.message
+
+
+def test_forbidden_collectives_come_back_after_the_watch():
+    """The launcher's own end-of-run barrier and any later code need the real collectives."""
+    def job():
+        t = torch.ones(3) * dist.get_rank()
+        with checks.watch_comm("broadcast", "broadcast") as watch:
+            with pytest.raises(checks.Forbidden, match="torch.distributed.all_reduce"):
+                dist.all_reduce(t)
+            if dist.get_rank() == 0:
+                dist.send(t, 1)
+            else:
+                dist.recv(t, 0)
+        dist.broadcast(t, 1)
+        comm.all_reduce(t)
+        return watch.receives, len(watch.forbidden), t.tolist()
+
+    assert pplab.launch(job, world_size=2) == [(0, 1, [0.0, 0.0, 0.0]), (1, 1, [0.0, 0.0, 0.0])]
+
+
+# -- the check itself -------------------------------------------------------------
+
+def test_the_seed_reproduces_a_failure():
+    from wrong_solutions import broadcast_to_next_only
+
+    first = checks.run_check("broadcast", broadcast_to_next_only, seed=12345)
+    again = checks.run_check("broadcast", broadcast_to_next_only, seed=12345)
+    assert first.message == again.message and first.seed == 12345
+    assert "Re-run with seed=12345 to reproduce." in first.message
+    # without a seed, the inputs come from os.urandom: a fresh seed every time
+    assert len({checks.run_check("broadcast", broadcast_to_next_only).seed for _ in range(2)}) == 2
+
+
+def test_trials_cover_every_src_dtype_and_shape():
+    for p in (2, 3, 4):
+        trials = checks._broadcast_trials(7, p)
+        assert {t.src for t in trials} == set(range(p))
+        assert {(t.dtype, t.shape) for t in trials} == set(checks._BROADCAST_CASES)
+        assert any(t.shape == (1,) for t in trials) and any(t.src != 0 for t in trials)
+    assert checks._broadcast_trials(1, 4) != checks._broadcast_trials(2, 4)
+
+
+def test_unknown_exercise_lists_the_known_ones():
+    with pytest.raises(ValueError, match=r"unknown exercise 'brodcast': the exercises are .*broadcast"):
+        checks.check("brodcast", print)
+
+
+def test_wrong_signature_and_missing_answer():
+    result = checks.run_check("broadcast", lambda tensor: None)
+    assert "must take (tensor, src); yours takes (tensor)" in result.message
+    assert "pass your function itself" in checks.run_check("broadcast", 42).message
+    assert "has no answer yet" in checks.run_check("broadcast", None).message
+
+
+def test_result_prints_once_and_is_truthy_only_on_pass(capsys):
+    from wrong_solutions import broadcast_with_library
+
+    result = pplab.checks.check("broadcast", broadcast_with_library)
+    out = capsys.readouterr().out
+    assert out.count("✘ broadcast: exercise 'broadcast' asks you to build broadcast") == 1
+    assert not result and bool(checks.CheckResult("x", True, "passed", 0))
+    assert repr(result) == "<CheckResult broadcast: failed>"
+
+
+def test_first_difference():
+    a = torch.arange(12.0).reshape(3, 4)
+    b = a.clone()
+    assert checks.first_difference(a, b) is None
+    b[1, 2] = 99.0
+    assert checks.first_difference(a, b) == ((1, 2), 6.0, 99.0)
+    assert checks.first_difference(a[0], b[0] + 1e-7, atol=1e-6) is None
+    assert checks.first_difference(torch.tensor([5, 6]), torch.tensor([5, 7])) == (1, 6, 7)
+
+
+def test_a_numeric_exercise_needs_no_ranks():
+    """Later chapters register numeric answers (a bubble fraction): a plain function."""
+    @checks.exercise("test_bubble", "GPipe bubble fraction, p=4 stages, m=8 micro-batches", answer="bubble")
+    def check_bubble(answer, seed, timeout):
+        return checks.check_number(answer, (4 - 1) / (8 + 4 - 1), what="the bubble fraction", rel_tol=1e-3)
+
+    try:
+        assert checks.run_check("test_bubble", 3 / 11)
+        wrong = checks.run_check("test_bubble", 3 / 12)
+        assert not wrong and "the bubble fraction is 0.25, expected 0.272727" in wrong.message
+        assert "should be a number, got str" in checks.run_check("test_bubble", "3/11").message
+    finally:
+        del checks.EXERCISES["test_bubble"]

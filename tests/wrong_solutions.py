@@ -1,0 +1,119 @@
+"""Plausible wrong answers to the exercises, each a mistake a student could make.
+
+WRONG[exercise_id] lists (function, regular expressions the check's message must match,
+timeout for the check or None for the default). tests/test_checks.py checks that every
+one of them fails with that message.
+"""
+import torch.distributed as dist
+from torch.distributed import _functional_collectives as funcol
+from torch.distributed import broadcast as imported_broadcast
+
+from pplab import comm
+
+
+def _rounds(p):
+    """The masks of a binomial tree: 1, 2, 4, ... below p."""
+    mask = 1
+    while mask < p:
+        yield mask
+        mask *= 2
+
+
+def broadcast_ignores_src(tensor, src):
+    """A binomial tree rooted at rank 0 whatever src says: right only when src == 0."""
+    rank, p = comm.rank(), comm.world_size()
+    for mask in _rounds(p):
+        if rank < mask and rank + mask < p:
+            comm.send(tensor, rank + mask)
+        elif mask <= rank < 2 * mask:
+            comm.recv(tensor, rank - mask)
+
+
+def broadcast_to_next_only(tensor, src):
+    """src sends to its neighbour and stops: right for 2 ranks, wrong for 3 or more."""
+    rank, p = comm.rank(), comm.world_size()
+    if rank == src:
+        comm.send(tensor, (src + 1) % p)
+    elif rank == (src + 1) % p:
+        comm.recv(tensor, src)
+
+
+def broadcast_with_library(tensor, src):
+    """Calls the collective the exercise asks to build."""
+    dist.broadcast(tensor, src)
+
+
+def broadcast_with_imported_library(tensor, src):
+    """The same, with the collective imported by name before the check started."""
+    imported_broadcast(tensor, src)
+
+
+def broadcast_returns_new_tensor(tensor, src):
+    """Receives into a new tensor and returns it, leaving the caller's tensor as it was."""
+    rank, p = comm.rank(), comm.world_size()
+    out = tensor.clone()
+    if rank == src:
+        for r in range(p):
+            if r != src:
+                comm.send(out, r)
+    else:
+        comm.recv(out, src)
+    return out
+
+
+def broadcast_receives_first(tensor, src):
+    """Every rank (src included) waits for its predecessor before sending on: a deadlock."""
+    rank, p = comm.rank(), comm.world_size()
+    comm.recv(tensor, (rank - 1) % p)
+    if (rank + 1) % p != src:
+        comm.send(tensor, (rank + 1) % p)
+
+
+def broadcast_forgets_wraparound(tensor, src):
+    """A binomial tree rooted at src that forgets `% p` when turning a relative rank back
+    into a real one: it sends past the last rank as soon as src != 0."""
+    rank, p = comm.rank(), comm.world_size()
+    relative = (rank - src) % p
+    for mask in _rounds(p):
+        if relative < mask and relative + mask < p:
+            comm.send(tensor, relative + mask + src)
+        elif mask <= relative < 2 * mask:
+            comm.recv(tensor, (relative - mask + src) % p)
+
+
+def broadcast_via_functional_collective(tensor, src):
+    """Gets the right values without a single send or recv (a functional collective the
+    check does not intercept by name): the check sees that nothing was received."""
+    out = funcol.broadcast(tensor, src, dist.group.WORLD)
+    tensor.copy_(out.wait() if hasattr(out, "wait") else out)
+
+
+# Which rank reports first when several fail at once is a race: patterns allow either.
+TRIAL = r"^world_size=\d, src=\d, dtype=(float32|int64), shape=\([\d, ]*\): "
+WRONG = {
+    "broadcast": [
+        (broadcast_ignores_src,
+         [TRIAL, r"src=[1-9]",
+          r"(result differs from the reference|is the src, so its tensor must stay as it was, but it changed)"],
+         None),
+        (broadcast_to_next_only,
+         [r"^world_size=[34], .*: rank \d's result differs from the reference \(rank \d's tensor, the src\) "
+          r"at index [\d(]"], None),
+        (broadcast_with_library,
+         [r"^exercise 'broadcast' asks you to build broadcast from point-to-point sends and receives",
+          r"you called torch\.distributed\.broadcast, the library collective it replaces\.$"], None),
+        (broadcast_with_imported_library,
+         [r"you use torch\.distributed\.broadcast, the library collective it replaces\.$"], None),
+        (broadcast_returns_new_tensor,
+         [TRIAL, r"returned the result as a new tensor on rank \d but left `tensor` unchanged", r"in place"],
+         None),
+        (broadcast_receives_first,
+         [r"^world_size=2\b.*: ranks 0, 1 were still waiting after 3 s: a deadlock\?"], 3.0),
+        (broadcast_forgets_wraparound,
+         [TRIAL, r"rank \d raised ValueError: dst=\d is not a rank",
+          r"\(in broadcast_forgets_wraparound, line \d+: `comm\.send\(tensor, relative \+ mask \+ src\)`\)"],
+         None),
+        (broadcast_via_functional_collective,
+         [TRIAL, r"rank \d ended with the right values but received no point-to-point message"], None),
+    ],
+}
