@@ -244,6 +244,12 @@ class Timeline:
         self.source = source
         self.unit = unit
         self.memory_unit = memory_unit
+        # An isend is only "done" when its rank waits on it, which may be much later than
+        # the data arrived. Its message cannot still be in flight once the matching
+        # receive has completed, so end the send there at the latest.
+        for send, recv in self.messages():
+            if send.end > recv.end:
+                send.end = max(send.start, recv.end)
 
     # -- selection --------------------------------------------------------------
     def select(self, rank=None, category=None, kind=None) -> list[Event]:

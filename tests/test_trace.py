@@ -99,3 +99,10 @@ def test_nested_spans_and_utilisation_by_hand():
 def test_hold_rejects_what_it_cannot_measure():
     with pytest.raises(TypeError, match="trace.hold/release take a tensor"):
         trace.hold("activations")
+
+
+def test_a_send_waited_on_late_ends_when_its_receive_did():
+    ev = [Event(0, "send", "comm", 0.0, 9.0, bytes_sent=4, peer=1, seq=0),      # waited on at t=9
+          Event(1, "recv", "comm", 0.5, 2.0, bytes_recv=4, peer=0, seq=0)]
+    (send,) = Timeline(ev).select(0, "comm")
+    assert send.end == 2.0

@@ -18,3 +18,6 @@ __all__ = ["Action", "Schedule", "ScheduleError", "SCHEDULES", "make_schedule",
 from .explorer import explore, pipeline_timeline  # noqa: E402
 
 __all__ += ["explore", "pipeline_timeline"]
+from .executor import PipelineError, PipelineExecutor, layer_times, partition, run_pipeline  # noqa: E402
+
+__all__ += ["PipelineExecutor", "PipelineError", "run_pipeline", "partition", "layer_times"]

@@ -1,0 +1,536 @@
+"""Run a pipeline schedule on real processes: the same Schedule the simulator plays out.
+
+    def train():
+        torch.manual_seed(0)                          # every rank builds the same model...
+        layers = [nn.Linear(16, 16), nn.Tanh()] * ...
+        schedule = make_schedule("1f1b", num_stages=4, num_microbatches=8)
+        return run_pipeline(schedule, layers, x, y, nn.MSELoss())   # ...and keeps its own stages
+
+    results = pplab.launch(train, world_size=4)
+    results[r]["grads"], results[r]["peak_activations"]   # what rank r computed and held
+    pplab.swimlane.draw(results.timeline)                 # beside simulate(schedule).timeline()
+
+What happens, in the order it happens:
+
+1. `partition` cuts the list of layers into `schedule.num_stages` contiguous stages,
+   balanced by parameter count, by measured time, or as given. Rank r keeps the stages
+   `schedule.stages_of(r)` and drops the rest.
+2. The batch is cut into `schedule.num_microbatches` micro-batches. Before anything is
+   sent, every rank runs the whole model once on one micro-batch (no gradients) to learn
+   the shape of every message. A model that does not fit together fails here, with the
+   same error on every rank, instead of leaving one rank waiting for a message that
+   never comes.
+3. Rank r runs `schedule.actions[r]` in order:
+     F  receive the stage's input (or read the micro-batch, or take it from this rank
+        itself at the turn of a V), run the stage, send the output on. The last stage
+        also computes the loss.
+     B  receive the output's gradient, backpropagate through the stage (its weight
+        gradients accumulate in .grad), send the input's gradient back.
+     I  the input-gradient half of a split B: only d(loss)/d(input), keeping the graph.
+     W  the weight-gradient half, later: d(loss)/d(weights), then free the graph.
+   Sends are posted with isend and never waited on until the end of the step, which is
+   what `validate` assumes when it proves the schedule cannot deadlock. A receive is
+   waited on when its action needs it.
+4. After the last action (the flush), each rank steps the optimizer on its own stages.
+
+Every action is a `trace.span`, every message goes through `pplab.comm`, and the
+activations a rank holds are recorded with `trace.hold`/`trace.release` (bytes of what
+autograd saved for the backward), so `results.timeline` is drawn like a simulated run.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections import deque
+from itertools import accumulate
+
+import torch
+import torch.distributed as dist
+import torch.fx.experimental.symbolic_shapes  # noqa: F401 - see below
+from torch import nn
+
+from .. import comm, trace
+from ..launcher import device as rank_device
+from .schedules import Schedule
+from .simulate import validate
+
+
+# The first backward given an output gradient makes torch import sympy, 1 to 4 s. Importing it
+# here, before pplab.launch forks the ranks, pays that once, not in every rank of every run.
+
+class PipelineError(ValueError):
+    """The model, the split or the inputs cannot run as a pipeline; the message says what to change."""
+
+
+# ----------------------------------------------------------------------------------
+# 1. Cutting the model into stages
+
+
+def _as_layers(layers) -> list[nn.Module]:
+    layers = list(layers)
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, nn.Module):
+            raise PipelineError(f"layers[{i}] is a {type(layer).__name__}, not an nn.Module: "
+                                f"give a list of layers or an nn.Sequential")
+    return layers
+
+
+def layer_times(layers, sample, repeats: int = 3) -> list[float]:
+    """Seconds of forward + backward of each layer on `sample` (the best of `repeats`).
+
+    Layer i runs on the output of layer i-1, as in the model. Gradients are taken with
+    autograd.grad, so no .grad is left behind on the parameters.
+    """
+    times, x = [], sample
+    for layer in _as_layers(layers):
+        best = math.inf
+        for _ in range(repeats):
+            xin = x.detach().requires_grad_(x.is_floating_point())
+            start = time.perf_counter()
+            y = layer(xin)
+            wrt = [t for t in [xin, *layer.parameters()] if t.requires_grad]
+            if y.requires_grad and wrt:
+                torch.autograd.grad(y, wrt, torch.ones_like(y), allow_unused=True)
+            best = min(best, time.perf_counter() - start)
+        times.append(best)
+        x = y.detach()
+    return times
+
+
+def _balanced_split(costs: list[float], k: int) -> list[int]:
+    """Layer counts of k contiguous stages that make the costliest stage as cheap as possible.
+
+    A pipeline runs at the pace of its slowest stage, so we minimise the maximum, not
+    the spread. best[j][i] = lowest possible maximum when the first i layers form j stages.
+    Among equal splits the later cut wins (the last stages, which also compute the loss, get the
+    least), so a free layer (Tanh) stays with the layer before it.
+    """
+    n = len(costs)
+    prefix = [0, *accumulate(costs)]
+    best = [[math.inf] * (n + 1) for _ in range(k + 1)]
+    cut = [[0] * (n + 1) for _ in range(k + 1)]
+    best[0][0] = 0
+    for j in range(1, k + 1):
+        for i in range(j, n + 1):
+            for c in range(j - 1, i):                  # the last stage is layers c..i-1
+                cost = max(best[j - 1][c], prefix[i] - prefix[c])
+                if cost <= best[j][i]:
+                    best[j][i], cut[j][i] = cost, c
+    counts, i = [], n
+    for j in range(k, 0, -1):
+        counts.append(i - cut[j][i])
+        i = cut[j][i]
+    return counts[::-1]
+
+
+def _per_rank_counts(counts, schedule: Schedule) -> list[int]:
+    """One layer count per rank -> one per stage: each rank's layers split evenly over its chunks."""
+    v = schedule.chunks
+    for r, c in enumerate(counts):
+        if c % v:
+            raise PipelineError(
+                f"balance gives rank {r} {c} layers, which do not split into its {v} chunks: give each "
+                f"rank a multiple of {v} layers, or one count per stage ({schedule.num_stages} values)")
+    return [counts[r] // v for r in schedule.stage_to_rank]
+
+
+def partition(layers, stages, balance="params", sample=None) -> list[tuple[int, int]]:
+    """Cut `layers` into contiguous stages; return each stage's (start, end) layer indices.
+
+    stages: the number of stages, or a Schedule (its num_stages = ranks x chunks).
+    balance: "params" (equal parameter counts), "time" (equal forward + backward time,
+        measured on `sample`, an input micro-batch), or a list of layer counts, one per
+        stage (or, given a Schedule with chunks > 1, one per rank, split evenly over its chunks).
+    """
+    layers = _as_layers(layers)
+    n = len(layers)
+    schedule = stages if isinstance(stages, Schedule) else None
+    k = schedule.num_stages if schedule else stages
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise PipelineError(f"the number of stages must be a positive integer, got {stages!r}")
+    what = f"{k} stages ({schedule.num_ranks} ranks x {schedule.chunks} chunks)" \
+        if schedule and schedule.chunks > 1 else f"{k} stages"
+    if k > n:
+        raise PipelineError(f"got {what} for {n} layers: every stage needs at least one layer; use at "
+                            f"most {n} stages or split the model into more layers")
+    if isinstance(balance, (list, tuple)):
+        counts = list(balance)
+        if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in counts):
+            raise PipelineError(f"balance={counts}: each count must be a whole number of layers >= 1 "
+                                f"(every stage needs at least one layer)")
+        if schedule and schedule.chunks > 1 and len(counts) == schedule.num_ranks:
+            counts = _per_rank_counts(counts, schedule)
+        if len(counts) != k:
+            per_rank = f", or one per rank ({schedule.num_ranks})" if schedule and schedule.chunks > 1 else ""
+            raise PipelineError(f"balance lists {len(counts)} layer counts, but there are {what}: "
+                                f"give one count per stage{per_rank}")
+        if sum(counts) != n:
+            raise PipelineError(f"balance={list(balance)} adds up to {sum(balance)} layers, but the model "
+                                f"has {n}: make the counts add up to {n}")
+    elif balance == "params":
+        counts = _balanced_split([sum(p.numel() for p in layer.parameters()) for layer in layers], k)
+    elif balance == "time":
+        if sample is None:
+            raise PipelineError("balance='time' measures each layer on a sample input: pass "
+                                "sample=<one micro-batch of inputs>")
+        counts = _balanced_split(layer_times(layers, sample), k)
+    else:
+        raise PipelineError(f"balance must be 'params', 'time' or a list of layer counts, got {balance!r}")
+    ends = list(accumulate(counts))
+    return [(end - c, end) for c, end in zip(counts, ends)]
+
+
+# ----------------------------------------------------------------------------------
+# 2. The executor
+
+
+def _durations(compute_time, v: int):
+    """compute_time -> seconds each action pads to, like simulate(t_f, t_b, t_w):
+    a number is t_f (then t_b = 2 t_f, t_w = t_b / 2), a dict gives {"F", "B", "W"};
+    each is one rank's whole share, so one of v chunks takes 1/v of it; I = B - W."""
+    if compute_time is None:
+        return None
+    given = {"F": compute_time} if isinstance(compute_time, (int, float)) else dict(compute_time)
+    if set(given) - {"F", "B", "W"} or "F" not in given or \
+            not all(isinstance(t, (int, float)) and t >= 0 for t in given.values()):
+        raise PipelineError(f"compute_time must be seconds >= 0 per forward, or a dict with 'F' and "
+                            f"optionally 'B' and 'W' (like simulate's t_f, t_b, t_w), got {compute_time!r}")
+    f = given["F"]
+    b = given.get("B", 2 * f)
+    w = given.get("W", b / 2)
+    if w > b:
+        raise PipelineError(f"compute_time: W is the weight-gradient part of B, so W <= B; got W={w}, B={b}")
+    return {"F": f / v, "B": b / v, "I": (b - w) / v, "W": w / v}
+
+
+def _message_order(schedule: Schedule, rank: int) -> dict[int, deque]:
+    """For each peer: the messages it will send to `rank`, in the order it sends them.
+
+    A message is ("act", s, i), the output of stage s for micro-batch i, or ("grad", s, i),
+    the gradient of stage s's input. Two ranks match their messages in the order they
+    post them (NCCL ignores tags altogether), so we post our receives in the sender's
+    order: in ZB-V, rank 0 sends its two streams to rank 1 in another order than rank 1
+    uses them.
+    """
+    order: dict[int, deque] = {}
+    for src, actions in enumerate(schedule.actions):
+        for a in actions:
+            prev, nxt = schedule.neighbour_ranks(a.stage)
+            if a.kind == "F" and nxt == rank and src != rank:
+                order.setdefault(src, deque()).append(("act", a.stage, a.microbatch))
+            if a.kind in "BI" and prev == rank and src != rank:
+                order.setdefault(src, deque()).append(("grad", a.stage, a.microbatch))
+    return order
+
+
+def _fingerprint(layers) -> tuple:
+    with torch.no_grad():
+        return tuple((tuple(p.shape), p.double().sum().item()) for layer in layers for p in layer.parameters())
+
+
+class PipelineExecutor:
+    """One rank's part of a pipeline: its stages, and `step(inputs, targets)` to train on a batch.
+
+    Create it on every rank (every rank passes the same full list of layers, built from the
+    same seed); each keeps only its own stages. loss_fn(output, target) must return the
+    mean over its micro-batch: micro-batch i's loss is weighted by its share of the batch,
+    so the accumulated gradients are those of the mean loss over the whole batch.
+    optimizer: optional, stepped after the flush; it may hold every layer's parameters,
+    since only this rank's have gradients (torch optimizers skip the others).
+    compute_time: None, or seconds to pad each action to (see `_durations`), so that on a
+    laptop with fewer cores than ranks the measured timeline still shows the schedule's shape.
+    """
+
+    def __init__(self, schedule: Schedule, layers, loss_fn, *, balance="params", sample=None,
+                 compute_time=None, optimizer=None):
+        validate(schedule)
+        self.schedule, self.loss_fn, self.optimizer = schedule, loss_fn, optimizer
+        self.rank, world = comm.rank(), comm.world_size()
+        if world != schedule.num_ranks:
+            raise PipelineError(f"the schedule has {schedule.num_ranks} ranks but {world} are running: "
+                                f"launch with world_size={schedule.num_ranks}")
+        self.pad = _durations(compute_time, schedule.chunks)
+        self.device = rank_device()
+        layers = _as_layers(layers)
+        self.bounds = self._agree(layers, balance, sample)
+        self.layers = layers                # all of them, for the shape check only (a system for models
+                                            # too big for one rank would exchange shapes instead)
+        self.stages = {s: nn.Sequential(*layers[slice(*self.bounds[s])]).to(self.device)
+                       for s in schedule.stages_of(self.rank)}
+        self._shapes = {}                    # micro-batch shape -> shape and dtype of every stage's output
+        self._param_storage = {p.untyped_storage().data_ptr() for _, p in self.named_parameters()}
+
+    def _agree(self, layers, balance, sample):
+        """Every rank must cut the same model at the same places; check, rather than hang later."""
+        if balance == "time" and comm.world_size() > 1:   # timings differ by rank: rank 0's count
+            bounds = [None]
+            if self.rank == 0:
+                try:
+                    bounds = [partition(layers, self.schedule, "time", sample)]
+                except PipelineError as err:       # raised on every rank, not only here
+                    bounds = [err]
+            with trace.paused():
+                dist.broadcast_object_list(bounds, src=0)
+            if isinstance(bounds[0], PipelineError):
+                raise bounds[0]
+            bounds = bounds[0]
+        else:
+            bounds = partition(layers, self.schedule, balance, sample)
+        if comm.world_size() > 1:
+            everyone = [None] * comm.world_size()
+            with trace.paused():
+                dist.all_gather_object(everyone, _fingerprint(layers))
+            for r, fp in enumerate(everyone):
+                if fp != everyone[0]:
+                    raise PipelineError(f"rank {r} built different layers from rank 0 (their parameters "
+                                        f"differ): build the model the same way on every rank, e.g. call "
+                                        f"torch.manual_seed(0) just before creating it")
+        return bounds
+
+    def named_parameters(self):
+        """This rank's parameters, named as in nn.Sequential(*layers): "4.weight" is layer 4's weight."""
+        for s, stage in self.stages.items():
+            start = self.bounds[s][0]
+            for name, p in stage.named_parameters():
+                j, rest = name.split(".", 1)
+                yield f"{start + int(j)}.{rest}", p
+
+    # -- the shape check -----------------------------------------------------------
+    def _check_shapes(self, x, y):
+        """Run every stage of the whole model on micro-batch x (no gradients) and note the
+        shape of each stage's output, which its receiver allocates. Every rank does this, so
+        a mismatch raises the same error everywhere. Layers run in eval mode, so that the
+        check moves no BatchNorm statistics and draws no dropout masks."""
+        key = (tuple(x.shape), x.dtype)
+        if key in self._shapes:
+            return self._shapes[key]
+        modes = [layer.training for layer in self.layers]
+        shapes = []
+        try:
+            with torch.no_grad():
+                for layer in self.layers:
+                    layer.eval()
+                for s, (start, end) in enumerate(self.bounds):
+                    for j in range(start, end):
+                        try:
+                            x = self.layers[j](x)
+                        except Exception as err:  # noqa: BLE001 - said again, with where and what to change
+                            raise PipelineError(self._misfit(s, j, x, err)) from None
+                    shapes.append((tuple(x.shape), x.dtype))
+                try:
+                    loss = self.loss_fn(x, y)
+                except Exception as err:  # noqa: BLE001
+                    raise PipelineError(f"loss_fn cannot take the last stage's output, shape {tuple(x.shape)}, "
+                                        f"with targets of shape {tuple(y.shape)}: {err}") from None
+                if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+                    raise PipelineError("loss_fn must return a single number per micro-batch (the mean "
+                                        "over its samples), e.g. nn.MSELoss() or nn.CrossEntropyLoss()")
+        finally:
+            for layer, mode in zip(self.layers, modes):
+                layer.train(mode)
+        self._shapes[key] = shapes
+        return shapes
+
+    def _misfit(self, s, j, x, err) -> str:
+        layer, shape = self.layers[j], tuple(x.shape)
+        n = getattr(layer, "in_features", None)
+        expects = f"expects {shape[:-1] + (n,)}" if isinstance(n, int) and shape else "cannot take it"
+        if j == 0:
+            return f"layer 0 ({layer}) cannot take the inputs, of shape {shape}: {err}"
+        if j > self.bounds[s][0]:
+            return (f"layer {j} ({layer}), inside stage {s}, cannot take the output of layer {j - 1}, of "
+                    f"shape {shape}: the model does not fit together there, whatever the split: {err}")
+        owner = self.schedule.stage_to_rank
+        return (f"stage {s - 1} (rank {owner[s - 1]}) outputs shape {shape} but stage {s} "
+                f"(rank {owner[s]}) starts with layer {j} ({layer}), which {expects}: the layers at the "
+                f"split do not fit; check the model (layer {j - 1} feeds layer {j}) or the split ({err})")
+
+    # -- one training step -----------------------------------------------------------
+    def step(self, inputs, targets) -> dict:
+        """Forward and backward every micro-batch in the schedule's order, then the optimizer.
+
+        Returns, for this rank: "loss" (the batch's mean loss, on the rank holding the last
+        stage, else None), "grads" {name: gradient} of its parameters, "stages" and their
+        "layers" (start, end), "peak_activations" (micro-batches held at once, a chunk
+        counting 1/v, as in the simulator), "activations" [(time, held)], and
+        "peak_activation_bytes" (the most bytes autograd held for backward at once).
+        """
+        sched, m = self.schedule, self.schedule.num_microbatches
+        if len(inputs) < m or len(targets) != len(inputs):
+            raise PipelineError(f"a batch of {len(inputs)} inputs and {len(targets)} targets cannot make "
+                                f"{m} micro-batches: give at least {m} samples, as many targets as inputs")
+        self.xs = torch.tensor_split(inputs.to(self.device), m)
+        self.ys = torch.tensor_split(targets.to(self.device), m)
+        self.n = len(inputs)
+        self.shapes = {len(x): self._check_shapes(x, y) for x, y in zip(self.xs, self.ys)}
+        for _, p in self.named_parameters():
+            p.grad = None                              # gradients accumulate over micro-batches only
+        self.held = {}                                 # (stage, mb) -> what backward needs
+        self.local = {}                                # messages from this rank to itself (the V's turn)
+        self.posted, self.sends = {}, []
+        self.incoming = _message_order(sched, self.rank)
+        self.activations, self.losses, self.bytes_held, self.peak_bytes = [], [], 0, 0
+        run = {"F": self._forward, "B": self._backward, "I": self._backward_input, "W": self._backward_weight}
+        for a in sched.actions[self.rank]:
+            run[a.kind](a)
+            self._finish_sends(block=False)
+        self._finish_sends(block=True)                 # the flush: every message has left
+        if self.optimizer is not None:
+            self.optimizer.step()
+        counts = [held for _, held in self.activations]
+        return {"rank": self.rank,
+                "loss": sum(self.losses).item() if self.losses else None,
+                "grads": {name: p.grad for name, p in self.named_parameters()},
+                "stages": list(self.stages), "layers": {s: self.bounds[s] for s in self.stages},
+                "peak_activations": max(counts, default=0), "activations": self.activations,
+                "peak_activation_bytes": self.peak_bytes}
+
+    # -- moving tensors ----------------------------------------------------------------
+    def _send(self, key, tensor, dst):
+        if dst == self.rank:
+            self.local[key] = tensor
+        else:
+            tensor = tensor.contiguous()
+            handle = comm.isend(tensor, dst)
+            handle.event.meta["message"] = key          # which tensor it carries, for whoever reads the trace
+            self.sends.append((handle, tensor))         # the tensor must live until the send is done
+
+    def _finish_sends(self, block):
+        """Close the sends that are done (all of them if block): their trace event ends now.
+        NCCL says when a send is done; gloo says so only once it is waited on, so on gloo
+        every send's event lasts until the flush (it arrived when its receive ended)."""
+        pending = []
+        for handle, tensor in self.sends:
+            if block or handle.is_completed():
+                handle.wait()
+            else:
+                pending.append((handle, tensor))
+        self.sends = pending
+
+    def _receive(self, key, src):
+        """The tensor `key` from rank `src`; receives are posted in the order src sends."""
+        if src == self.rank:
+            return self.local.pop(key)
+        while key not in self.posted:
+            nxt = self.incoming[src].popleft()
+            kind, s, i = nxt
+            shape, dtype = self.shapes[len(self.xs[i])][s if kind == "act" else s - 1]
+            buffer = torch.empty(shape, dtype=dtype, device=self.device)
+            handle = comm.irecv(buffer, src)
+            handle.event.meta["message"] = nxt
+            self.posted[nxt] = (buffer, handle)
+        buffer, handle = self.posted.pop(key)
+        handle.wait()
+        return buffer
+
+    @contextlib.contextmanager
+    def _compute(self, a):
+        """A trace span around the work of action `a`, padded to compute_time if set."""
+        chunk = a.chunk if self.schedule.chunks > 1 else None
+        with trace.span(a.kind, microbatch=a.microbatch, chunk=chunk, stage=a.stage):
+            start = time.perf_counter()
+            yield
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()               # the box must cover the GPU's work, not its launch
+            if self.pad is not None:
+                time.sleep(max(0.0, self.pad[a.kind] - (time.perf_counter() - start)))
+
+    def _count(self):
+        v = self.schedule.chunks
+        held = len(self.held) / v if v > 1 else len(self.held)
+        self.activations.append((trace.now(), held))
+
+    # -- the four actions ----------------------------------------------------------------
+    def _forward(self, a):
+        s, i = a.stage, a.microbatch
+        prev, nxt = self.schedule.neighbour_ranks(s)
+        if prev is None:
+            x = self.xs[i]
+        else:
+            x = self._receive(("act", s - 1, i), prev).requires_grad_()   # we will send back its gradient
+        saved = {}
+
+        def pack(t):                       # autograd keeps t for the backward: that is activation memory
+            if t.untyped_storage().data_ptr() not in self._param_storage:   # (weights are not)
+                saved[(t.data_ptr(), t.shape)] = t.numel() * t.element_size()
+            return t
+
+        with self._compute(a), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = self.stages[s](x)
+            if nxt is None:                # the last stage: weighted so that the sum is the batch mean
+                out = self.loss_fn(out, self.ys[i]) * (len(x) / self.n)
+                self.losses.append(out.detach())
+        nbytes = sum(saved.values())
+        self.held[(s, i)] = {"input": x, "output": out, "bytes": nbytes}
+        self._count()
+        trace.hold(nbytes, label=a.label())
+        self.bytes_held += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.bytes_held)
+        if nxt is not None:
+            self._send(("act", s, i), out.detach(), nxt)
+
+    def _output_grad(self, s, i):
+        """The gradient of stage s's output: from stage s+1, or None for the loss (d loss/d loss = 1)."""
+        nxt = self.schedule.neighbour_ranks(s)[1]
+        return None if nxt is None else self._receive(("grad", s + 1, i), nxt)
+
+    def _send_input_grad(self, s, i, grad, x):
+        prev = self.schedule.neighbour_ranks(s)[0]
+        if prev is not None:               # an input that did not reach the output has gradient 0
+            self._send(("grad", s, i), grad if grad is not None else torch.zeros_like(x), prev)
+
+    def _release(self, a, entry):
+        self._count()
+        trace.release(entry["bytes"], label=a.label())
+        self.bytes_held -= entry["bytes"]
+
+    def _backward(self, a):
+        s, i = a.stage, a.microbatch
+        grad = self._output_grad(s, i)
+        entry = self.held.pop((s, i))
+        x, out = entry["input"], entry["output"]
+        with self._compute(a):
+            if out.requires_grad:
+                torch.autograd.backward(out, grad)     # fills x.grad and adds into every weight's .grad
+        self._release(a, entry)
+        self._send_input_grad(s, i, x.grad, x)
+
+    def _backward_input(self, a):
+        s, i = a.stage, a.microbatch
+        grad = self._output_grad(s, i)
+        entry = self.held[(s, i)]                      # kept: W walks the same graph
+        entry["grad"] = grad
+        x, out = entry["input"], entry["output"]
+        gx = None
+        with self._compute(a):
+            if x.requires_grad and out.requires_grad:  # stage 0's input needs no gradient: nothing to do
+                (gx,) = torch.autograd.grad(out, x, grad, retain_graph=True, allow_unused=True)
+        self._send_input_grad(s, i, gx, x)
+
+    def _backward_weight(self, a):
+        s, i = a.stage, a.microbatch
+        entry = self.held.pop((s, i))
+        params = [p for p in self.stages[s].parameters() if p.requires_grad]
+        with self._compute(a):
+            if params and entry["output"].requires_grad:
+                # Autograd offers no public way to reuse what I computed, so this walks the graph
+                # again: exact gradients, at more compute than one B (torch.distributed.pipelining
+                # avoids that through autograd internals). compute_time gives W its intended length.
+                grads = torch.autograd.grad(entry["output"], params, entry["grad"], allow_unused=True)
+                for p, g in zip(params, grads):
+                    if g is not None:
+                        p.grad = g if p.grad is None else p.grad + g
+        self._release(a, entry)
+
+
+def run_pipeline(schedule: Schedule, layers, inputs, targets, loss_fn, *, balance="params",
+                 compute_time=None, optimizer=None) -> dict:
+    """Build a PipelineExecutor on this rank, train one step, return what `step` returns plus
+    "params" {name: value after the step} of this rank's parameters. Call it on every rank."""
+    sample = torch.tensor_split(inputs, schedule.num_microbatches)[0] if balance == "time" else None
+    ex = PipelineExecutor(schedule, layers, loss_fn, balance=balance, sample=sample,
+                          compute_time=compute_time, optimizer=optimizer)
+    out = ex.step(inputs, targets)
+    out["params"] = {name: p.detach().clone() for name, p in ex.named_parameters()}
+    return out
