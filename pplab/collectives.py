@@ -24,10 +24,13 @@ what one rank sends. A chunk that is empty (numel < p) is not sent at all.
 
 Before any data moves, the ranks of the group swap a few bytes describing their call
 (untraced bookkeeping), so that a mismatch (shapes, dtypes, roots, algorithms) raises the
-same ValueError on every rank: never a hang or a silently wrong answer.
+same ValueError on every rank: never a hang or a silently wrong answer. That swap costs
+a round trip of its own (milliseconds on gloo), so timing code turns it off with
+`with collectives.unchecked(): ...`; only calls that are known to be right belong there.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import torch
@@ -366,6 +369,23 @@ def all_reduce(tensor, op="sum", algorithm="ring", group=None):
 # ----------------------------------------------------------------------------------
 # Checking the call: every rank of the group must agree, or every rank raises (the same error).
 
+_checking = {"on": True}
+
+
+@contextlib.contextmanager
+def unchecked():
+    """Inside this block the ranks do not compare their calls before moving data.
+
+    For measuring time only (benchmarks, pplab.costmodel): the check is a round trip of
+    its own, which would swamp small messages. Each rank still checks what it can see
+    alone, but a mismatch between ranks may now hang or give a wrong answer.
+    """
+    before, _checking["on"] = _checking["on"], False
+    try:
+        yield
+    finally:
+        _checking["on"] = before
+
 
 def _group_ranks(group) -> list[int]:
     if not dist.is_initialized():
@@ -403,6 +423,7 @@ def _setup(kind, group, tensor, problems=(), **call):
     algorithm) the same values. Every rank hands the others a description of its call
     (dist.all_gather_object, not traced: it is bookkeeping, not the algorithm), so all
     see the same facts and raise the same error: no rank is left waiting for a message.
+    Inside `unchecked()` that exchange is skipped.
     """
     ranks = _group_ranks(group)
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -415,7 +436,7 @@ def _setup(kind, group, tensor, problems=(), **call):
         problems.append(f"unknown op {call['op']!r}: use one of {', '.join(OPS)}")
     mine = {"problems": problems, "call": {"collective": kind, **call}, "tensor": _describe(tensor)}
     everyone = [mine]
-    if len(ranks) > 1:
+    if len(ranks) > 1 and _checking["on"]:
         everyone = [None] * len(ranks)
         dist.all_gather_object(everyone, mine, group=group)
     found = [f"rank {r}: {msg}" for r, d in zip(ranks, everyone) for msg in d["problems"]]

@@ -246,6 +246,15 @@ def test_same_script_runs_under_python_and_torchrun(tmp_path):
     from pplab.launcher import _free_port
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                 "--master-port", str(_free_port()), str(script)]
-    ran = subprocess.run(torchrun, capture_output=True, text=True, timeout=180, env=env)
-    assert "RESULT [30.0, 30.0] in-place 2" in ran.stdout, ran.stderr[-3000:]
-    assert ran.returncode == 0, ran.stderr[-3000:]
+    # its own session, so that on a timeout torchrun *and its workers* are killed, not just torchrun
+    proc = subprocess.Popen(torchrun, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=180)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert "RESULT [30.0, 30.0] in-place 2" in out, err[-3000:]
+    assert proc.returncode == 0, err[-3000:]

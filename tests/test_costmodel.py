@@ -1,0 +1,191 @@
+"""pplab.costmodel: the bytes formulas equal the trace exactly, the latency counts equal the
+longest chain of messages in the trace, the closed forms are the seeds' (and Thakur's), and
+fit() measures a positive α and β that predict its own ping-pong points (within 3x: this is
+a shared machine, so only a loose factor is asserted; no wall-clock time is).
+"""
+import pytest
+import torch
+import torch.distributed as dist
+
+import pplab
+from pplab import collectives as C
+from pplab import costmodel as cm
+from pplab import trace
+
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")
+
+ALL = [(c, a) for c, algos in cm.COLLECTIVES.items() for a in algos]
+SIZES = [(1, torch.float32), (5, torch.float64), (1003, torch.float32)]   # numel: below p, odd, large
+
+
+def _every_collective():
+    """On every rank: each collective and algorithm once per size, each in a trace span.
+    N for the piece-wise collectives is p pieces of `numel` elements."""
+    p, rank = dist.get_world_size(), dist.get_rank()
+    root = p - 1                                        # not 0, so the root offset is exercised
+    for numel, dtype in SIZES:
+        x = torch.randn(numel).to(dtype)
+        es = x.element_size()
+
+        def case(collective, algorithm, n_bytes):
+            return trace.span("case", collective=collective, algorithm=algorithm, n_bytes=n_bytes,
+                              es=es, numel=numel, root=root)
+
+        for algo in C.ALL_REDUCE_ALGORITHMS:
+            with case("all_reduce", algo, numel * es):
+                C.all_reduce(x.clone(), algorithm=algo)
+        with case("broadcast", "tree", numel * es):
+            C.broadcast(x.clone(), src=root)
+        with case("reduce", "tree", numel * es):
+            C.reduce(x.clone(), dst=root)
+        whole = torch.randn(p * numel).to(dtype)
+        with case("scatter", "linear", p * numel * es):
+            C.scatter(torch.empty_like(x), list(whole.split(numel)) if rank == root else None, src=root)
+        with case("gather", "linear", p * numel * es):
+            C.gather(x, [torch.empty_like(x) for _ in range(p)] if rank == root else None, dst=root)
+        with case("all_gather", "ring", p * numel * es):
+            C.all_gather_into_tensor(torch.empty_like(whole), x)
+        with case("reduce_scatter", "ring", p * numel * es):
+            C.reduce_scatter_tensor(torch.empty_like(x), whole)
+        with case("all_to_all", "pairwise", p * numel * es):
+            C.all_to_all_single(torch.empty_like(whole), whole)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_bytes_and_messages_equal_the_trace(p):
+    timeline = pplab.launch(_every_collective, world_size=p, timeout=120).timeline
+    spans = [timeline.select(r, "compute", "case") for r in range(p)]
+    assert all(len(s) == len(SIZES) * len(ALL) for s in spans)
+    sends = [timeline.select(r, "comm", "send") for r in range(p)]
+    pairs = timeline.messages()
+    assert len(pairs) == sum(len(s) for s in sends)     # every message sent was received
+    for i, meta in enumerate(s.meta for s in spans[0]):
+        what = (meta["collective"], meta["algorithm"], p, meta["n_bytes"])
+        inside = [[e for e in sends[r] if spans[r][i].start <= e.start <= spans[r][i].end] for r in range(p)]
+        measured = [sum(e.bytes_sent for e in inside[r]) for r in range(p)]
+        expected = cm.bytes_sent_per_rank(*what, element_size=meta["es"], root=meta["root"])
+        assert measured == expected, what
+        if meta["numel"] >= p:                          # no empty chunk left unsent
+            ids = {id(e) for es in inside for e in es}
+            chain = cm.messages_on_critical_path([m for m in pairs if id(m[0]) in ids])
+            assert chain == cm.cost(*what).latency_rounds, what
+
+
+def test_unchecked_skips_only_the_argument_exchange():
+    def f():
+        rank, calls = dist.get_rank(), []
+        real = dist.all_gather_object
+
+        def counted(*args, **kwargs):                   # this rank's process only
+            calls.append(1)
+            return real(*args, **kwargs)
+        dist.all_gather_object = counted
+        x, results = torch.arange(10.0) * (rank + 1), []
+        with C.unchecked():
+            for algo in C.ALL_REDUCE_ALGORITHMS:
+                y = x.clone()
+                C.all_reduce(y, algorithm=algo)
+                results.append(y.tolist())
+        inside = len(calls)
+        try:
+            with C.unchecked():
+                raise KeyError
+        except KeyError:
+            pass
+        C.all_reduce(x.clone())                         # checked again, even after an error
+        return inside, len(calls) - inside, results
+
+    for inside, after, results in pplab.launch(f, world_size=3, timeout=60):
+        assert (inside, after) == (0, 1)
+        assert results == [[6.0 * i for i in range(10)]] * len(C.ALL_REDUCE_ALGORITHMS)
+
+
+N = 4 * 720720                                          # float32, divisible by every p up to 16
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 5, 8, 16])
+def test_ring_is_the_seeds_formula_and_reduce_scatter_plus_all_gather(p):
+    a, b, g = 30e-6, 1e-9, 2e-10
+    assert cm.predict("all_reduce", "ring", p, N, a, b, g) == pytest.approx(
+        2 * (p - 1) * a + 2 * (p - 1) / p * N * b + (p - 1) / p * N * g)
+    ring = cm.cost("all_reduce", "ring", p, N)
+    assert ring == cm.cost("reduce_scatter", "ring", p, N) + cm.cost("all_gather", "ring", p, N)
+    assert cm.bytes_sent_per_rank("all_reduce", "ring", p, N) == [ring.bytes] * p   # p divides N
+    assert cm.cost("all_reduce", None, p, N) == ring                                # the default
+
+
+@pytest.mark.parametrize("p", [2, 4, 8, 16])
+def test_rabenseifner_and_recursive_doubling_closed_forms(p):
+    log = p.bit_length() - 1
+    a, b, g = 30e-6, 1e-9, 2e-10
+    assert cm.predict("all_reduce", "halving_doubling", p, N, a, b, g) == pytest.approx(
+        2 * log * a + 2 * (p - 1) / p * N * b + (p - 1) / p * N * g)
+    assert cm.predict("all_reduce", "recursive_doubling", p, N, a, b, g) == pytest.approx(log * (a + N * b + N * g))
+    assert cm.bytes_sent_per_rank("all_reduce", "halving_doubling", p, N) == [2 * (p - 1) * N // p] * p
+
+
+@pytest.mark.parametrize("p", [2, 3, 5, 9])
+def test_naive_all_reduce_is_the_seeds_parameter_server_with_p_minus_1_workers(p):
+    """Seeds: a server apart from P workers costs β·2Pd, α·2 (two rounds). pplab's rank 0 is
+    the server of P = p-1 workers: the same 2Pd bytes on its link, sent one message at a time."""
+    workers, d = p - 1, N
+    ps = cm.cost("all_reduce", "naive", p, d)
+    assert ps.bytes == 2 * workers * d and ps.latency_rounds == 2 * workers
+    sent = cm.bytes_sent_per_rank("all_reduce", "naive", p, d)
+    into_server, out_of_server = sum(sent[1:]), sent[0]
+    assert into_server == out_of_server == workers * d and into_server + out_of_server == ps.bytes
+
+
+def test_a_numeric_prediction():
+    # 4 ranks, 64 MiB, α = 50 µs, β = 1 ns/B: 6 messages and 1.5 x 64 MiB on the critical path
+    assert cm.predict("all_reduce", "ring", 4, 64 * 2 ** 20, 50e-6, 1e-9) == pytest.approx(0.100963296)
+    assert cm.predict("broadcast", "tree", 8, 1000, 1e-5, 1e-9) == pytest.approx(3 * (1e-5 + 1e-6))
+
+
+def test_monotonic_in_size_and_in_powers_of_two_ranks():
+    a, b, g = 30e-6, 1e-9, 2e-10
+    for c, algo in ALL:
+        by_size = [cm.predict(c, algo, 4, 4 ** k * 1024, a, b, g) for k in range(9)]
+        assert all(x < y for x, y in zip(by_size, by_size[1:])), (c, algo)
+        by_p = [cm.predict(c, algo, 2 ** k, N, a, b, g) for k in range(7)]
+        assert all(x <= y for x, y in zip(by_p, by_p[1:])), (c, algo)
+    ring = [cm.cost("all_reduce", "ring", p, N) for p in range(2, 65)]
+    assert all(x.latency_rounds < y.latency_rounds and x.bytes < y.bytes < 2 * N for x, y in zip(ring, ring[1:]))
+    # folding the extra ranks in costs: 5 ranks take longer than 8
+    for algo in ("recursive_doubling", "halving_doubling"):
+        assert cm.predict("all_reduce", algo, 5, N, a, b) > cm.predict("all_reduce", algo, 8, N, a, b)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: cm.cost("allreduce", "ring", 4, 100), "unknown collective 'allreduce'.*all_reduce"),
+    (lambda: cm.cost("all_reduce", "butterfly", 4, 100), "no algorithm 'butterfly'.*'halving_doubling'"),
+    (lambda: cm.cost("broadcast", "ring", 4, 100), "no algorithm 'ring'.*'tree'"),
+    (lambda: cm.cost("all_reduce", "ring", 0, 100), "p is a number of ranks.*got 0"),
+    (lambda: cm.cost("all_reduce", "ring", 2.5, 100), "got 2.5"),
+    (lambda: cm.predict("all_reduce", "ring", 4, -1, 1e-5, 1e-9), "n_bytes.*>= 0: got -1"),
+    (lambda: cm.predict("all_reduce", "ring", 4, 100, -1e-5, 1e-9), "alpha.*>= 0"),
+    (lambda: cm.bytes_sent_per_rank("all_reduce", "ring", 4, 10), "not a whole number of 4-byte"),
+    (lambda: cm.bytes_sent_per_rank("all_gather", "ring", 3, 16), "multiple of p x element_size = 12"),
+    (lambda: cm.bytes_sent_per_rank("broadcast", "tree", 3, 16, root=3), "root=3.*0..2"),
+    (lambda: cm.fit(world_size=1), "world_size must be >= 2"),
+    (lambda: cm.fit(sizes=[1024]), "at least two different message sizes"),
+])
+def test_bad_input_says_what_to_change(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_fit_line_recovers_a_known_line():
+    sizes = [4 ** k * 1024 for k in range(9)]
+    assert cm._fit_line(sizes, [40e-6 + 0.5e-9 * n for n in sizes]) == pytest.approx((40e-6, 0.5e-9))
+
+
+def test_fit_measures_alpha_and_beta_that_predict_its_own_points():
+    f = cm.fit(sizes=[1024, 16 * 1024, 256 * 1024, 4 * 2 ** 20], repeats=7)
+    assert f.alpha > 0 and f.beta > 0 and f.gamma > 0
+    assert f.bandwidth == pytest.approx(1 / f.beta / 1e9)
+    for n, t in zip(f.sizes, f.times):
+        assert t / 3 < f.message_time(n) < 3 * t, str(f)
+    assert f.predict("all_reduce", "ring", 4, 2 ** 20) == cm.predict(
+        "all_reduce", "ring", 4, 2 ** 20, f.alpha, f.beta, f.gamma)
+    assert "GB/s" in str(f)
