@@ -21,6 +21,10 @@ import torch.distributed as dist
 from . import trace
 from .trace import Event, now
 
+# torch 2.13 renamed the tensor forms (the old names still work, with a warning)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
         "product": dist.ReduceOp.PRODUCT}
 _SHORT = {"all_reduce": "AR", "broadcast": "BC", "reduce": "R", "all_gather": "AG",
@@ -171,13 +175,13 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
 
 def all_gather_into_tensor(output, input, group=None, async_op=False):
     return _collective("all_gather", _nbytes(input), group,
-                       lambda: dist.all_gather_into_tensor(output, input, group=group, async_op=async_op),
+                       lambda: _all_gather_single(output, input, group=group, async_op=async_op),
                        async_op)
 
 
 def reduce_scatter_tensor(output, input, op="sum", group=None, async_op=False):
     return _collective("reduce_scatter", _nbytes(input), group,
-                       lambda: dist.reduce_scatter_tensor(output, input, op=_op(op), group=group,
+                       lambda: _reduce_scatter_single(output, input, op=_op(op), group=group,
                                                           async_op=async_op), async_op)
 
 
