@@ -172,9 +172,10 @@ def _ring_reduce_scatter(chunks, ranks, me, group, op):
     # Cost: (p-1)(α + nβ + nγ): every rank sends and receives (p-1)·n bytes.
     p = len(ranks)
     right, left = ranks[(me + 1) % p], ranks[(me - 1) % p]
+    landing = torch.empty_like(chunks[0])       # one receive buffer for all steps (chunk 0 is the largest)
     for s in range(p - 1):
         out, into = chunks[(me - s - 1) % p], chunks[(me - s - 2) % p]
-        incoming = torch.empty_like(into)
+        incoming = landing[:into.numel()]
         _sendrecv(out, right, incoming, left, group)
         _combine(into, incoming, op)
 
