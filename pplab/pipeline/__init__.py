@@ -9,15 +9,14 @@
 
 schedules.py: Action, Schedule, the generators and make_schedule.
 simulate.py:  validate (complete? deadlock-free?), simulate, bubble_fraction.
+executor.py:  partition, and run_pipeline / PipelineExecutor: the same schedule on real ranks.
+explorer.py:  explore(), a widget: schedule, p, m, v, t_f, t_b, t_w -> swimlane + memory + bubble.
 """
+from .executor import PipelineError, PipelineExecutor, layer_times, partition, run_pipeline
+from .explorer import explore, pipeline_timeline
 from .schedules import SCHEDULES, Action, Schedule, ScheduleError, make_schedule
 from .simulate import SimResult, bubble_fraction, simulate, validate
 
 __all__ = ["Action", "Schedule", "ScheduleError", "SCHEDULES", "make_schedule",
-           "validate", "simulate", "SimResult", "bubble_fraction"]
-from .explorer import explore, pipeline_timeline  # noqa: E402
-
-__all__ += ["explore", "pipeline_timeline"]
-from .executor import PipelineError, PipelineExecutor, layer_times, partition, run_pipeline  # noqa: E402
-
-__all__ += ["PipelineExecutor", "PipelineError", "run_pipeline", "partition", "layer_times"]
+           "validate", "simulate", "SimResult", "bubble_fraction", "explore", "pipeline_timeline",
+           "PipelineExecutor", "PipelineError", "run_pipeline", "partition", "layer_times"]
