@@ -14,8 +14,11 @@ STAMP  := $(VENV)/.pplab-installed
 
 .PHONY: lab test install exercises benchmarks clean
 
+# JupyterLab refuses to run as root unless told; containers often are root
+ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
+
 lab: $(STAMP)
-	$(BIN)/jupyter lab notebooks/00_start_here.ipynb
+	$(BIN)/jupyter lab $(ALLOW_ROOT) --ServerApp.root_dir=. notebooks/00_start_here.ipynb
 
 test: $(STAMP)
 	$(BIN)/python -m pytest --nbval-lax --nbval-cell-timeout=900 --durations=15 -q tests notebooks solutions
