@@ -38,6 +38,7 @@ import subprocess
 import sys
 import time
 import traceback
+import warnings
 
 import cloudpickle
 import torch
@@ -372,7 +373,12 @@ def _launch_once(payload, world_size, backend, method, timeout, threads) -> Laun
             if method == "fork":
                 proc = ctx.Process(target=_rank_main, name=f"pplab-rank-{r}", daemon=True,
                                    args=args + (payload, conn_w, out_w, err_w))
-                proc.start()
+                with warnings.catch_warnings():
+                    # Python >= 3.12 warns on every fork of a process with threads (a Jupyter
+                    # kernel always has some). The child only runs our code, which takes no lock
+                    # those threads could hold; the same holds for torch's DataLoader workers.
+                    warnings.filterwarnings("ignore", message=".*fork.*", category=DeprecationWarning)
+                    proc.start()
             else:
                 proc = _Spawned(args, payload, [c.fileno() for c in (conn_w, out_w, err_w)])
             for c in (conn_w, out_w, err_w):       # the child has its copies; ours would hide EOF
