@@ -29,6 +29,7 @@ import random
 import re
 import shutil
 import tempfile
+import traceback
 from dataclasses import dataclass
 from typing import Callable
 
@@ -261,11 +262,13 @@ def forbidden_references(fn, exercise_id: str, builds: str) -> str | None:
 
 
 class CommWatch:
-    """What the code on this rank did while watched: forbidden calls, receives posted."""
+    """What the code on this rank did while watched: forbidden calls, receives posted,
+    sends posted as (destination's rank in the group, bytes)."""
 
     def __init__(self):
         self.forbidden: list[str] = []
         self.receives = 0
+        self.sends: list[tuple[int, int]] = []
 
     def raise_if_forbidden(self):
         """A forbidden call the student's code caught and ignored still fails the check."""
@@ -279,7 +282,7 @@ _MISSING = object()
 @contextlib.contextmanager
 def watch_comm(exercise_id: str, builds: str):
     """Inside a rank: make every library collective raise a clear error, and count the
-    point-to-point receives this rank posts (at the process group, so receives through
+    point-to-point receives and sends this rank posts (at the process group, so those of
     pplab.comm and torch.distributed, blocking or not, all count). Restored on exit.
     """
     watch = CommWatch()
@@ -298,6 +301,12 @@ def watch_comm(exercise_id: str, builds: str):
             return original(*args, **kwargs)
         return receive
 
+    def logged(original):
+        def send(group, tensors, dst, *args, **kwargs):
+            watch.sends.append((dst, sum(t.numel() * t.element_size() for t in tensors)))
+            return original(group, tensors, dst, *args, **kwargs)
+        return send
+
     def replace(owner, name, new):
         # Save the attribute as stored (vars), not as looked up: a pybind method looked up
         # on its class loses its binding, and an inherited one must be deleted, not copied.
@@ -310,6 +319,8 @@ def watch_comm(exercise_id: str, builds: str):
         for name in ("recv", "recv_anysource"):
             if hasattr(dist.ProcessGroup, name):
                 replace(dist.ProcessGroup, name, counted(getattr(dist.ProcessGroup, name)))
+        if hasattr(dist.ProcessGroup, "send"):
+            replace(dist.ProcessGroup, "send", logged(dist.ProcessGroup.send))
         yield watch
     finally:
         for owner, name, original in reversed(saved):
@@ -379,9 +390,7 @@ def run_on_ranks(job, *args, world_size: int, timeout: float, answer=None, descr
             if kind == "Fail":                               # a check inside the rank failed
                 raise Fail(where(err.rank) + message) from None
             if kind == "NotImplementedError":
-                raise Fail(f"{name} is not implemented yet (it raises NotImplementedError): write your "
-                           f"solution in its cell, run that cell, then run the check again.",
-                           seed_matters=False) from None
+                raise Fail(_not_implemented(name), seed_matters=False) from None
             filename = getattr(getattr(answer, "__code__", None), "co_filename", None)
             frame = _student_frame(text, filename) if filename else ""
             raise Fail(f"{where(err.rank)}rank {err.rank} raised {kind}: {message}{frame}.") from None
@@ -389,6 +398,40 @@ def run_on_ranks(job, *args, world_size: int, timeout: float, answer=None, descr
         raise Fail(where(err.rank if err.rank is not None else 0) + first_line) from None
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def _not_implemented(name: str) -> str:
+    return (f"{name} is not implemented yet (it raises NotImplementedError): write your "
+            f"solution in its cell, run that cell, then run the check again.")
+
+
+def require_function(fn, exercise_id: str, params: str, *sample_args) -> None:
+    """Fail unless `fn` is a function that can be called with `sample_args` (named `params`)."""
+    if not callable(fn):
+        answer = EXERCISES[exercise_id].answer if exercise_id in EXERCISES else "your_function"
+        raise Fail(f"pass your function itself: pplab.check({exercise_id!r}, {answer}), got {type(fn).__name__}.",
+                   seed_matters=False)
+    try:
+        inspect.signature(fn).bind(*sample_args)
+    except TypeError:
+        raise Fail(f"{getattr(fn, '__name__', 'your function')} must take ({params}); yours takes "
+                   f"{inspect.signature(fn)}.", seed_matters=False) from None
+    except ValueError:
+        pass                                             # no signature to inspect (a builtin)
+
+
+def call_answer(fn, *args, where: str = ""):
+    """Call the student's `fn` in this process (numeric exercises, schedules); anything it
+    raises becomes a Fail that says what and where ("where" starts the message)."""
+    name = getattr(fn, "__name__", "your function")
+    try:
+        return fn(*args)
+    except NotImplementedError:
+        raise Fail(_not_implemented(name), seed_matters=False) from None
+    except Exception as exc:  # noqa: BLE001 - the student's code may raise anything
+        filename = getattr(getattr(fn, "__code__", None), "co_filename", None)
+        frame = _student_frame(traceback.format_exc(), filename) if filename else ""
+        raise Fail(f"{where}{name} raised {type(exc).__name__}: {exc}{frame}.") from None
 
 
 def progress(directory: str, trial: int) -> None:
@@ -501,3 +544,8 @@ def check_broadcast(fn, seed: int, timeout: float) -> str:
     n = sum(len(t) for t in trials.values())
     return (f"on world sizes {', '.join(map(str, sizes))} ({n} trials with random data: every src, "
             f"float32 and int64, 1 to 1000 elements, exact match)")
+
+
+# The exercises of the later chapters live in modules of their own; importing them here
+# registers them whenever the registry is used (pplab.check, the grader, `pplab list`).
+from . import checks_collectives, checks_data_parallel, checks_pipeline  # noqa: E402,F401

@@ -347,8 +347,11 @@ def run_notebook(path: Path, results: Path, cell_timeout: float, check_timeout: 
 
     try:
         nb, plan = instrument(nbformat.read(path, as_version=4), answers, check_timeout)
+        # A kernel that imports torch can take a minute to start on a busy machine; the whole
+        # notebook's time limit (enforced around this process) still bounds it.
         client = NotebookClient(nb, timeout=int(cell_timeout), kernel_name="python3", allow_errors=True,
-                                shutdown_kernel="immediate", resources={"metadata": {"path": str(path.parent)}})
+                                startup_timeout=600, shutdown_kernel="immediate",
+                                resources={"metadata": {"path": str(path.parent)}})
         with client.setup_kernel():
             for index, cell in enumerate(nb.cells):
                 number, exercise_id, nonce = plan[index]

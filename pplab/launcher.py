@@ -416,7 +416,11 @@ def _collect(ranks, started, timeout, backend, method) -> LaunchResult:
         elif rk.message is not None:
             failed[rk.rank] = rk.message
 
-    while pending and not failed:
+    while pending:
+        if failed and len(failed) == 1 and deadline > time.monotonic() + 0.25:
+            # Ranks often fail together (each checks its own result): wait a moment for the
+            # others so the lowest failing rank is reported every run, not whichever came first.
+            deadline = time.monotonic() + 0.25
         left = deadline - time.monotonic()
         if left <= 0:
             break
@@ -460,26 +464,39 @@ def _collect(ranks, started, timeout, backend, method) -> LaunchResult:
     return result
 
 
+# What a rank says when it failed only because a peer it was talking to had gone away.
+_PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe", "remote worker crash")
+
+
+def _knock_on(info) -> bool:
+    return info[0] == "err" and any(s in info[2].lower() for s in _PEER_GONE)
+
+
 def _failure(ranks, failed) -> LaunchError:
+    """Blame the lowest rank that really failed; ranks that failed *because* it stopped
+    (their connection to it closed) are listed after it as knock-on failures."""
+    causes = [r for r in failed if not _knock_on(failed[r])]
+    first = min(causes) if causes else min(failed)
     tracebacks, lines = {}, []
-    first = min(failed)                   # the lowest failing rank; others often fail *because* of it
-    for r in sorted(failed):
+    for r in sorted(failed, key=lambda r: (r != first, _knock_on(failed[r]), r)):
         info = failed[r]
         if info[0] == "died":
             code = info[1]
             how = (f"killed by signal {signal.Signals(-code).name}" if code is not None and code < 0
                    else f"exit code {code}")
             lines.append(f"rank {r} exited without returning a result ({how})")
+        elif _knock_on(info) and r != first:
+            tracebacks[r] = info[3]
+            lines.append(f"rank {r} lost its connection to a rank that had stopped")
         else:
             _, phase, summary, text = info
             tracebacks[r] = text
             where = "during start-up (joining the process group)" if phase == "init" else \
                 "after fn returned: its result could not be sent back" if phase == "return" else ""
             lines.append(f"rank {r} raised {summary}" + (f" {where}" if where else ""))
-    tb = tracebacks.get(first) or next(iter(tracebacks.values()), "")
     message = "; ".join(lines) + ". All ranks were stopped."
-    if tb:
-        message += f"\n\n--- traceback of rank {first if first in tracebacks else min(tracebacks)} ---\n{tb}"
+    if first in tracebacks:
+        message += f"\n\n--- traceback of rank {first} ---\n{tracebacks[first]}"
     return LaunchError(message, rank=first, tracebacks=tracebacks,
                        output={r: ranks[r].tail[-5:] for r in failed})
 

@@ -12,6 +12,7 @@ import pplab
 from pplab import checks, comm
 from pplab.grading import exercise_notebook
 from wrong_solutions import WRONG
+from wrong_solutions_chapters import WRONG as WRONG_CHAPTERS
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
@@ -74,7 +75,7 @@ def test_wrong_answer_fails_with_a_clear_message(exercise_id, fn, patterns, time
 
 
 def test_every_exercise_has_wrong_answers():
-    assert set(WRONG) == set(checks.EXERCISES)
+    assert set(WRONG) | set(WRONG_CHAPTERS) == set(checks.EXERCISES)
 
 
 # -- other correct answers pass: the check asks for a result, not for one algorithm --

@@ -1,0 +1,307 @@
+"""Checks of chapter 1's exercises: collectives built from point-to-point messages, and their cost.
+
+    reduce_scatter    my_reduce_scatter(output, input)                rank r gets the sum of chunk r
+    ring_all_reduce   my_ring_all_reduce(tensor)                      in place, the sum over ranks
+    predict_time      predict_ring_all_reduce(alpha, beta, p, n_bytes)   seconds, by the α-β model
+
+The first two run on 2, 3 and 4 real ranks with random float32 and int64 tensors, some
+smaller than p and some that p does not divide, and compare every rank with the sum
+computed in one process (exact for int64, to 1e-5 for float32). They also read whom each
+rank sent to and how many bytes (counted where the process group posts each send): a
+ring sends only to its right neighbour, one chunk of about 1/p of the data per step.
+"""
+from __future__ import annotations
+
+import dis
+import inspect
+import math
+import random
+
+import torch
+import torch.distributed as dist
+
+from . import costmodel
+from .checks import (Fail, Forbidden, check_number, call_answer, exercise, first_difference, forbidden_references,
+                     progress, require_function, run_on_ranks, watch_comm)
+from .checks import _fmt
+
+# (dtype, shape): p does not divide 13, 2-D, larger, then the edge cases numel < p.
+_CASES = ([("float32", (13,)), ("int64", (3, 5)), ("float32", (1001,)), ("int64", (12,))],
+          [("float32", (1,)), ("int64", (2,))])
+
+
+def _trials(seed: int, world_size: int, cases) -> list:
+    """The ordinary cases in random order, then the edge cases: the first failure a student
+    sees is on an ordinary tensor, where the message says most."""
+    rng = random.Random(seed * 31 + world_size)
+    ordinary, edge = list(cases[0]), list(cases[1])
+    rng.shuffle(ordinary)
+    rng.shuffle(edge)
+    return ordinary + edge
+
+
+def _random(g, dtype: str, shape) -> torch.Tensor:
+    if dtype == "int64":
+        return torch.randint(-10**6, 10**6, shape, generator=g)
+    return torch.randn(shape, generator=g)
+
+
+def _inputs(seed, world_size, index, dtype, shape) -> list[torch.Tensor]:
+    """A different random tensor for every rank; every rank can compute all of them."""
+    g = torch.Generator().manual_seed(seed * 1000 + world_size * 100 + index)
+    return [_random(g, dtype, shape) for _ in range(world_size)]
+
+
+def _tolerance(dtype) -> dict:
+    return {} if dtype == torch.int64 else {"atol": 1e-5, "rtol": 1e-5}
+
+
+def _check_ring_sends(rank, p, sends, limit, n_bytes, what, not_a_ring) -> None:
+    """Only to the right neighbour, and at most `limit` bytes in all."""
+    right = (rank + 1) % p
+    others = sorted({dst for dst, _ in sends if dst != right})
+    if others:
+        raise Fail(f"rank {rank} sent to rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))}: in a "
+                   f"ring each rank sends only to its right neighbour, (rank + 1) % p = {right}, and the data "
+                   f"reaches the other ranks by being passed along ({not_a_ring}).")
+    total = sum(n for _, n in sends)
+    if total > limit:
+        raise Fail(f"rank {rank} sent {total:,} bytes for a tensor of {n_bytes:,} bytes, more than the {limit:,} "
+                   f"bytes of {what}: cut the tensor into p chunks (tensor.tensor_split(p)) and send one chunk "
+                   f"per step, not the whole tensor.")
+
+
+def _returned_new(name, rank, returned, tensor, expected, what="tensor"):
+    if isinstance(returned, torch.Tensor) and returned is not tensor and returned.shape == expected.shape \
+            and first_difference(returned.to(expected.dtype), expected, **_tolerance(expected.dtype)) is None:
+        raise Fail(f"{name} returned the result as a new tensor on rank {rank} but left `{what}` unchanged: write "
+                   f"into `{what}` itself, in place, as torch.distributed does (recv into it, or "
+                   f"{what}.copy_(result)).")
+
+
+def _same_kind(rank, tensor, expected, what="tensor"):
+    if tensor.dtype != expected.dtype or tensor.shape != expected.shape:
+        raise Fail(f"rank {rank}'s {what} changed from {expected.dtype}{tuple(expected.shape)} to "
+                   f"{tensor.dtype}{tuple(tensor.shape)}: write the values into it, keep its dtype and shape.")
+
+
+def _describe(trials, what="shape"):
+    def describe(world_size, i):
+        dtype, shape = trials[world_size][i]
+        return f"world_size={world_size}, dtype={dtype}, {what}={shape}"
+    return describe
+
+
+def _run(fn, exercise_id, builds, job, cases, seed, timeout, what="shape"):
+    reference = forbidden_references(fn, exercise_id, builds)
+    if reference:
+        raise Forbidden(reference)
+    trials = {p: _trials(seed, p, cases) for p in (2, 3, 4)}   # 3: not a power of two
+    for p in trials:
+        run_on_ranks(job, fn, trials[p], seed, world_size=p, timeout=timeout, answer=fn,
+                     describe=_describe(trials, what))
+    return sum(map(len, trials.values()))
+
+
+# ----------------------------------------------------------------------------------
+# Exercise "reduce_scatter"
+
+_RS_CASES = ([("float32", 7), ("int64", 5), ("float32", 250)], [("float32", 1), ("int64", 1)])  # elements per rank
+
+
+def _reduce_scatter_rank(fn, trials, seed, progress_dir):
+    rank, p = dist.get_rank(), dist.get_world_size()
+    name = getattr(fn, "__name__", "your function")
+    with watch_comm("reduce_scatter", "reduce_scatter") as watch:
+        for i, (dtype, n) in enumerate(trials):
+            progress(progress_dir, i)
+            inputs = _inputs(seed, p, i, dtype, (p * n,))
+            chunk_sums = torch.stack(inputs).double().sum(0).to(inputs[0].dtype).view(p, n)
+            expected = chunk_sums[rank]
+            output = torch.full((n,), -7777, dtype=inputs[0].dtype)
+            input, received, sent = inputs[rank].clone(), watch.receives, len(watch.sends)
+            returned = fn(output, input)
+            watch.raise_if_forbidden()
+            _same_kind(rank, output, expected, "output")
+            tol = _tolerance(expected.dtype)
+            diff = first_difference(output, expected, **tol)
+            if diff is not None:
+                _returned_new(name, rank, returned, output, expected, "output")
+                index, got, want = diff
+                message = (f"rank {rank}'s output differs from the sum over ranks of chunk {rank} (input elements "
+                           f"{rank * n}..{rank * n + n - 1}) at index {index} (got {_fmt(got)}, expected "
+                           f"{_fmt(want)}).")
+                other = [j for j in range(p) if j != rank and first_difference(output, chunk_sums[j], **tol) is None]
+                alone = [k for k in range(p) if first_difference(output, inputs[k].view(p, n)[rank], **tol) is None]
+                if (output == -7777).all():
+                    message += " output was never written."
+                elif other:
+                    message += (f" It holds the sum of chunk {other[0]} instead: rank r must end with chunk r "
+                                f"(check which chunk each step sends and which it adds into).")
+                elif alone:
+                    message += (f" It holds rank {alone[0]}'s chunk {rank} alone: add what each step receives "
+                                f"to your partial sum, so that every rank's part gets in.")
+                raise Fail(message)
+            if first_difference(input, inputs[rank]) is not None:
+                raise Fail(f"rank {rank}'s input changed at index {first_difference(input, inputs[rank])[0]}: like "
+                           f"torch.distributed.reduce_scatter_tensor, leave input as it was (add up partial sums "
+                           f"in a copy, input.clone()).")
+            n_bytes = input.numel() * input.element_size()
+            _check_ring_sends(rank, p, watch.sends[sent:], (p - 1) * n * input.element_size(), n_bytes,
+                              "a ring reduce-scatter (p-1 steps of one chunk)",
+                              "sending each chunk straight to the rank that owns it is not a ring")
+            if watch.receives == received:
+                raise Fail(f"rank {rank} ended with the right values but received no point-to-point message: "
+                           f"the data must travel with send/recv (pplab.comm or torch.distributed).")
+    return True
+
+
+@exercise("reduce_scatter", "Ring reduce-scatter from point-to-point messages", answer="my_reduce_scatter",
+          notebook="01a_reduce_scatter")
+def check_reduce_scatter(fn, seed: int, timeout: float) -> str:
+    """my_reduce_scatter(output, input), on every rank: output <- the sum over ranks of chunk
+    `rank` of input (p equal chunks), by a ring of send/recv; input unchanged."""
+    require_function(fn, "reduce_scatter", "output, input", torch.zeros(1), torch.zeros(2))
+    n = _run(fn, "reduce_scatter", "reduce_scatter", _reduce_scatter_rank, _RS_CASES, seed, timeout,
+             what="elements per rank")
+    return (f"on world sizes 2, 3, 4 ({n} trials with random float32 and int64 inputs of 1 to 250 elements per "
+            f"rank; sums exact for int64, to 1e-5 for float32; every rank sent only to its right neighbour, "
+            f"p-1 chunks)")
+
+
+# ----------------------------------------------------------------------------------
+# Exercise "ring_all_reduce"
+
+
+def _all_reduce_rank(fn, trials, seed, progress_dir):
+    rank, p = dist.get_rank(), dist.get_world_size()
+    name = getattr(fn, "__name__", "your function")
+    with watch_comm("ring_all_reduce", "all_reduce") as watch:
+        for i, (dtype, shape) in enumerate(trials):
+            progress(progress_dir, i)
+            inputs = _inputs(seed, p, i, dtype, shape)
+            expected = torch.stack(inputs).sum(0) if dtype == "int64" else \
+                torch.stack(inputs).double().sum(0).float()
+            tensor, received, sent = inputs[rank].clone(), watch.receives, len(watch.sends)
+            returned = fn(tensor)
+            watch.raise_if_forbidden()
+            _same_kind(rank, tensor, expected)
+            diff = first_difference(tensor, expected, **_tolerance(expected.dtype))
+            if diff is not None:
+                _returned_new(name, rank, returned, tensor, expected)
+                index, got, want = diff
+                message = (f"rank {rank}'s result differs from the sum over all ranks at index {index} "
+                           f"(got {_fmt(got)}, expected {_fmt(want)}).")
+                pieces = list(zip(tensor.view(-1).tensor_split(p), expected.view(-1).tensor_split(p)))
+                right = [j for j, (a, b) in enumerate(pieces)
+                         if a.numel() and first_difference(a, b, **_tolerance(b.dtype)) is None]
+                if torch.equal(tensor, inputs[rank]):
+                    message += " Its tensor is unchanged: nothing was added to it."
+                elif len(right) == 1 and sum(a.numel() > 0 for a, _ in pieces) > 1:
+                    message += (f" Only chunk {right[0]} of tensor.tensor_split({p}) is right: that is what a "
+                                f"reduce-scatter leaves. The all-gather must then pass each complete chunk "
+                                f"round the ring ({p - 1} more step{'s' if p > 2 else ''}) so that every rank gets "
+                                f"all of them.")
+                raise Fail(message)
+            n_bytes = tensor.numel() * tensor.element_size()
+            limit = 2 * (p - 1) * math.ceil(tensor.numel() / p) * tensor.element_size()
+            _check_ring_sends(rank, p, watch.sends[sent:], limit, n_bytes,
+                              "a ring all-reduce (2(p-1) steps of one chunk of at most ceil(numel/p) elements)",
+                              "sending everything to one rank and back is a parameter server, not a ring")
+            if watch.receives == received and tensor.numel():
+                raise Fail(f"rank {rank} ended with the right values but received no point-to-point message: "
+                           f"the data must travel with send/recv (pplab.comm or torch.distributed).")
+    return True
+
+
+@exercise("ring_all_reduce", "Ring all-reduce from point-to-point messages", answer="my_ring_all_reduce",
+          notebook="01b_ring_all_reduce")
+def check_ring_all_reduce(fn, seed: int, timeout: float) -> str:
+    """my_ring_all_reduce(tensor), on every rank: tensor <- the sum of every rank's tensor, in
+    place, by a reduce-scatter then an all-gather round a ring of send/recv."""
+    require_function(fn, "ring_all_reduce", "tensor", torch.zeros(1))
+    n = _run(fn, "ring_all_reduce", "all_reduce", _all_reduce_rank, _CASES, seed, timeout)
+    return (f"on world sizes 2, 3, 4 ({n} trials with random float32 and int64 tensors of 1 to 1001 elements; "
+            f"sums exact for int64, to 1e-5 for float32; every rank sent only to its right neighbour, "
+            f"at most 2(p-1) chunks)")
+
+
+# ----------------------------------------------------------------------------------
+# Exercise "predict_time": the α-β model, no ranks
+
+
+def refuse_library(fn, exercise_id: str, what: str, library: dict, shown: str) -> None:
+    """Fail if `fn` (nested functions included) uses the library's own answer: an attribute
+    of that name (`pipeline.bubble_fraction(...)`), or the object under any name."""
+    names = getattr(fn, "__globals__", {})
+    cells = [c.cell_contents for c in getattr(fn, "__closure__", None) or () if _filled(c)]
+    codes, found = [getattr(fn, "__code__", None)], False
+    while codes and not found:
+        code = codes.pop()
+        if code is None:
+            continue
+        codes += [c for c in code.co_consts if inspect.iscode(c)]
+        for ins in dis.get_instructions(code):
+            if ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and ins.argval in library:
+                found = True
+            elif ins.opname in ("LOAD_GLOBAL", "LOAD_NAME") and any(names.get(ins.argval) is v
+                                                                   for v in library.values()):
+                found = True
+    if found or any(c is v for c in cells for v in library.values()):
+        raise Forbidden(f"exercise '{exercise_id}' asks you to work out {what} yourself; you use {shown}, "
+                        f"the library's answer.")
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents
+        return True
+    except ValueError:
+        return False
+
+
+_MISTAKES = [       # (what a common slip computes, what to say about it)
+    (lambda a, b, p, n: (p - 1) * a + (p - 1) / p * n * b,
+     "half the right time: a ring all-reduce is a reduce-scatter *and then* an all-gather, p-1 steps each, "
+     "so both the α and the β term carry a factor 2"),
+    (lambda a, b, p, n: 2 * p * a + 2 * n * b,
+     "p where p-1 belongs: a ring of p ranks takes p-1 steps per phase, and each rank sends (p-1)/p of the data"),
+    (lambda a, b, p, n: 2 * p * a + 2 * (p - 1) / p * n * b,
+     "2p·α: a ring of p ranks takes p-1 steps per phase, 2(p-1) messages in all"),
+    (lambda a, b, p, n: 2 * (p - 1) * a + 2 * n * b,
+     "2N·β: each step sends one chunk of N/p bytes, 2(p-1) of them: 2(p-1)/p·N bytes"),
+    (lambda a, b, p, n: 2 * (p - 1) * (a + n * b),
+     "2(p-1)(α + Nβ): each step sends one chunk of N/p bytes, not the whole tensor"),
+    (lambda a, b, p, n: 2 * a + 2 * p * n * b,
+     "the parameter server's time (2α + 2pNβ), not the ring's"),
+]
+
+
+@exercise("predict_time", "Predict a ring all-reduce's time with the α-β model", answer="predict_ring_all_reduce",
+          notebook="01c_predict_time")
+def check_predict_time(fn, seed: int, timeout: float) -> str:
+    """predict_ring_all_reduce(alpha, beta, p, n_bytes) -> seconds, = pplab.costmodel.predict(
+    "all_reduce", "ring", ...): 2(p-1)·α + 2(p-1)/p·N·β."""
+    require_function(fn, "predict_time", "alpha, beta, p, n_bytes", 1e-5, 1e-9, 4, 10**6)
+    refuse_library(fn, "predict_time", "the time", {"costmodel": costmodel, "predict": costmodel.predict,
+                                                    "cost": costmodel.cost}, "pplab.costmodel")
+    rng = random.Random(seed)
+    cases = []
+    for kind in ("latency only", "bandwidth only", "both", "both", "both", "both"):
+        alpha = 10 ** rng.uniform(-6, -4) if kind != "bandwidth only" else 0.0     # 1 to 100 µs
+        beta = 1 / 10 ** rng.uniform(9, 11) if kind != "latency only" else 0.0     # 1 to 100 GB/s
+        cases.append((alpha, beta, rng.randint(3, 64), rng.choice([rng.randint(1, 999) * 4096, 10**9])))
+    for alpha, beta, p, n in cases:
+        where = f"alpha={alpha:.3g} s, beta={beta:.3g} s/B, p={p}, n_bytes={n:,}: "
+        got = call_answer(fn, alpha, beta, p, n, where=where)
+        expected = costmodel.predict("all_reduce", "ring", p, n, alpha, beta)
+        try:
+            check_number(got, expected, what=f"{fn.__name__}(...)", rel_tol=1e-6, abs_tol=0.0)
+        except Fail as failure:
+            if not failure.seed_matters:              # not a number at all
+                raise
+            hint = next((why for formula, why in _MISTAKES
+                         if math.isclose(got, formula(alpha, beta, p, n), rel_tol=1e-6)), None)
+            hint = f" That is {hint}." if hint else " A ring all-reduce takes 2(p-1)·α + 2(p-1)/p·N·β."
+            raise Fail(f"{where}{failure}{hint}") from None
+    return f"on {len(cases)} random cases (α alone, β alone, both; p from 3 to 64; relative tolerance 1e-6)"

@@ -1,0 +1,277 @@
+"""Checks of chapter 2's exercises: the gradient averaging of DDP, and top-k with error feedback.
+
+    ddp_buckets          attach_ddp_hooks(model, cap_bytes) -> (buckets, finish)
+    topk_error_feedback  topk_ef_step(grad, memory, k) -> (values, indices, new_memory)
+
+ddp_buckets runs on 2 and 3 real ranks: a small random MLP, a random bucket cap, two
+training steps each. It checks the buckets (reverse parameter order, filled up to the
+cap), that each bucket's all-reduce was started asynchronously *during* backward, from
+a hook, one per bucket and in bucket order, and that after finish() every .grad equals
+the single-process gradient of the global batch (to 1e-5). Here the library all-reduce
+is allowed: the lesson is buckets and hooks, not the collective.
+
+topk_error_feedback needs no ranks: a few seeded runs of 5 steps each, checking the
+exact top-k by magnitude of grad + memory, and that what was sent plus the memory always
+equals the sum of the gradients so far.
+"""
+from __future__ import annotations
+
+import copy
+import random
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .checks import Fail, call_answer, exercise, first_difference, progress, require_function, run_on_ranks
+from .checks import _fmt
+
+# ----------------------------------------------------------------------------------
+# Exercise "ddp_buckets"
+
+
+def _ddp_trials(seed: int, world_size: int) -> list[dict]:
+    """Per trial: the MLP's widths and a bucket cap. One cap is below the largest weight, so
+    that a parameter must get a bucket of its own; one holds at least a whole layer."""
+    rng = random.Random(seed * 31 + world_size)
+    trials = []
+    for small_cap in (True, False):
+        widths = [rng.randint(2, 9) for _ in range(4)]
+        weights = [4 * a * b for a, b in zip(widths, widths[1:])]          # bytes, float32
+        layers = [w + 4 * b for w, b in zip(weights, widths[1:])]
+        cap = rng.randint(8, max(weights) - 1) if small_cap else rng.randint(max(layers), sum(layers) - 4)
+        trials.append({"widths": widths, "cap": cap, "seed": rng.randrange(2**31)})
+    return trials
+
+
+def _mlp(widths, seed) -> nn.Module:
+    torch.manual_seed(seed)                              # the same model on every rank
+    layers = []
+    for a, b in zip(widths, widths[1:]):
+        layers += [nn.Linear(a, b), nn.Tanh()]
+    return nn.Sequential(*layers[:-1])
+
+
+def _reference_buckets(model, cap) -> list[list[str]]:
+    """Parameters in reverse order; a new bucket when the next one would not fit."""
+    buckets, size = [], 0
+    for name, p in reversed(list(model.named_parameters())):
+        nbytes = p.numel() * p.element_size()
+        if not buckets or size + nbytes > cap:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(name)
+        size += nbytes
+    return buckets
+
+
+def _check_buckets(name, model, cap, returned):
+    """(the expected buckets, as names; finish), or a Fail saying how the buckets are wrong."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    shape = (f"{name} must return (buckets, finish): buckets a list of lists of the model's parameters "
+             f"(in the order they are all-reduced), finish a function to call after loss.backward()")
+    if not (isinstance(returned, tuple) and len(returned) == 2 and callable(returned[1])):
+        raise Fail(f"{shape}; got {type(returned).__name__}.")
+    buckets = returned[0]
+    if not isinstance(buckets, (list, tuple)) or not all(isinstance(b, (list, tuple)) for b in buckets) or \
+            not all(id(p) in names for b in buckets for p in b):
+        raise Fail(f"{shape}; buckets is not a list of lists of model.parameters().")
+    got = [[names[id(p)] for p in b] for b in buckets]
+    want = _reference_buckets(model, cap)
+    if [set(b) for b in got] == [set(b) for b in want]:
+        return want, returned[1]
+    flat = [n for b in got for n in b]
+    order = [n for n, _ in model.named_parameters()]
+    nbytes = dict((n, p.numel() * p.element_size()) for n, p in model.named_parameters())
+    if sorted(flat) != sorted(order):
+        missing = sorted(set(order) - set(flat))
+        twice = sorted({n for n in flat if flat.count(n) > 1})
+        raise Fail(f"every parameter must be in exactly one bucket: "
+                   + (f"missing {missing}" if missing else f"{twice} appear more than once") + ".")
+    if flat and flat[0] != order[-1]:
+        raise Fail(f"bucket 0 starts with {flat[0]!r}, but buckets follow the *reverse* of model.parameters(), "
+                   f"starting with {order[-1]!r}: backward produces the last layer's gradients first, so "
+                   f"the first bucket to fill must hold them (yours: {got}).")
+    i = next(i for i, (a, b) in enumerate(zip(got + [[]], want + [[]])) if set(a) != set(b))
+    size = sum(nbytes[n] for n in (got[i] if i < len(got) else []))
+    raise Fail(f"with cap_bytes={cap}, bucket {i} should hold {want[i] if i < len(want) else 'nothing'} "
+               f"({sum(nbytes[n] for n in want[i]) if i < len(want) else 0} bytes), yours holds "
+               f"{got[i] if i < len(got) else 'nothing'} ({size} bytes). Parameter sizes: {nbytes}. Add "
+               f"parameters to a bucket while its total stays <= cap_bytes; start a new bucket when the next "
+               f"would not fit (a parameter larger than the cap gets a bucket of its own).")
+
+
+def _ddp_rank(fn, trials, seed, progress_dir):
+    rank, p = dist.get_rank(), dist.get_world_size()
+    name = getattr(fn, "__name__", "your function")
+    original, state, calls = dist.all_reduce, {"backward": False}, []
+
+    def all_reduce(tensor, *args, **kwargs):            # record each call, then do it
+        async_op = kwargs.get("async_op", args[2] if len(args) > 2 else False)
+        calls.append((tensor.numel(), bool(async_op), state["backward"]))
+        return original(tensor, *args, **kwargs)
+
+    for i, trial in enumerate(trials):
+        progress(progress_dir, i)
+        model = _mlp(trial["widths"], trial["seed"])
+        single, local = copy.deepcopy(model), copy.deepcopy(model)
+        buckets, finish = _check_buckets(name, model, trial["cap"], fn(model, trial["cap"]))
+        sizes = [sum(dict(model.named_parameters())[n].numel() for n in b) for b in buckets]
+        for step in range(2):
+            g = torch.Generator().manual_seed(seed * 100 + i * 10 + step)
+            X = torch.randn(2 * p, trial["widths"][0], generator=g)
+            Y = torch.randn(2 * p, trial["widths"][-1], generator=g)
+            for m, x, y in ((single, X, Y), (local, X[2 * rank:2 * rank + 2], Y[2 * rank:2 * rank + 2])):
+                m.zero_grad()
+                F.mse_loss(m(x), y).backward()
+            model.zero_grad()
+            loss = F.mse_loss(model(X[2 * rank:2 * rank + 2]), Y[2 * rank:2 * rank + 2])
+            del calls[:]
+            dist.all_reduce, state["backward"] = all_reduce, True
+            try:
+                loss.backward()
+                state["backward"] = False
+                finish()
+            finally:
+                dist.all_reduce, state["backward"] = original, False
+            _check_launches(step, buckets, sizes, calls)
+            _check_grads(step, rank, p, model, single, local)
+    return True
+
+
+def _check_launches(step, buckets, sizes, calls):
+    where = f"step {step}: "
+    if len(calls) != len(buckets) or [n for n, _, _ in calls] != sizes:
+        raise Fail(f"{where}expected {len(buckets)} all-reduce(s), one per bucket in bucket order, of "
+                   f"{sizes} elements; saw {len(calls)}, of {[n for n, _, _ in calls]} elements (call "
+                   f"comm.all_reduce or dist.all_reduce through its module, on one flat buffer per bucket).")
+    for b, (_, async_op, during) in enumerate(calls):
+        if not during:
+            raise Fail(f"{where}bucket {b}'s all-reduce started only after loss.backward() returned: start it "
+                       f"from a post-accumulate-grad hook as soon as the bucket's last gradient is in, so it "
+                       f"overlaps with the rest of backward.")
+        if not async_op:
+            raise Fail(f"{where}bucket {b}'s all-reduce was blocking, so backward stopped until it was done: "
+                       f"pass async_op=True, keep the handle and wait for it in finish().")
+
+
+def _check_grads(step, rank, p, model, single, local):
+    for (pname, prm), ref, mine in zip(model.named_parameters(), single.parameters(), local.parameters()):
+        where = f"step {step}: rank {rank}'s {pname}.grad"
+        if prm.grad is None:
+            raise Fail(f"{where} is None after finish(): copy the averaged bucket back into each .grad.")
+        diff = first_difference(prm.grad, ref.grad, atol=1e-5, rtol=1e-4)
+        if diff is None:
+            continue
+        index, got, want = diff
+        hint = ""
+        if torch.allclose(prm.grad, p * ref.grad, atol=1e-5, rtol=1e-4):
+            hint = f" It is {p} times that: the all-reduce sums the ranks' gradients; divide by the world size."
+        elif torch.allclose(prm.grad, mine.grad, atol=1e-6, rtol=1e-5):
+            hint = " It is this rank's own gradient: the averaged bucket never made it back into .grad."
+        raise Fail(f"{where} differs from the single-process gradient of the whole global batch at index "
+                   f"{index} (got {_fmt(got)}, expected {_fmt(want)}).{hint}")
+
+
+@exercise("ddp_buckets", "DDP's gradient averaging: buckets, hooks, async all-reduce", answer="attach_ddp_hooks",
+          notebook="02a_ddp_buckets")
+def check_ddp_buckets(fn, seed: int, timeout: float) -> str:
+    """attach_ddp_hooks(model, cap_bytes) -> (buckets, finish): after loss.backward() and
+    finish(), every rank's .grad is the mean over ranks (= the global batch's gradient)."""
+    require_function(fn, "ddp_buckets", "model, cap_bytes", nn.Linear(1, 1), 100)
+    trials = {p: _ddp_trials(seed, p) for p in (2, 3)}
+
+    def describe(world_size, i):
+        t = trials[world_size][i]
+        return f"world_size={world_size}, MLP widths {t['widths']}, cap_bytes={t['cap']}"
+    for p in trials:
+        run_on_ranks(_ddp_rank, fn, trials[p], seed, world_size=p, timeout=timeout, answer=fn, describe=describe)
+    return ("on world sizes 2 and 3 (4 random MLPs and bucket caps, 2 steps each: buckets in reverse order up to "
+            "the cap, one async all-reduce per bucket started during backward, .grad = the global batch's "
+            "gradient to 1e-5)")
+
+
+# ----------------------------------------------------------------------------------
+# Exercise "topk_error_feedback"
+
+
+def _unpack_topk(name, out, d, k, where):
+    if not (isinstance(out, (tuple, list)) and len(out) == 3 and all(isinstance(t, torch.Tensor) for t in out)):
+        raise Fail(f"{where}{name} must return three tensors (values, indices, new_memory), got "
+                   f"{type(out).__name__}.", seed_matters=False)
+    values, indices, memory = out
+    if indices.dtype.is_floating_point or indices.dtype == torch.bool or tuple(indices.shape) != (k,):
+        raise Fail(f"{where}indices must be an integer tensor of shape ({k},) (k entries), got "
+                   f"{indices.dtype}{tuple(indices.shape)}.")
+    if tuple(values.shape) != (k,) or tuple(memory.shape) != (d,):
+        raise Fail(f"{where}values must have shape ({k},) and new_memory ({d},), like grad; got "
+                   f"{tuple(values.shape)} and {tuple(memory.shape)}.")
+    if not bool(((indices >= 0) & (indices < d)).all()) or len(set(indices.tolist())) != k:
+        raise Fail(f"{where}indices must be {k} different positions in 0..{d - 1}, got {sorted(indices.tolist())}.")
+    return values.double(), indices.long(), memory.double()
+
+
+def _top(x, k) -> set:
+    return set(x.topk(k).indices.tolist())
+
+
+def _check_selection(grad, a, chosen, k, where):
+    mags, rest = a.abs(), sorted(set(range(len(a))) - chosen)
+    small = min(chosen, key=lambda i: mags[i])
+    if not rest or mags[small] >= mags[rest].max():
+        return
+    big = max(rest, key=lambda i: mags[i])
+    hints = []                                          # both can fit the same choice: say both
+    if chosen == _top(a, k):
+        hints.append(" You picked the k largest *values*: pick by magnitude, |a|, so that a large negative entry "
+                     "counts as much as a large positive one (a.abs().topk(k)).")
+    if chosen == _top(grad.abs(), k):
+        hints.append(" You picked the k largest entries of |grad| alone: add the memory first, a = grad + memory, "
+                     "and pick the k largest of |a| (that is how what was left out earlier gets sent).")
+    hint = " Or:".join(hints)
+    raise Fail(f"{where}you sent index {small} (grad + memory = {_fmt(a[small].item())}) but not index {big} "
+               f"(grad + memory = {_fmt(a[big].item())}), which is larger in magnitude: top-k sends the k entries "
+               f"of grad + memory largest in magnitude.{hint}")
+
+
+@exercise("topk_error_feedback", "Top-k gradient compression with error feedback", answer="topk_ef_step",
+          notebook="02b_topk_error_feedback")
+def check_topk_error_feedback(fn, seed: int, timeout: float) -> str:
+    """topk_ef_step(grad, memory, k) -> (values, indices, new_memory): the k entries of
+    a = grad + memory largest in magnitude, and new_memory = a - what was sent."""
+    require_function(fn, "topk_error_feedback", "grad, memory, k", torch.zeros(3), torch.zeros(3), 1)
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    runs = [(rng.randint(20, 200), None) for _ in range(3)] + [(rng.randint(5, 20), "all")]
+    for run, (d, k) in enumerate(runs):
+        k = d if k == "all" else [1, rng.randint(2, d // 4), rng.randint(d // 4, d - 1)][run]
+        memory = torch.zeros(d)
+        grads_so_far, sent_so_far = torch.zeros(d, dtype=torch.float64), torch.zeros(d, dtype=torch.float64)
+        for step in range(5):
+            where = f"d={d}, k={k}, step {step} of a run that starts from memory = 0: "
+            grad = torch.randn(d, generator=g) * rng.choice([0.1, 1.0, 10.0])
+            out = call_answer(fn, grad.clone(), memory.clone(), k, where=where)
+            values, indices, new_memory = _unpack_topk(fn.__name__, out, d, k, where)
+            a = grad.double() + memory.double()
+            _check_selection(grad.double(), a, set(indices.tolist()), k, where)
+            diff = first_difference(values, a[indices], atol=1e-6, rtol=1e-6)
+            if diff is not None:
+                j, got, want = diff
+                also = " (that is grad alone: send grad + memory)" if abs(got - grad[indices[j]].item()) < 1e-6 \
+                    else ""
+                raise Fail(f"{where}values[{j}] is {_fmt(got)} but the entry at indices[{j}] = {indices[j].item()} "
+                           f"of grad + memory is {_fmt(want)}{also}.")
+            grads_so_far += grad.double()
+            sent_so_far.index_add_(0, indices, values)
+            diff = first_difference(sent_so_far + new_memory, grads_so_far, atol=1e-5, rtol=1e-5)
+            if diff is not None:
+                j, got, want = diff
+                hint = " new_memory is all zeros: error feedback keeps what was not sent." if \
+                    not new_memory.any() and k < d else ""
+                raise Fail(f"{where}what was sent so far + new_memory should equal the sum of the gradients so far "
+                           f"(nothing lost, only late), but at index {j} it is {_fmt(got)}, not {_fmt(want)}: "
+                           f"new_memory = (grad + memory) with the sent entries set to 0.{hint}")
+            memory = new_memory.float()
+    return (f"on {len(runs)} seeded runs of 5 steps (d from 5 to 200, k from 1 to d): exact top-k of |grad + memory|, "
+            f"and sent + memory = the sum of the gradients at every step (to 1e-5)")

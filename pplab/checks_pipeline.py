@@ -1,0 +1,152 @@
+"""Checks of chapter 4's exercises: pipeline schedules as data, and the bubble.
+
+    gpipe_order      gpipe_order(num_stages, num_microbatches) -> actions per rank
+    1f1b_order       one_f_one_b_order(num_stages, num_microbatches) -> actions per rank
+    bubble_fraction  bubble_fraction(p, m, v) -> idle time / useful time
+
+A schedule is a list with one list per rank (stage r lives on rank r) of what that rank
+computes, in order: ("F", i) or ("B", i) for micro-batch i, the strings "F3" / "B3", or
+pplab.pipeline.Action. The checks need no ranks: they play the schedule out with
+pplab.pipeline.validate (every F and B once, on the right rank, no deadlock) and
+simulate (t_f = 1, t_b = 2) for a few seeded (p, m), m < p and m not a multiple of p
+among them, and compare the step's length and each rank's peak activations with the
+library's GPipe and 1F1B.
+"""
+from __future__ import annotations
+
+import math
+import random
+import re
+
+from .checks import Fail, call_answer, check_number, exercise, require_function
+from .checks_collectives import refuse_library
+
+# pplab.pipeline is imported inside the checks: it loads its executor (torch.fx, sympy),
+# which would make every `import pplab.checks` slow and every process it forks bigger.
+
+T_F, T_B = 1.0, 2.0
+
+
+def _cases(seed: int) -> list[tuple[int, int]]:
+    """(p, m): m a multiple of p, m > p not a multiple, m < p - 1, and one more at random."""
+    rng = random.Random(seed)
+    p = [rng.randint(2, 5) for _ in range(3)] + [rng.randint(3, 5)]
+    return [(p[0], p[0] * rng.randint(1, 3)), (p[1], p[1] * rng.randint(1, 2) + rng.randint(1, p[1] - 1)),
+            (p[3], rng.randint(1, p[3] - 2)), (p[2], rng.randint(1, 10))]
+
+
+def _action(a, rank: int, where: str):
+    from .pipeline import Action
+    if isinstance(a, Action):
+        return a
+    if isinstance(a, str) and (found := re.fullmatch(r"([FB])(\d+)", a.strip())):
+        return Action(found[1], int(found[2]), rank)
+    if isinstance(a, (tuple, list)) and len(a) == 2 and a[0] in ("F", "B") and isinstance(a[1], int) \
+            and not isinstance(a[1], bool):
+        return Action(a[0], a[1], rank)
+    raise Fail(f"{where}{a!r} is not an action: write ('F', i) or ('B', i) for the forward or backward of "
+               f"micro-batch i (or the string 'F3', or pplab.pipeline.Action).", seed_matters=False)
+
+
+def _schedule(fn, p: int, m: int, where: str):
+    """Call the student's generator and check its result with pplab.pipeline.validate."""
+    from .pipeline import Schedule, ScheduleError, validate
+    out = call_answer(fn, p, m, where=where)
+    if not isinstance(out, (list, tuple)) or len(out) != p or not all(isinstance(r, (list, tuple)) for r in out):
+        got = f"{len(out)} items" if isinstance(out, (list, tuple)) else type(out).__name__
+        raise Fail(f"{where}{fn.__name__} must return one list of actions per rank ({p} lists, rank r's list at "
+                   f"index r), got {got}.")
+    actions = [[_action(a, r, f"{where}rank {r}, step {k}: ") for k, a in enumerate(acts)]
+               for r, acts in enumerate(out)]
+    schedule = Schedule(fn.__name__, p, m, 1, actions, list(range(p)))
+    try:
+        return validate(schedule)
+    except ScheduleError as err:
+        raise Fail(f"{where}this schedule cannot run as a training step. {err}") from None
+
+
+def _compare(fn, seed: int, library: str, shown: str, peak_limit, peak_rule: str) -> str:
+    from .pipeline import make_schedule, simulate
+    cases = _cases(seed)
+    for p, m in cases:
+        where = f"p={p} stages, m={m} micro-batch{'es' if m > 1 else ''}: "
+        mine = simulate(_schedule(fn, p, m, where), t_f=T_F, t_b=T_B)
+        ref = simulate(make_schedule(library, p, m), t_f=T_F, t_b=T_B)
+        peaks = [(r, peak, peak_limit(p, m, r)) for r, peak in enumerate(mine.peak_activations)]
+
+        def wrong_peak(r, peak, limit):
+            raise Fail(f"{where}rank {r} holds {peak:g} micro-batches' activations at its peak, "
+                       f"{'more' if peak > limit else 'fewer'} than {shown}'s {limit:g}: "
+                       f"{peak_rule.format(p=p, m=m, r=r, w=min(p - 1 - r, m))}.")
+        for r, peak, limit in peaks:                     # too much memory first: that is 1F1B's point
+            if peak > limit:
+                wrong_peak(r, peak, limit)
+        if not math.isclose(mine.makespan, ref.makespan):
+            r = max(range(p), key=lambda r: mine.bubble[r] - ref.bubble[r])
+            raise Fail(f"{where}your schedule takes {mine.makespan:g} time units (t_f = 1, t_b = 2), {shown} "
+                       f"takes (m + p - 1)(t_f + t_b) = {ref.makespan:g}. Rank {r} sits idle for "
+                       f"{mine.bubble[r]:g} of them ({shown}: {ref.bubble[r]:g}): somewhere a rank waits for an "
+                       f"input that is not there yet, when another action it could run would be ready.")
+        for r, peak, limit in peaks:
+            if peak != limit:
+                wrong_peak(r, peak, limit)
+    return (f"on {len(cases)} seeded (p, m): {', '.join(f'({p}, {m})' for p, m in cases)}; valid (every F and B "
+            f"once, no deadlock), {shown}'s step length and peak activations on every rank")
+
+
+@exercise("gpipe_order", "GPipe's order of forwards and backwards", answer="gpipe_order", notebook="04a_gpipe_order")
+def check_gpipe_order(fn, seed: int, timeout: float) -> str:
+    """gpipe_order(p, m): every rank runs all m forwards, then all m backwards."""
+    require_function(fn, "gpipe_order", "num_stages, num_microbatches", 2, 2)
+    return _compare(fn, seed, "gpipe", "GPipe", lambda p, m, r: m,
+                    "GPipe runs all m = {m} forwards before any backward, so every rank holds all of them")
+
+
+@exercise("1f1b_order", "1F1B's order of forwards and backwards", answer="one_f_one_b_order",
+          notebook="04b_1f1b_order")
+def check_1f1b_order(fn, seed: int, timeout: float) -> str:
+    """one_f_one_b_order(p, m): rank r runs min(p-1-r, m) forwards, then alternates F and B."""
+    require_function(fn, "1f1b_order", "num_stages, num_microbatches", 2, 2)
+    return _compare(fn, seed, "1f1b", "1F1B", lambda p, m, r: min(p - r, m),
+                    "rank {r} runs min(p - 1 - r, m) = {w} forwards ahead (the warm-up), then one forward, one "
+                    "backward, one forward, ..., so it never holds more than min(p - r, m)")
+
+
+# ----------------------------------------------------------------------------------
+# Exercise "bubble_fraction"
+
+_BUBBLE_MISTAKES = [
+    (lambda p, m, v: (p - 1) / m, "(p-1)/m, which leaves out v: with v chunks per rank the fill and the drain "
+                                  "take (p-1) chunk-times of 1/v stage-time each"),
+    (lambda p, m, v: p / (v * m), "p/(v·m): filling a pipeline of p stages takes p-1 steps, not p"),
+    (lambda p, m, v: p / m, "p/m: filling a pipeline of p stages takes p-1 steps, not p, and v chunks shrink it"),
+    (lambda p, m, v: (p - 1) * v / m, "(p-1)·v/m: more chunks per rank make the bubble smaller, not bigger"),
+    (lambda p, m, v: (p - 1) / (v * m + p - 1), "idle time / total time; the bubble fraction here is idle time / "
+                                                 "useful time, (p-1)(t_f+t_b)/v over m(t_f+t_b)"),
+]
+
+
+@exercise("bubble_fraction", "The bubble fraction of a flushed pipeline", answer="bubble_fraction",
+          notebook="04c_bubble_fraction")
+def check_bubble_fraction(fn, seed: int, timeout: float) -> str:
+    """bubble_fraction(p, m, v) = (p-1)/(v·m), as pplab.pipeline.bubble_fraction."""
+    from .pipeline import bubble_fraction as reference
+    require_function(fn, "bubble_fraction", "p, m, v", 4, 8, 1)
+    refuse_library(fn, "bubble_fraction", "the bubble fraction", {"bubble_fraction": reference},
+                   "pplab.pipeline.bubble_fraction")
+    rng = random.Random(seed)
+    cases = [(rng.randint(3, 16), rng.randint(1, 64), v) for v in (1, 1, 2, 3, 4, rng.randint(2, 8))]
+    for p, m, v in cases:
+        where = f"p={p}, m={m}, v={v}: "
+        got, expected = call_answer(fn, p, m, v, where=where), reference(p, m, v)
+        try:
+            check_number(got, expected, what=f"{fn.__name__}({p}, {m}, {v})", rel_tol=1e-9, abs_tol=0.0)
+        except Fail as failure:
+            if not failure.seed_matters:
+                raise
+            hint = next((why for formula, why in _BUBBLE_MISTAKES
+                         if math.isclose(got, formula(p, m, v), rel_tol=1e-9)), None)
+            hint = f" That is {hint}." if hint else \
+                " The fill and the drain cost (p-1)(t_f+t_b)/v; the work is m(t_f+t_b)."
+            raise Fail(f"{where}{failure}{hint}") from None
+    return f"on {len(cases)} seeded (p, m, v), v = 1 to 8 (relative tolerance 1e-9)"

@@ -1,0 +1,478 @@
+"""Plausible wrong answers to the exercises of chapters 1, 2 and 4, each a mistake a
+student could make.
+
+WRONG[exercise_id] lists (function, regular expressions the check's message must match,
+timeout for the check or None for the default), as in wrong_solutions.py:
+tests/test_checks_chapters.py checks that every one of them fails with that message.
+"""
+import torch
+import torch.distributed as dist
+
+import pplab
+from pplab import comm, costmodel
+
+# ----------------------------------------------------------------------------------
+# Chapter 1: ring all-reduce, reduce-scatter, the α-β model
+
+
+def _ring():
+    rank, p = comm.rank(), comm.world_size()
+    return rank, p, (rank + 1) % p, (rank - 1) % p
+
+
+def all_reduce_through_rank_zero(tensor):
+    """Every rank sends to rank 0, which adds them up and sends the sum back: right values,
+    but a parameter server, not a ring."""
+    rank, p = comm.rank(), comm.world_size()
+    if rank == 0:
+        incoming = torch.empty_like(tensor)
+        for r in range(1, p):
+            comm.recv(incoming, r)
+            tensor += incoming
+        for r in range(1, p):
+            comm.send(tensor, r)
+    else:
+        comm.send(tensor, 0)
+        comm.recv(tensor, 0)
+
+
+def all_reduce_passes_whole_tensor(tensor):
+    """A ring that passes every rank's whole tensor along: right values, (p-1)·N bytes per
+    rank instead of 2(p-1)/p·N."""
+    rank, p, right, left = _ring()
+    outgoing, incoming, total = tensor.clone(), torch.empty_like(tensor), tensor.clone()
+    for _ in range(p - 1):
+        comm.exchange(outgoing, right, incoming, left)
+        total += incoming
+        outgoing, incoming = incoming, outgoing
+    tensor.copy_(total)
+
+
+def all_reduce_off_by_one(tensor):
+    """The reduce-scatter leaves chunk r+1 complete on rank r, but the all-gather starts
+    from chunk r as if it were."""
+    rank, p, right, left = _ring()
+    chunks = tensor.view(-1).tensor_split(p)
+    for s in range(p - 1):
+        send, add = chunks[(rank - s) % p], chunks[(rank - s - 1) % p]
+        incoming = torch.empty_like(add)
+        comm.exchange(send, right, incoming, left)
+        add.add_(incoming)
+    for s in range(p - 1):
+        comm.exchange(chunks[(rank - s) % p], right, chunks[(rank - s - 1) % p], left)
+
+
+def all_reduce_forgets_all_gather(tensor):
+    """Only the reduce-scatter: each rank ends with one complete chunk."""
+    rank, p, right, left = _ring()
+    chunks = tensor.view(-1).tensor_split(p)
+    for s in range(p - 1):
+        send, add = chunks[(rank - s - 1) % p], chunks[(rank - s - 2) % p]
+        incoming = torch.empty_like(add)
+        comm.exchange(send, right, incoming, left)
+        add.add_(incoming)
+
+
+def all_reduce_with_library(tensor):
+    dist.all_reduce(tensor)
+
+
+def reduce_scatter_ends_with_next_chunk(output, input):
+    """Indices one step off: rank r ends with chunk r+1 complete, and returns that."""
+    rank, p, right, left = _ring()
+    chunks = input.clone().view(-1).split(output.numel())
+    incoming = torch.empty_like(chunks[0])
+    for s in range(p - 1):
+        comm.exchange(chunks[(rank - s) % p], right, incoming, left)
+        chunks[(rank - s - 1) % p].add_(incoming)
+    output.copy_(chunks[(rank + 1) % p])
+
+
+def reduce_scatter_copies_instead_of_adding(output, input):
+    """Passes the chunks round the ring but overwrites instead of adding: no reduction."""
+    rank, p, right, left = _ring()
+    chunks = input.clone().view(-1).split(output.numel())
+    incoming = torch.empty_like(chunks[0])
+    for s in range(p - 1):
+        comm.exchange(chunks[(rank - s - 1) % p], right, incoming, left)
+        chunks[(rank - s - 2) % p].copy_(incoming)
+    output.copy_(chunks[rank])
+
+
+def reduce_scatter_direct(output, input):
+    """Every rank sends chunk j straight to rank j: a right answer, but not a ring."""
+    rank, p = comm.rank(), comm.world_size()
+    chunks = input.view(-1).split(output.numel())
+    handles = [comm.isend(chunks[j], j) for j in range(p) if j != rank]
+    output.copy_(chunks[rank])
+    incoming = torch.empty_like(output)
+    for j in range(p):
+        if j != rank:
+            comm.recv(incoming, j)
+            output += incoming
+    for h in handles:
+        h.wait()
+
+
+def reduce_scatter_in_input(output, input):
+    """The right ring, but the partial sums are added up in `input` itself."""
+    rank, p, right, left = _ring()
+    chunks = input.view(-1).split(output.numel())
+    incoming = torch.empty_like(chunks[0])
+    for s in range(p - 1):
+        comm.exchange(chunks[(rank - s - 1) % p], right, incoming, left)
+        chunks[(rank - s - 2) % p].add_(incoming)
+    output.copy_(chunks[rank])
+
+
+def predict_forgets_factor_two(alpha, beta, p, n_bytes):
+    return (p - 1) * (alpha + n_bytes / p * beta)
+
+
+def predict_p_instead_of_p_minus_one(alpha, beta, p, n_bytes):
+    return 2 * p * (alpha + n_bytes / p * beta)
+
+
+def predict_whole_tensor_each_step(alpha, beta, p, n_bytes):
+    return 2 * (p - 1) * (alpha + n_bytes * beta)
+
+
+def predict_with_costmodel(alpha, beta, p, n_bytes):
+    return costmodel.predict("all_reduce", "ring", p, n_bytes, alpha, beta)
+
+
+# ----------------------------------------------------------------------------------
+# Chapter 2: DDP's buckets and hooks, top-k with error feedback
+
+
+def _buckets(params, cap_bytes, reverse=True):
+    buckets, size = [], 0
+    for p in (reversed(list(params)) if reverse else list(params)):
+        nbytes = p.numel() * p.element_size()
+        if not buckets or size + nbytes > cap_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p)
+        size += nbytes
+    return buckets
+
+
+def _ddp(model, buckets, divide=True, async_op=True, in_hooks=True):
+    """A DDP core over the given buckets; the flags turn one of its parts off."""
+    world = comm.world_size()
+    bucket_of = {id(p): i for i, b in enumerate(buckets) for p in b}
+    missing, in_flight = [len(b) for b in buckets], []
+
+    def launch(i):
+        buffer = torch.cat([p.grad.reshape(-1) for p in buckets[i]])
+        in_flight.append((buffer, comm.all_reduce(buffer, async_op=async_op)))
+
+    def hook(param):
+        missing[bucket_of[id(param)]] -= 1
+        while len(in_flight) < len(buckets) and missing[len(in_flight)] == 0:
+            launch(len(in_flight))
+
+    if in_hooks:
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(hook)
+
+    def finish():
+        if not in_hooks:
+            for i in range(len(buckets)):
+                launch(i)
+        for (buffer, handle), bucket in zip(in_flight, buckets):
+            if handle is not None:
+                handle.wait()
+            if divide:
+                buffer /= world
+            for p, piece in zip(bucket, buffer.split([p.numel() for p in bucket])):
+                p.grad.copy_(piece.view_as(p.grad))
+        in_flight.clear()
+        missing[:] = [len(b) for b in buckets]
+    return buckets, finish
+
+
+def ddp_buckets_in_forward_order(model, cap_bytes):
+    return _ddp(model, _buckets(model.parameters(), cap_bytes, reverse=False))
+
+
+def ddp_forgets_to_divide(model, cap_bytes):
+    return _ddp(model, _buckets(model.parameters(), cap_bytes), divide=False)
+
+
+def ddp_all_reduces_after_backward(model, cap_bytes):
+    """No hooks: every bucket is all-reduced in finish(), after backward."""
+    return _ddp(model, _buckets(model.parameters(), cap_bytes), in_hooks=False)
+
+
+def ddp_blocking_all_reduce(model, cap_bytes):
+    return _ddp(model, _buckets(model.parameters(), cap_bytes), async_op=False)
+
+
+def ddp_cap_checked_too_late(model, cap_bytes):
+    """Adds the parameter first and starts a new bucket only once the cap is passed."""
+    buckets, size = [[]], 0
+    for p in reversed(list(model.parameters())):
+        if size > cap_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p)
+        size += p.numel() * p.element_size()
+    return _ddp(model, buckets)
+
+
+def ddp_one_all_reduce_per_parameter(model, cap_bytes):
+    """Returns the right buckets but all-reduces each parameter on its own."""
+    buckets = _buckets(model.parameters(), cap_bytes)
+    _, finish = _ddp(model, [[p] for b in buckets for p in b])
+    return buckets, finish
+
+
+def topk_by_value(grad, memory, k):
+    a = grad + memory
+    indices = a.topk(k).indices
+    new_memory = a.clone()
+    new_memory[indices] = 0
+    return a[indices], indices, new_memory
+
+
+def topk_selects_before_adding_memory(grad, memory, k):
+    indices = grad.abs().topk(k).indices
+    a = grad + memory
+    new_memory = a.clone()
+    new_memory[indices] = 0
+    return a[indices], indices, new_memory
+
+
+def topk_without_memory(grad, memory, k):
+    """Plain top-k: what is not sent is dropped."""
+    a = grad + memory
+    indices = a.abs().topk(k).indices
+    return a[indices], indices, torch.zeros_like(grad)
+
+
+def topk_memory_forgets_backlog(grad, memory, k):
+    """Keeps only this step's leftovers: new_memory = grad - sent, not grad + memory - sent."""
+    a = grad + memory
+    indices = a.abs().topk(k).indices
+    new_memory = grad.clone()
+    new_memory[indices] = 0
+    return a[indices], indices, new_memory
+
+
+def topk_sends_grad_values(grad, memory, k):
+    a = grad + memory
+    indices = a.abs().topk(k).indices
+    new_memory = a.clone()
+    new_memory[indices] = 0
+    return grad[indices], indices, new_memory
+
+
+# ----------------------------------------------------------------------------------
+# Chapter 4: pipeline schedules and the bubble
+
+
+def gpipe_backwards_first(num_stages, num_microbatches):
+    """Backwards listed before forwards: rank 0 waits for its own forward, forever."""
+    m = num_microbatches
+    return [[("B", i) for i in range(m)] + [("F", i) for i in range(m)] for _ in range(num_stages)]
+
+
+def gpipe_missing_last_microbatch(num_stages, num_microbatches):
+    m = num_microbatches - 1                         # range(m - 1): one short
+    return [[("F", i) for i in range(m)] + [("B", i) for i in range(m)] for _ in range(num_stages)]
+
+
+def gpipe_everything_on_stage_zero(num_stages, num_microbatches):
+    """pplab.pipeline.Action with stage 0 on every rank: stage r lives on rank r."""
+    from pplab.pipeline import Action    # here, not at the top: pplab.pipeline is slow to import
+
+    m = num_microbatches
+    return [[Action("F", i, 0) for i in range(m)] + [Action("B", i, 0) for i in range(m)]
+            for _ in range(num_stages)]
+
+
+def gpipe_last_rank_backwards_reversed(num_stages, num_microbatches):
+    """The last rank runs its backwards newest first, the others oldest first: valid, slower."""
+    m = num_microbatches
+    order = [[f"F{i}" for i in range(m)] + [f"B{i}" for i in range(m)] for _ in range(num_stages)]
+    order[-1] = [f"F{i}" for i in range(m)] + [f"B{i}" for i in reversed(range(m))]
+    return order
+
+
+def _one_f_one_b(p, m, warmup):
+    order = []
+    for r in range(p):
+        w = min(warmup(p, r), m)
+        acts = [("F", i) for i in range(w)]
+        for i in range(m - w):
+            acts += [("F", w + i), ("B", i)]
+        order.append(acts + [("B", i) for i in range(m - w, m)])
+    return order
+
+
+def gpipe_as_1f1b(num_stages, num_microbatches):
+    return _one_f_one_b(num_stages, num_microbatches, lambda p, r: p - 1 - r)
+
+
+def one_f_one_b_as_gpipe(num_stages, num_microbatches):
+    m = num_microbatches
+    return [[("F", i) for i in range(m)] + [("B", i) for i in range(m)] for _ in range(num_stages)]
+
+
+def one_f_one_b_warmup_one_too_many(num_stages, num_microbatches):
+    return _one_f_one_b(num_stages, num_microbatches, lambda p, r: p - r)
+
+
+def one_f_one_b_warmup_one_too_few(num_stages, num_microbatches):
+    return _one_f_one_b(num_stages, num_microbatches, lambda p, r: max(p - 2 - r, 0))
+
+
+def one_f_one_b_warmup_ignores_m(num_stages, num_microbatches):
+    """Warm-up of p-1-r forwards even when there are fewer micro-batches than that."""
+    p, m = num_stages, num_microbatches
+    order = []
+    for r in range(p):
+        acts = [("F", i) for i in range(p - 1 - r)]
+        for i in range(m - (p - 1 - r)):
+            acts += [("F", p - 1 - r + i), ("B", i)]
+        order.append(acts + [("B", i) for i in range(max(m - (p - 1 - r), 0), m)])
+    return order
+
+
+def bubble_ignores_v(p, m, v):
+    return (p - 1) / m
+
+
+def bubble_p_over_m(p, m, v):
+    return p / (v * m)
+
+
+def bubble_idle_over_total(p, m, v):
+    return (p - 1) / (v * m + p - 1)
+
+
+def bubble_from_library(p, m, v):
+    return pplab.pipeline.bubble_fraction(p, m, v)
+
+
+AR_TRIAL = r"^world_size=\d, dtype=(float32|int64), shape=\([\d, ]*\): "
+RS_TRIAL = r"^world_size=\d, dtype=(float32|int64), elements per rank=\d+: "
+PREDICT = r"^alpha=[\d.e+-]+ s, beta=[\d.e+-]+ s/B, p=\d+, n_bytes=[\d,]+: predict_\w+\(\.\.\.\) is [\d.e+-]+, expected "
+DDP_TRIAL = r"^world_size=[23], MLP widths \[[\d, ]+\], cap_bytes=\d+: "
+PIPE = r"^p=\d stages, m=\d+ micro-batch(es)?: "
+TOPK = r"^d=\d+, k=\d+, step \d of a run that starts from memory = 0: "
+WRONG = {
+    "ring_all_reduce": [
+        (all_reduce_through_rank_zero,
+         [r"^world_size=[34], ", r"rank \d sent to ranks? [\d, ]+: in a ring each rank sends only to its right "
+          r"neighbour, \(rank \+ 1\) % p = \d", "parameter server"], None),
+        (all_reduce_passes_whole_tensor,
+         [r"^world_size=[34], ", r"rank \d sent [\d,]+ bytes for a tensor of [\d,]+ bytes, more than the [\d,]+ bytes "
+          r"of a ring all-reduce", r"send one chunk per step, not the whole tensor"], None),
+        (all_reduce_off_by_one,
+         [AR_TRIAL, r"rank \d's result differs from the sum over all ranks at index [\d(]"], None),
+        (all_reduce_forgets_all_gather,
+         [AR_TRIAL, r"^world_size=2\b", r"rank \d's result differs from the sum over all ranks",
+          r"Only chunk \d of tensor.tensor_split\(2\) is right: that is what a reduce-scatter leaves\. "
+          r"The all-gather must then pass"], None),
+        (all_reduce_with_library,
+         [r"^exercise 'ring_all_reduce' asks you to build all_reduce from point-to-point sends",
+          r"you called torch\.distributed\.all_reduce, the library collective it replaces\.$"], None),
+    ],
+    "reduce_scatter": [
+        (reduce_scatter_ends_with_next_chunk,
+         [RS_TRIAL, r"rank \d's output differs from the sum over ranks of chunk \d",
+          r"It holds the sum of chunk \d instead: rank r must end with chunk r"], None),
+        (reduce_scatter_copies_instead_of_adding,
+         [RS_TRIAL, r"It holds rank \d's chunk \d alone: add what each step receives"], None),
+        (reduce_scatter_direct,
+         [r"^world_size=[34], ", r"rank \d sent to ranks? [\d, ]+: in a ring each rank sends only to its right "
+          r"neighbour"], None),
+        (reduce_scatter_in_input,
+         [RS_TRIAL, r"rank \d's input changed at index \d+: like torch\.distributed\.reduce_scatter_tensor, leave "
+          r"input as it was"], None),
+    ],
+    "predict_time": [
+        (predict_forgets_factor_two, [PREDICT, r"That is half the right time: a ring all-reduce is a reduce-scatter"],
+         None),
+        (predict_p_instead_of_p_minus_one, [PREDICT, r"That is (p where p-1 belongs|2p·α)"], None),
+        (predict_whole_tensor_each_step, [r"That is (2\(p-1\)\(α \+ Nβ\)|2N·β)", r"one chunk of N/p bytes"], None),
+        (predict_with_costmodel,
+         [r"^exercise 'predict_time' asks you to work out the time yourself; you use pplab\.costmodel"], None),
+    ],
+    "ddp_buckets": [
+        (ddp_buckets_in_forward_order,
+         [DDP_TRIAL, r"bucket 0 starts with '0\.weight', but buckets follow the \*reverse\* of model\.parameters\(\), "
+          r"starting with '4\.bias': backward produces the last layer's gradients first"], None),
+        (ddp_forgets_to_divide,
+         [DDP_TRIAL, r"step 0: rank \d's [\d.]+(weight|bias)\.grad differs from the single-process gradient",
+          r"It is 2 times that: the all-reduce sums the ranks' gradients; divide by the world size\."], None),
+        (ddp_all_reduces_after_backward,
+         [DDP_TRIAL, r"step 0: bucket 0's all-reduce started only after loss\.backward\(\) returned: start it from a "
+          r"post-accumulate-grad hook"], None),
+        (ddp_blocking_all_reduce,
+         [DDP_TRIAL, r"step 0: bucket 0's all-reduce was blocking, so backward stopped until it was done: pass "
+          r"async_op=True"], None),
+        (ddp_cap_checked_too_late,
+         [DDP_TRIAL, r"with cap_bytes=\d+, bucket \d should hold \[.*\] \(\d+ bytes\), yours holds \[.*\] \(\d+ bytes\)",
+          r"Add parameters to a bucket while its total stays <= cap_bytes"], None),
+        (ddp_one_all_reduce_per_parameter,
+         [DDP_TRIAL, r"step 0: expected \d all-reduce\(s\), one per bucket in bucket order, of \[[\d, ]+\] elements; "
+          r"saw 6, of \[[\d, ]+\] elements"], None),
+    ],
+    "topk_error_feedback": [
+        (topk_by_value, [TOPK, r"which is larger in magnitude", r"You picked the k largest \*values\*: pick by magnitude"],
+         None),
+        (topk_selects_before_adding_memory,
+         [r"^d=\d+, k=\d+, step [1-4] of a run that starts from memory = 0: ",
+          r"You picked the k largest entries of \|grad\| alone: add the memory first"], None),
+        (topk_without_memory,
+         [TOPK, r"what was sent so far \+ new_memory should equal the sum of the gradients so far",
+          r"new_memory is all zeros: error feedback keeps what was not sent\."], None),
+        (topk_memory_forgets_backlog,
+         [r"^d=\d+, k=\d+, step [1-4] of a run that starts from memory = 0: what was sent so far \+ new_memory should equal",
+          r"new_memory = \(grad \+ memory\) with the sent entries set to 0\."], None),
+        (topk_sends_grad_values,
+         [r"^d=\d+, k=\d+, step [1-4] ", r"values\[\d+\] is [-\d.e+]+ but the entry at indices\[\d+\] = \d+ of grad \+ "
+          r"memory is [-\d.e+]+ \(that is grad alone: send grad \+ memory\)"], None),
+    ],
+    "gpipe_order": [
+        (gpipe_backwards_first,
+         [PIPE, r"this schedule cannot run as a training step\. deadlock in 'gpipe_backwards_first'",
+          r"rank 0 is stuck at step 0 \(B0 of stage 0\), waiting for F0 of stage 0, which it runs itself later"],
+         None),
+        (gpipe_missing_last_microbatch,
+         [PIPE, r"is not one full training step:\n  F\d+ of stage 0 appears 0 times, not once"], None),
+        (gpipe_everything_on_stage_zero,
+         [PIPE, r"rank 1, step 0: F0 of stage 0 is on rank 1, but stage 0 lives on rank 0"], None),
+        (gpipe_last_rank_backwards_reversed,
+         [PIPE, r"your schedule takes \d+ time units \(t_f = 1, t_b = 2\), GPipe takes \(m \+ p - 1\)\(t_f \+ t_b\) "
+          r"= \d+\. Rank \d sits idle for \d+ of them \(GPipe: \d+\)"], None),
+        (gpipe_as_1f1b,
+         [PIPE, r"rank \d holds \d micro-batches' activations at its peak, fewer than GPipe's \d+: GPipe runs all "
+          r"m = \d+ forwards before any backward"], None),
+    ],
+    "1f1b_order": [
+        (one_f_one_b_as_gpipe,
+         [PIPE, r"rank \d holds \d+ micro-batches' activations at its peak, more than 1F1B's \d: rank \d runs "
+          r"min\(p - 1 - r, m\) = \d forwards ahead \(the warm-up\)"], None),
+        (one_f_one_b_warmup_one_too_many, [PIPE, r"at its peak, more than 1F1B's \d"], None),
+        (one_f_one_b_warmup_one_too_few,
+         [PIPE, r"your schedule takes \d+ time units \(t_f = 1, t_b = 2\), 1F1B takes \(m \+ p - 1\)\(t_f \+ t_b\)"],
+         None),
+        (one_f_one_b_warmup_ignores_m,
+         [r"^p=\d stages, m=[1-4] micro-batch(es)?: this schedule cannot run as a training step\. rank \d, step \d: "
+          r"micro-batch \d out of range 0\.\.\d"], None),
+    ],
+    "bubble_fraction": [
+        (bubble_ignores_v, [r"^p=\d+, m=\d+, v=[2-8]: bubble_ignores_v\(\d+, \d+, \d\) is [\d.e+-]+, expected ",
+                            r"That is \(p-1\)/m, which leaves out v"], None),
+        (bubble_p_over_m, [r"^p=\d+, m=\d+, v=1: ", r"That is p/\(v·m\): filling a pipeline of p stages takes p-1 "
+                                                    r"steps, not p"], None),
+        (bubble_idle_over_total, [r"That is idle time / total time; the bubble fraction here is idle time / "
+                                  r"useful time"], None),
+        (bubble_from_library, [r"^exercise 'bubble_fraction' asks you to work out the bubble fraction yourself; "
+                               r"you use pplab\.pipeline\.bubble_fraction"], None),
+    ],
+}
