@@ -416,11 +416,12 @@ def _collect(ranks, started, timeout, backend, method) -> LaunchResult:
         elif rk.message is not None:
             failed[rk.rank] = rk.message
 
+    in_grace = False
     while pending:
-        if failed and len(failed) == 1 and deadline > time.monotonic() + 0.25:
+        if failed and not in_grace:
             # Ranks often fail together (each checks its own result): wait a moment for the
             # others so the lowest failing rank is reported every run, not whichever came first.
-            deadline = time.monotonic() + 0.25
+            in_grace, deadline = True, min(deadline, time.monotonic() + 0.25)
         left = deadline - time.monotonic()
         if left <= 0:
             break

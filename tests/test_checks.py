@@ -11,37 +11,13 @@ import torch.distributed as dist
 import pplab
 from pplab import checks, comm
 from pplab.grading import exercise_notebook
+from notebook_answers import notebook_function, solution, stub
 from wrong_solutions import WRONG
 from wrong_solutions_chapters import WRONG as WRONG_CHAPTERS
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def notebook_function(nb, name):
-    """Run the code cells of `nb` up to the one that defines `name`; return it.
-
-    The solution lives only in the notebook: the tests take it from there."""
-    namespace = {"__name__": f"notebook_{name}"}
-    for i, cell in enumerate(nb.cells):
-        if cell.cell_type != "code":
-            continue
-        exec(compile(cell.source, f"<{name} notebook cell {i}>", "exec"), namespace)
-        if re.search(rf"^def {name}\(", cell.source, re.M):
-            return namespace[name]
-    raise AssertionError(f"no cell defines {name}")
-
-
-def solution(exercise_id):
-    ex = checks.get_exercise(exercise_id)
-    return notebook_function(nbformat.read(REPO / "solutions" / f"{ex.notebook}.ipynb", 4), ex.answer)
-
-
-def stub(exercise_id):
-    ex = checks.get_exercise(exercise_id)
-    nb = exercise_notebook(nbformat.read(REPO / "solutions" / f"{ex.notebook}.ipynb", 4))
-    return notebook_function(nb, ex.answer)
 
 
 @pytest.mark.parametrize("exercise_id", sorted(checks.EXERCISES))

@@ -258,3 +258,28 @@ def test_same_script_runs_under_python_and_torchrun(tmp_path):
             pass
     assert "RESULT [30.0, 30.0] in-place 2" in out, err[-3000:]
     assert proc.returncode == 0, err[-3000:]
+
+
+def test_ranks_failing_together_end_the_launch_at_once():
+    """Several ranks raising at the same moment must not leave the launch waiting for its timeout."""
+    def f():
+        raise NotImplementedError("every rank")
+
+    class WaitedForTheTimeout(Exception):
+        pass
+
+    def alarm(signum, frame):
+        raise WaitedForTheTimeout
+
+    old = signal.signal(signal.SIGALRM, alarm)
+    try:
+        for _ in range(5):
+            signal.alarm(60)          # a hang detector: the launch's own timeout is 600 s
+            with pytest.raises(pplab.LaunchError) as info:
+                pplab.launch(f, world_size=4, timeout=600)
+            signal.alarm(0)
+            assert info.value.rank == 0 and not info.value.running
+            assert "rank 0 raised NotImplementedError: every rank" in str(info.value)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
