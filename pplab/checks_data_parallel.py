@@ -87,7 +87,7 @@ def _check_buckets(name, model, cap, returned):
     if sorted(flat) != sorted(order):
         missing = sorted(set(order) - set(flat))
         twice = sorted({n for n in flat if flat.count(n) > 1})
-        raise Fail(f"every parameter must be in exactly one bucket: "
+        raise Fail("every parameter must be in exactly one bucket: "
                    + (f"missing {missing}" if missing else f"{twice} appear more than once") + ".")
     if flat and flat[0] != order[-1]:
         raise Fail(f"bucket 0 starts with {flat[0]!r}, but buckets follow the *reverse* of model.parameters(), "

@@ -1,23 +1,19 @@
 """pplab.check: the solution passes, the stub and every plausible wrong answer fail with
 a message that says what was wrong."""
 import re
-from pathlib import Path
 
-import nbformat
 import pytest
 import torch
 import torch.distributed as dist
 
 import pplab
 from pplab import checks, comm
-from pplab.grading import exercise_notebook
-from notebook_answers import notebook_function, solution, stub
+from notebook_answers import solution, stub
 from wrong_solutions import WRONG
 from wrong_solutions_chapters import WRONG as WRONG_CHAPTERS
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("exercise_id", sorted(checks.EXERCISES))
@@ -39,7 +35,8 @@ def test_stub_fails_as_not_implemented(exercise_id, capsys):
     assert capsys.readouterr().out.startswith(f"✘ {exercise_id}: ")
 
 
-CASES = [(ex, fn, patterns, timeout) for ex, cases in WRONG.items() for fn, patterns, timeout in cases]
+CASES = [(ex, fn, patterns, timeout) for ex, cases in {**WRONG, **WRONG_CHAPTERS}.items()
+         for fn, patterns, timeout in cases]
 
 
 @pytest.mark.parametrize("exercise_id, fn, patterns, timeout", CASES, ids=[c[1].__name__ for c in CASES])
