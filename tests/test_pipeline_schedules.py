@@ -8,7 +8,7 @@ tolerance (1e-9) is given.
 """
 import pytest
 
-from pplab.pipeline import (SCHEDULES, Action, Schedule, ScheduleError, SimResult, bubble_fraction,
+from pplab.pipeline import (Action, Schedule, ScheduleError, SimResult, bubble_fraction,
                             make_schedule, simulate, validate)
 from pplab.trace import Timeline
 
