@@ -283,3 +283,37 @@ def test_ranks_failing_together_end_the_launch_at_once():
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
+
+
+def test_the_kernels_stop_button_ends_every_rank(tmp_path):
+    """In JupyterLab: a cell is stuck in a launch, the student presses stop (the kernel gets
+    an interrupt); every rank ends, the cell reports KeyboardInterrupt, the next launch works."""
+    from jupyter_client.manager import start_new_kernel
+
+    km, kc = start_new_kernel(kernel_name="python3", startup_timeout=180)
+    try:
+        kc.execute_interactive(textwrap.dedent(f"""
+            import os, time, pplab
+            def stuck():
+                open(os.path.join({str(tmp_path)!r}, os.environ["RANK"]), "w").write(str(os.getpid()))
+                time.sleep(300)
+        """), timeout=120)
+        msg_id = kc.execute("pplab.launch(stuck, world_size=3, timeout=300)")
+        pid_files = [tmp_path / str(r) for r in range(3)]
+        deadline = time.monotonic() + 120
+        while not all(p.exists() and p.read_text() for p in pid_files):
+            assert time.monotonic() < deadline, "the ranks never started"
+            time.sleep(0.05)
+        km.interrupt_kernel()
+        while True:
+            reply = kc.get_shell_msg(timeout=60)
+            if reply["parent_header"].get("msg_id") == msg_id:
+                break
+        assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt"
+        for p in pid_files:
+            assert not alive(int(p.read_text()))
+        again = kc.execute_interactive("print(pplab.launch(lambda: 5, world_size=2))", timeout=120)
+        assert again["content"]["status"] == "ok"
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
