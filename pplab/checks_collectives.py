@@ -56,8 +56,8 @@ def _tolerance(dtype) -> dict:
     return {} if dtype == torch.int64 else {"atol": 1e-5, "rtol": 1e-5}
 
 
-def _check_ring_sends(rank, p, sends, limit, n_bytes, what, not_a_ring) -> None:
-    """Only to the right neighbour, and at most `limit` bytes in all."""
+def _check_ring_traffic(rank, p, sends, received_any, limit, n_bytes, what, not_a_ring) -> None:
+    """Sent only to the right neighbour, at most `limit` bytes in all, and received something."""
     right = (rank + 1) % p
     others = sorted({dst for dst, _ in sends if dst != right})
     if others:
@@ -69,6 +69,9 @@ def _check_ring_sends(rank, p, sends, limit, n_bytes, what, not_a_ring) -> None:
         raise Fail(f"rank {rank} sent {total:,} bytes for a tensor of {n_bytes:,} bytes, more than the {limit:,} "
                    f"bytes of {what}: cut the tensor into p chunks (tensor.tensor_split(p)) and send one chunk "
                    f"per step, not the whole tensor.")
+    if not received_any and n_bytes:
+        raise Fail(f"rank {rank} ended with the right values but received no point-to-point message: "
+                   f"the data must travel with send/recv (pplab.comm or torch.distributed).")
 
 
 def _returned_new(name, rank, returned, tensor, expected, what="tensor"):
@@ -147,12 +150,10 @@ def _reduce_scatter_rank(fn, trials, seed, progress_dir):
                            f"torch.distributed.reduce_scatter_tensor, leave input as it was (add up partial sums "
                            f"in a copy, input.clone()).")
             n_bytes = input.numel() * input.element_size()
-            _check_ring_sends(rank, p, watch.sends[sent:], (p - 1) * n * input.element_size(), n_bytes,
-                              "a ring reduce-scatter (p-1 steps of one chunk)",
-                              "sending each chunk straight to the rank that owns it is not a ring")
-            if watch.receives == received:
-                raise Fail(f"rank {rank} ended with the right values but received no point-to-point message: "
-                           f"the data must travel with send/recv (pplab.comm or torch.distributed).")
+            _check_ring_traffic(rank, p, watch.sends[sent:], watch.receives != received,
+                                (p - 1) * n * input.element_size(), n_bytes,
+                                "a ring reduce-scatter (p-1 steps of one chunk)",
+                                "sending each chunk straight to the rank that owns it is not a ring")
     return True
 
 
@@ -205,12 +206,9 @@ def _all_reduce_rank(fn, trials, seed, progress_dir):
                 raise Fail(message)
             n_bytes = tensor.numel() * tensor.element_size()
             limit = 2 * (p - 1) * math.ceil(tensor.numel() / p) * tensor.element_size()
-            _check_ring_sends(rank, p, watch.sends[sent:], limit, n_bytes,
-                              "a ring all-reduce (2(p-1) steps of one chunk of at most ceil(numel/p) elements)",
-                              "sending everything to one rank and back is a parameter server, not a ring")
-            if watch.receives == received and tensor.numel():
-                raise Fail(f"rank {rank} ended with the right values but received no point-to-point message: "
-                           f"the data must travel with send/recv (pplab.comm or torch.distributed).")
+            _check_ring_traffic(rank, p, watch.sends[sent:], watch.receives != received, limit, n_bytes,
+                                "a ring all-reduce (2(p-1) steps of one chunk of at most ceil(numel/p) elements)",
+                                "sending everything to one rank and back is a parameter server, not a ring")
     return True
 
 
