@@ -14,6 +14,9 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
+
+from .. import comm
 
 
 class FlatBucket:
@@ -55,3 +58,32 @@ class FlatBucket:
         """Make every parameter a view into `flat`: updating or gathering `flat` updates the model."""
         for p, v in zip(self.params, self.views(flat)):
             p.data = v
+
+
+class _SumOnWait:
+    """The handle of a reduce-scatter built from an all-to-all: wait() also adds the pieces up."""
+
+    def __init__(self, handle, pieces, out, world_size):
+        self.work, self.event, self._h = handle.work, handle.event, handle
+        self._pieces, self._out, self._n = pieces, out, world_size
+
+    def wait(self) -> None:
+        self._h.wait()
+        torch.sum(self._pieces.view(self._n, -1), dim=0, out=self._out)
+
+
+def reduce_scatter(out: torch.Tensor, full: torch.Tensor, group=None):
+    """Start out = my piece of the sum over ranks of `full` (async); returns a handle with wait().
+
+    NCCL has a real reduce-scatter. gloo's reduce_scatter_tensor is an all-reduce of everything
+    followed by keeping one piece (pytorch#118911): twice the bytes, and about 5x the time of an
+    all-reduce on this machine. So on gloo we build it from one all-to-all: rank r sends piece j to
+    rank j, receives everyone's piece r and adds them up. That sends (N-1)/N of the data per
+    rank, exactly like a ring reduce-scatter; the trace shows it as a "reduce_scatter".
+    """
+    if dist.get_backend(group) != "gloo":
+        return comm.reduce_scatter_tensor(out, full, group=group, async_op=True)
+    pieces = torch.empty_like(full)
+    h = comm.all_to_all_single(pieces, full, group=group, async_op=True)
+    h.event.kind, h.event.meta["via"] = "reduce_scatter", "all_to_all"
+    return _SumOnWait(h, pieces, out, comm.world_size(group))

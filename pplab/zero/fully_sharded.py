@@ -42,7 +42,7 @@ from torch import nn
 from .. import comm, trace
 from ..data_parallel import _tensors, end_trace_when_done
 from ..trace import Event, now
-from .flat import FlatBucket
+from .flat import FlatBucket, reduce_scatter
 from .optimizer import root_rank
 
 
@@ -226,7 +226,7 @@ class FullyShardedModule(nn.Module):
             p.grad = None                              # my shard of the sum is all I keep
         self._free(u)
         out = torch.empty_like(u.shard, memory_format=torch.contiguous_format).detach()
-        h = comm.reduce_scatter_tensor(out, grads, group=self.group, async_op=True)
+        h = reduce_scatter(out, grads, group=self.group)
         h.event.label, h.event.meta["unit"] = f"RS{u.index}", u.name
         end_trace_when_done(h)
         self._handles.append((u, h, out))

@@ -49,7 +49,7 @@ import torch.distributed as dist
 from .. import comm, trace
 from ..data_parallel import end_trace_when_done, reverse_buckets
 from ..trace import Event, now
-from .flat import FlatBucket
+from .flat import FlatBucket, reduce_scatter
 
 
 def root_rank(group) -> int:
@@ -162,7 +162,7 @@ class ZeroOptimizer:
             for p in b.params:           # stage 2 keeps no full gradient: my shard is all I need
                 p.grad = None
         out = torch.empty(b.shard_size, dtype=b.dtype, device=b.device)
-        h = comm.reduce_scatter_tensor(out, full, group=self.group, async_op=True)
+        h = reduce_scatter(out, full, group=self.group)
         h.event.label = f"RS{i}"
         end_trace_when_done(h)
         return i, h, out
