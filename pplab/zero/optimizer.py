@@ -209,7 +209,8 @@ class ZeroOptimizer:
         if closure is not None:
             raise ValueError("ZeroOptimizer.step does not take a closure")
         if self.stage == 3:              # FullyShardedModule already put the mean gradient in .grad
-            self.inner.step()
+            with trace.span("step", "step"):
+                self.inner.step()
             return
         if self.stage == 1:
             missing = self._missing()
@@ -225,7 +226,8 @@ class ZeroOptimizer:
                 traced_copy(g, m.grad, "d2h", "grad→cpu")
             else:
                 m.grad = g
-        self.inner.step()
+        with trace.span("step", "step on cpu" if self.offload else "step"):
+            self.inner.step()
         handles = []
         for i, (b, flat, s, m) in enumerate(zip(self.buckets, self.flats, self.shards, self.masters)):
             if self.offload:             # the updated shard comes back to the device
