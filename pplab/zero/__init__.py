@@ -12,12 +12,12 @@ share of the batch:
     stage 2  ZeroOptimizer(stage=2)  bΨ           bΨ/N        KΨ/N              2Ψ RS + AG
     stage 3  FullyShardedModule      bΨ/N         bΨ/N        KΨ/N              3Ψ AG + AG + RS
 
-Mixed-precision Adam is b = 2 (bf16) and K = 12 (fp32 master copy, momentum, variance); plain
-fp32 AdamW as in this chapter's runs is b = 4, K = 8. "Traffic" is bytes sent per rank in
+Mixed-precision Adam is b = 2 (bf16) and K = 12 (fp32 master copy, momentum, variance:
+ZeroOptimizer(..., master_dtype=torch.float32) on a bf16 model); plain fp32 AdamW is b = 4, K = 8. "Traffic" is bytes sent per rank in
 units of the model's bytes, as the ring algorithms send them ((N-1)/N of it per pass, taken
 as 1 in the formula's round numbers).
 
-    ZeroOptimizer       optimizer.py       stages 1 and 2, offload="cpu"; the optimizer of stage 3
+    ZeroOptimizer       optimizer.py       stages 1 and 2, master_dtype, offload="cpu"; stage 3's optimizer
     FullyShardedModule  fully_sharded.py   stage 3: per-unit gather, compute, free, prefetch
     FlatBucket          flat.py            parameters end to end, padded, cut in N shards
 
@@ -105,7 +105,8 @@ def held_bytes(model, optimizer=None) -> dict:
     inner = getattr(optimizer, "inner", optimizer)
     out = {"params": sum(_storage_bytes(p, seen) for p in params)}
     masters = list(getattr(optimizer, "masters", []))
-    out["grads"] = sum(_storage_bytes(p.grad, seen) for p in params + masters)
+    kept = list(getattr(optimizer, "shard_grads", []))               # stage 1, 2: my shard's mean gradient
+    out["grads"] = sum(_storage_bytes(g, seen) for g in [p.grad for p in params + masters] + kept)
     state = [t for st in (inner.state.values() if inner is not None else []) for t in st.values()
              if torch.is_tensor(t) and t.dim() > 0]
     out["optimizer"] = sum(_storage_bytes(t, seen) for t in state + masters)

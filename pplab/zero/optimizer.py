@@ -26,6 +26,10 @@ elements, and only it updates them.
 * **Stage 3** (parameters too) needs the forward pass: `FullyShardedModule` gathers the
   parameters layer by layer and reduce-scatters the gradients itself; pass its `parameters()`
   (the shards) here with stage=3, and `step()` just steps them.
+* `master_dtype=torch.float32` with bf16/fp16 parameters (stages 1, 2; mixed precision): the
+  model, its gradients and the collectives stay in 2 bytes, and each rank keeps an fp32 master
+  copy of its shard only, which the optimizer steps; the result is rounded back into the shard
+  before the all-gather. Per parameter: 2 + 2 bytes, and K = 4 + 8 of optimizer state, split.
 * `offload="cpu"` (stages 1, 2; ZeRO-Offload): the fp32 master copy of the shard and the
   optimizer state live on the CPU. Each step copies the shard's gradient device -> CPU, steps
   there, and copies the updated shard CPU -> device before the all-gather. The copies appear in
@@ -70,17 +74,20 @@ class ZeroOptimizer:
 
     stage: 1 (optimizer state sharded), 2 (and gradients), 3 (parameters of a FullyShardedModule).
     bucket_cap_mb: largest bucket in MiB (stages 1, 2). offload: None or "cpu" (stages 1, 2).
+    master_dtype: the dtype the optimizer steps in (stages 1, 2); None = the parameters' own.
     group: the process group to shard over (None: every rank). Other keywords go to optimizer_class.
     """
 
     def __init__(self, params, optimizer_class, stage: int = 1, *, bucket_cap_mb: float = 25,
-                 offload: str | None = None, group=None, **defaults):
+                 offload: str | None = None, master_dtype=None, group=None, **defaults):
         if stage not in (1, 2, 3):
             raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
         if offload not in (None, "cpu"):
             raise ValueError(f"offload must be None or 'cpu', got {offload!r}")
         if offload and stage == 3:
             raise ValueError("offload='cpu' is implemented for stages 1 and 2: use stage=2 to offload")
+        if master_dtype is not None and stage == 3:
+            raise ValueError("master_dtype is implemented for stages 1 and 2: leave it out for stage 3")
         if not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0):
             raise ValueError(f"bucket_cap_mb must be a number of MiB > 0, got {bucket_cap_mb!r}")
         if not dist.is_initialized():
@@ -129,7 +136,12 @@ class ZeroOptimizer:
             for p in self.params:
                 p._pplab_zero = stage
         # What the optimizer steps: my shard itself, or its master copy on the CPU.
-        self.masters = [s.detach().to("cpu", copy=True) for s in self.shards] if offload else self.shards
+        master_dtype = master_dtype or self.shards[0].dtype
+        if offload or master_dtype != self.shards[0].dtype:      # a separate master copy of my shard
+            self.masters = [s.detach().to("cpu" if offload else s.device, master_dtype, copy=True)
+                            for s in self.shards]
+        else:                                                    # my shard of the model itself
+            self.masters = self.shards
         self.inner = optimizer_class(self.masters, **defaults)
         self._grads = [None] * len(self.buckets)     # per bucket: the mean gradient of my shard
         self._in_backward = False
@@ -141,6 +153,11 @@ class ZeroOptimizer:
     @property
     def param_groups(self):
         return self.inner.param_groups
+
+    @property
+    def shard_grads(self) -> list:
+        """Per bucket, the mean gradient of my shard that this rank keeps (None before backward)."""
+        return list(self._grads)
 
     def _check_same_model_everywhere(self) -> None:
         mine = [(tuple(p.shape), str(p.dtype)) for p in self.params]
@@ -220,18 +237,23 @@ class ZeroOptimizer:
             self._finish_reduce_scatters([self._reduce_scatter(i) for i in range(len(self.buckets))])
         if any(g is None for g in self._grads):
             raise RuntimeError("step() before any backward: call loss.backward() first")
+        separate = self.masters is not self.shards
         for m, g in zip(self.masters, self._grads):
             if self.offload:             # ZeRO-Offload: the gradient shard goes to the CPU
                 m.grad = torch.empty_like(m)
                 traced_copy(g, m.grad, "d2h", "grad→cpu")
-            else:
-                m.grad = g
+            else:                        # (mixed precision: an fp32 copy of the bf16 gradient)
+                m.grad = g.to(m.dtype)
         with trace.span("step", "step on cpu" if self.offload else "step"):
             self.inner.step()
         handles = []
         for i, (b, flat, s, m) in enumerate(zip(self.buckets, self.flats, self.shards, self.masters)):
             if self.offload:             # the updated shard comes back to the device
                 traced_copy(m, s, "h2d", "param→dev")
+            elif separate:               # rounded into the 2-byte parameters
+                s.copy_(m)
+            if separate:
+                m.grad = None            # a temporary copy: the gradient kept is the shard's own
             h = comm.all_gather_into_tensor(flat, s, group=self.group, async_op=True)
             h.event.label = f"AG{i}"
             handles.append(h)
@@ -258,7 +280,10 @@ class ZeroOptimizer:
         root, me = root_rank(self.group), self.rank == 0
         state = {}
         for b, m in zip(self.buckets, self.masters):
-            for key, v in sorted(self.inner.state.get(m, {}).items()):
+            items = sorted(self.inner.state.get(m, {}).items())
+            if self.masters is not self.shards:           # the fp32 master weights: more than the model has
+                items.append(("master", m.detach()))
+            for key, v in items:
                 if torch.is_tensor(v) and v.dim() == 1 and v.numel() == b.shard_size:  # one per element
                     v = v.to(b.device)
                     parts = [torch.empty_like(v) for _ in range(self.world_size)] if me else None
@@ -295,4 +320,7 @@ class ZeroOptimizer:
                     new[key] = b.shard(full).clone().to(m.device)
                 else:
                     new[key] = v.clone() if torch.is_tensor(v) else v
+            master = new.pop("master", None)
+            if master is not None and self.masters is not self.shards:
+                m.copy_(master)
             self.inner.state[m] = new
