@@ -370,6 +370,10 @@ def bad_inputs():
         opt.step()
     except RuntimeError as e:
         errors["no backward"] = str(e)
+    try:
+        ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=2)
+    except RuntimeError as e:
+        errors["twice"] = str(e)
     return errors
 
 
@@ -380,6 +384,7 @@ def test_bad_input_says_what_to_change():
     assert "FullyShardedModule(model)" in errors["stage3 plain"]
     assert "no submodule named '7'" in errors["unit"]
     assert "backward" in errors["no backward"]
+    assert "already belong to another ZeroOptimizer" in errors["twice"]
 
 
 def unused_parameter():

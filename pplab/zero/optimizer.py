@@ -117,6 +117,9 @@ class ZeroOptimizer:
         else:
             if any(sharded):
                 raise ValueError("these are the shards of a FullyShardedModule (ZeRO stage 3): use stage=3")
+            if any(getattr(p, "_pplab_zero", None) for p in self.params):
+                raise RuntimeError("these parameters already belong to another ZeroOptimizer or "
+                                   "FullyShardedModule: create one optimizer per model (or copy.deepcopy it)")
             self._check_same_model_everywhere()
             index = {id(p): i for i, p in enumerate(self.all_params)}   # names in the state_dict
             groups = reverse_buckets([(index[id(p)], p) for p in self.params], int(bucket_cap_mb * 2**20))
@@ -135,7 +138,7 @@ class ZeroOptimizer:
             self.shards = [b.shard(f) for b, f in zip(self.buckets, self.flats)]
             for p in self.params:
                 p._pplab_zero = stage
-        # What the optimizer steps: my shard itself, or its master copy on the CPU.
+        # What the optimizer steps: my shard itself, or a master copy of it (fp32, on the CPU).
         master_dtype = master_dtype or self.shards[0].dtype
         if offload or master_dtype != self.shards[0].dtype:      # a separate master copy of my shard
             self.masters = [s.detach().to("cpu" if offload else s.device, master_dtype, copy=True)
