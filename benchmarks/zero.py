@@ -1,7 +1,9 @@
 """ZeRO: pplab's stages against torch's own, same model, same run: step time and memory per rank.
 
     stage 1   pplab ZeroOptimizer(stage=1)      vs  torch DDP + ZeroRedundancyOptimizer
-    stage 2   pplab ZeroOptimizer(stage=2)      vs  the same torch stage-1 pair (torch has no CPU stage 2)
+    stage 2   pplab ZeroOptimizer(stage=2)      vs  the same torch stage-1 pair (torch has no stage 2 of its own
+                                                    apart from FSDP's SHARD_GRAD_OP)
+    (stages 1 and 2 at 25 MB buckets, torch DDP's default, and at 4 MB)
     stage 3   pplab FullyShardedModule          vs  FSDP2 fully_shard (each Linear, then the root)
 
 Every variant trains copies of the same MLP with AdamW on the same local batch, on p gloo
@@ -83,9 +85,10 @@ def bench(width, layers, batch, steps, warmup):
     variants["torch DDP+ZeroRedundancyOpt"] = (ddp, ZeroRedundancyOptimizer(
         ddp.parameters(), optimizer_class=torch.optim.AdamW, **hp), list(ddp.parameters()))
     for stage in (1, 2):
-        m = copy.deepcopy(base)
-        variants[f"pplab stage {stage}"] = (m, ZeroOptimizer(m.parameters(), torch.optim.AdamW, stage=stage,
-                                                             **hp), list(m.parameters()))
+        for cap in (25, 4):                         # torch's DDP default bucket size, and a smaller one
+            m = copy.deepcopy(base)
+            variants[f"pplab stage {stage}, {cap} MB buckets"] = (m, ZeroOptimizer(
+                m.parameters(), torch.optim.AdamW, stage=stage, bucket_cap_mb=cap, **hp), list(m.parameters()))
     fs = copy.deepcopy(base)
     for layer in fs:
         if isinstance(layer, nn.Linear):
@@ -128,13 +131,13 @@ def main():
         print(f"\ntorch {torch.__version__}, {os.cpu_count()} cores, {p} gloo ranks x 1 thread; MLP {a.layers} x "
               f"Linear({a.width}, {a.width}) = Ψ = {n_params / 1e6:.2f}M fp32 parameters; AdamW; local batch "
               f"{a.batch}; median of {a.steps} steps after {a.warmup} warm-up")
-        print(f"{'':30} {'step ms':>8} {'vs torch':>8} {'state MiB/rank':>14} {'formula':>8} {'vs formula':>10}")
+        print(f"{'':34} {'step ms':>8} {'vs torch':>8} {'state MiB/rank':>14} {'formula':>8} {'vs formula':>10}")
         refs = {1: "torch DDP+ZeroRedundancyOpt", 2: "torch DDP+ZeroRedundancyOpt", 3: "torch FSDP2 fully_shard"}
         for name, t in medians.items():
-            stage = int(name[-1]) if name.startswith("pplab") else (3 if "FSDP" in name else 1)
+            stage = int(name.split("stage ")[1][0]) if name.startswith("pplab") else (3 if "FSDP" in name else 1)
             formula = model_state_bytes(stage, n_params, p, 4, 4, 8)
             ref = medians[refs[stage]]
-            print(f"{name:30} {t * 1e3:>8.1f} {t / ref:>7.2f}x {memory[name] / 2**20:>14.2f} "
+            print(f"{name:34} {t * 1e3:>8.1f} {t / ref:>7.2f}x {memory[name] / 2**20:>14.2f} "
                   f"{formula / 2**20:>8.2f} {memory[name] / formula - 1:>+9.1%}")
 
 
