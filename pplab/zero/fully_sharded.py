@@ -67,6 +67,7 @@ class FullyShardedModule(nn.Module):
 
     units: names of submodules to gather one at a time (default: the children with parameters).
     prefetch: start the next unit's all-gather while this one computes (True) or only when needed.
+    Put the model on its device and in its dtype before wrapping it: the wrapper shards what it finds.
     """
 
     def __init__(self, module: nn.Module, units=None, prefetch: bool = True, group=None):
