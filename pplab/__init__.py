@@ -15,7 +15,7 @@ from .launcher import LaunchError, LaunchResult, device, launch
 
 __version__ = "0.1.0"
 _LAZY = ("swimlane", "pipeline", "collectives", "checks", "grading", "costmodel", "data_parallel",
-         "parameter_server", "compression", "tensor_parallel")
+         "parameter_server", "compression", "tensor_parallel", "tensor_parallel_transformer")
 __all__ = ["launch", "LaunchError", "LaunchResult", "device", "check", "comm", "trace", *_LAZY]
 
 
