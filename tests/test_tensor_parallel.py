@@ -253,3 +253,40 @@ def test_layers_say_what_is_wrong_with_their_sizes():
     assert "3 output features cannot be split over 4 ranks" in pplab.launch(bad_layer_job, "col", world_size=4)[0]
     assert "3 input features cannot be split over 4 ranks" in pplab.launch(bad_layer_job, "row", world_size=4)[0]
     assert "do not go together" in pplab.launch(bad_layer_job, "sp", world_size=2)[0]
+
+
+# ----------------------------------------------------------------------------------
+# Seed 002's table (CMU 15-418, lecture 25): elements communicated per step by one Linear layer
+# y = xW (batch B, C_in -> C_out), by strategy. The seed counts an all-reduce of N elements as
+# 2N (a reduce and a broadcast); its column split receives x (B*C_in) forward and returns dx
+# (B*C_in) backward, where Megatron's f keeps x everywhere and all-reduces dx: the same 2*B*C_in.
+
+
+def seed_table(B, c_in, c_out):
+    return {"data parallel": 2 * c_out * c_in, "column": 2 * B * c_in, "row": 2 * B * c_out}
+
+
+def table_job(B, c_in, c_out):
+    from pplab.data_parallel import DDP, shard
+    r, p = dist.get_rank(), dist.get_world_size()
+    x = data(B, c_in, seed=2).requires_grad_()     # a layer inside a network: dx is needed
+    out = {}
+    ddp = DDP(dense(c_in, c_out, 0, bias=False), bucket_cap_mb=100)
+    col = tp.ColumnParallelLinear.from_dense(dense(c_in, c_out, 0, bias=False))
+    row = tp.RowParallelLinear.from_dense(dense(c_in, c_out, 0, bias=False))
+    a, b = ranges(c_in, p)[r]
+    for name, layer, inp in [("data parallel", ddp, shard(x)), ("column", col, x), ("row", row, x[:, a:b])]:
+        m = mark()
+        layer(inp).square().sum().backward()
+        # counted the seed's way: an all-reduce of N elements = 2N, anything else = N (DDP's
+        # tiny all-gather of batch sizes, 8 bytes per rank, is not part of the gradient sync)
+        out[name] = sum((2 if kind == "all_reduce" else 1) * nbytes // 8
+                        for kind, nbytes in comm_since(m) if kind != "all_gather")
+    return out
+
+
+@pytest.mark.parametrize("B,c_in,c_out,best", [(4, 64, 16, "row"), (256, 8, 4, "data parallel")])
+def test_seed_table_of_one_linear_layer_matches_the_trace(B, c_in, c_out, best):
+    for measured in pplab.launch(table_job, B, c_in, c_out, world_size=2):
+        assert measured == seed_table(B, c_in, c_out)
+        assert min(measured, key=measured.get) == best       # "the best strategy depends on the model"
