@@ -152,7 +152,9 @@ class GatherFromParallel(torch.autograd.Function):
 
 class GatherFromSequenceParallel(torch.autograd.Function):
     """Megatron SP, entering a TP region: all-gather the sequence slices forward; backward,
-    reduce-scatter, since every rank's partial gradient of the whole sequence must be summed."""
+    reduce-scatter, since every rank's partial gradient of the whole sequence must be summed.
+    Every rank's slice must have the same length (as the reduce-scatter below makes them): a
+    rank cannot see the others' lengths without one more collective, and gloo aborts on a mismatch."""
 
     @staticmethod
     def forward(ctx, x, dim, group):
