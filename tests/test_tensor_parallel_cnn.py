@@ -6,7 +6,6 @@ SGD steps). TP sizes 1-4; 6 filters over 4 ranks is uneven.
 """
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
