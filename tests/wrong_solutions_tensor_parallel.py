@@ -265,6 +265,27 @@ def ce_from_library(logits_shard, targets, vocab_start, group=None):
     return vocab_parallel_cross_entropy(logits_shard, targets, group)
 
 
+# ----------------------------------------------------------------------------------
+# Seed 002's table
+
+
+def traffic_counts_tensor_sizes(strategy, B, c_in, c_out):
+    """The all-reduced tensor's size, not the seed's 2N."""
+    return {"data parallel": c_out * c_in, "column": B * c_in, "row": B * c_out}[strategy]
+
+
+def traffic_dp_grows_with_batch(strategy, B, c_in, c_out):
+    return {"data parallel": 2 * B * c_out * c_in, "column": 2 * B * c_in, "row": 2 * B * c_out}[strategy]
+
+
+def traffic_column_and_row_swapped(strategy, B, c_in, c_out):
+    return {"data parallel": 2 * c_out * c_in, "column": 2 * B * c_out, "row": 2 * B * c_in}[strategy]
+
+
+def traffic_as_text(strategy, B, c_in, c_out):
+    return "2*B*C"
+
+
 WHERE_FG = r"^world_size=[234](, sub-groups \[\[0, 2\], \[1, 3\]\])?, rank \d: "
 WHERE_ROW = r"^world_size=[234](, sub-groups \[\[0, 2\], \[1, 3\]\])?, in_features=\d+, out_features=\d, rank \d: "
 WHERE_CE = r"^world_size=[23], \d tokens, vocabulary \d+( \(logits around 800\))?, rank \d: "
@@ -299,6 +320,14 @@ WRONG = {
         (row_from_library, [r"^exercise 'row_parallel_linear' asks you to work out the row-parallel layer "
                             r"yourself; you use pplab\.tensor_parallel\.RowParallelLinear"], None),
         (row_returns_a_function, [WHERE_ROW, r"must return an nn\.Module"], None),
+    ],
+    "linear_traffic": [
+        (traffic_counts_tensor_sizes, [r"^B=\d+, C_in=\d+, C_out=\d+, strategy 'data parallel': linear_traffic is \d+, "
+                                       r"expected \d+", r"counts an all-reduce of N numbers as 2N"], None),
+        (traffic_dp_grows_with_batch, [r"strategy 'data parallel'", r"C_out x C_in numbers, whatever the batch"],
+         None),
+        (traffic_column_and_row_swapped, [r"strategy 'column'", r"Column and row are swapped"], None),
+        (traffic_as_text, [r"linear_traffic should be a number, got str"], None),
     ],
     "vocab_parallel_ce": [
         (ce_gathers_the_logits, [WHERE_CE, r"you all-gathered the logits \(\d+ elements per rank, in forward\)",

@@ -3,6 +3,7 @@
     f_g                   f_and_g() -> (f, g), each called as f(x, group)
     row_parallel_linear   row_parallel_from_dense(dense, group=None) -> module
     vocab_parallel_ce     vocab_parallel_ce(logits_shard, targets, vocab_start, group=None) -> loss
+    linear_traffic        linear_traffic(strategy, B, c_in, c_out) -> numbers sent per step
 
 Every check runs the answer on real gloo ranks (2 and 3, and 4 ranks split into two
 sub-groups for f_g and the row layer), in float64, against the dense computation on one
@@ -10,7 +11,8 @@ process (tolerance 1e-10). The ranks record every torch.distributed collective t
 makes (pplab.comm's included), with its size and whether it ran in forward or backward;
 the checker then compares values *and* that communication with Megatron's: f is the identity
 forward and one all-reduce backward, g the reverse; the row layer all-reduces once forward and
-never backward; the cross-entropy never moves a [tokens, vocab] tensor.
+never backward; the cross-entropy never moves a [tokens, vocab] tensor. linear_traffic needs no
+ranks: seed 002's table for random shapes (its notebook measures the same numbers from a trace).
 """
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .core import Fail, exercise, first_difference, progress, refuse_library, require_function, run_on_ranks
+from .core import (Fail, call_answer, check_number, exercise, first_difference, progress, refuse_library,
+                   require_function, run_on_ranks)
 from .core import _fmt
 
 TOL = 1e-10
@@ -400,3 +403,47 @@ def check_vocab_parallel_ce(fn, seed: int, timeout: float) -> str:
                    f"target's column is target - vocab_start on the rank that owns it.")
     return ("on world sizes 2 and 3, uneven vocabularies, logits near 0 and near 800 (loss and gradient to "
             "1e-10; no collective larger than 3 numbers per token)")
+
+
+# ----------------------------------------------------------------------------------
+# Exercise "linear_traffic"
+
+_STRATEGIES = ("data parallel", "column", "row")
+
+
+def _traffic(strategy, B, c_in, c_out):
+    """Seed 002's table (CMU 15-418, lecture 25), in numbers per step; an all-reduce of N counts 2N."""
+    return {"data parallel": 2 * c_out * c_in, "column": 2 * B * c_in, "row": 2 * B * c_out}[strategy]
+
+
+_TRAFFIC_MISTAKES = [      # (what a wrong answer computes, the hint)
+    (lambda s, B, i, o: _traffic(s, B, i, o) // 2,
+     "That is the size of the tensor that is all-reduced; the table counts an all-reduce of N numbers as 2N (a "
+     "reduce and a broadcast), and the column split moves B·C_in forward and again backward."),
+    (lambda s, B, i, o: {"data parallel": 2 * B * i * o, "column": 2 * B * i, "row": 2 * B * o}[s],
+     "Data parallelism synchronises the weight gradient, C_out x C_in numbers, whatever the batch."),
+    (lambda s, B, i, o: {"data parallel": 2 * o * i, "column": 2 * B * o, "row": 2 * B * i}[s],
+     "Column and row are swapped: the column split (each rank computes some outputs) needs all of X, B x C_in, "
+     "and its gradient; the row split (each rank a partial sum of the output) all-reduces B x C_out."),
+]
+
+
+@exercise("linear_traffic", "Seed 002's table: what each strategy sends for one Linear layer",
+          answer="linear_traffic", notebook="03d_linear_traffic")
+def check_linear_traffic(fn, seed: int, timeout: float) -> str:
+    require_function(fn, "linear_traffic", "strategy, B, c_in, c_out", "row", 1, 1, 1)
+    rng = random.Random(seed)
+    shapes = [(rng.randint(1, 64), rng.randint(1, 64) * 16, rng.randint(1, 64) * 8) for _ in range(3)]
+    shapes.append((4096, 64, 32))                             # a big batch: data parallelism wins
+    for B, c_in, c_out in shapes:
+        for strategy in _STRATEGIES:
+            where = f"B={B}, C_in={c_in}, C_out={c_out}, strategy {strategy!r}: "
+            got = call_answer(fn, strategy, B, c_in, c_out, where=where)
+            want = _traffic(strategy, B, c_in, c_out)
+            try:
+                check_number(got, want, what=f"{where}linear_traffic", rel_tol=1e-9, abs_tol=0.5)
+            except Fail as failure:
+                hint = next((h for wrong, h in _TRAFFIC_MISTAKES
+                             if isinstance(got, (int, float)) and got == wrong(strategy, B, c_in, c_out) != want), "")
+                raise Fail(f"{failure} {hint}".rstrip(), seed_matters=failure.seed_matters) from None
+    return f"({len(shapes)} shapes x 3 strategies, each equal to seed 002's table)"
