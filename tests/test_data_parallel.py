@@ -392,3 +392,20 @@ def buffers_in_state_dict():
 def test_state_dict_holds_the_module_and_its_buffers():
     names = pplab.launch(buffers_in_state_dict, world_size=2, timeout=60)[0]
     assert names == sorted("module." + n for n in make_bn_model().state_dict())
+
+
+def accumulate_bn(steps):
+    model = DDP(make_bn_model(seed=pplab.comm.rank()))
+    x, y = shard(data(2 * GLOBAL))
+    for _ in range(steps):
+        with model.no_sync():                   # its forward follows a synced one: broadcast
+            loss_fn(model, x[:len(x) // 2], y[:len(y) // 2]).backward()
+        loss_fn(model, x[len(x) // 2:], y[len(y) // 2:]).backward()   # follows a no_sync one: none
+    return buffers(model.module)
+
+
+def test_no_sync_forwards_and_the_one_after_them_follow_torchs_buffer_rule():
+    results = pplab.launch(accumulate_bn, 2, world_size=2, timeout=60)
+    for rank in range(2):
+        assert len([e for e in results.timeline.select(rank, kind="broadcast") if e.label == "buf"]) == 3 * 2
+    assert max_diff(results[0][:2], results[1][:2]) > 1e-3      # the last forward's stats are the rank's own
