@@ -409,3 +409,24 @@ def test_no_sync_forwards_and_the_one_after_them_follow_torchs_buffer_rule():
     for rank in range(2):
         assert len([e for e in results.timeline.select(rank, kind="broadcast") if e.label == "buf"]) == 3 * 2
     assert max_diff(results[0][:2], results[1][:2]) > 1e-3      # the last forward's stats are the rank's own
+
+
+def uneven_over_micro_steps(sizes):
+    """Rank r's micro-batches have sizes[r] samples: the check must add up every micro-step."""
+    model, (x, y) = DDP(make_model()), data()
+    first, second = sizes[pplab.comm.rank()]
+    with model.no_sync():
+        loss_fn(model, x[:first], y[:first]).backward()
+    try:
+        loss_fn(model, x[:second], y[:second]).backward()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_batch_sizes_are_counted_over_all_micro_steps():
+    # 3 + 4 samples on rank 0 against 4 + 4 on rank 1: the last micro-steps alone look even
+    errors = pplab.launch(uneven_over_micro_steps, [(3, 4), (4, 4)], world_size=2, timeout=60)
+    assert all("local batch sizes differ [7, 8]" in e for e in errors)
+    # 3 + 5 against 4 + 4: equal totals, which is what DDP checks (samples since the last sync)
+    assert pplab.launch(uneven_over_micro_steps, [(3, 5), (4, 4)], world_size=2, timeout=60) == [None, None]
