@@ -183,8 +183,14 @@ def test_fit_line_recovers_a_known_line():
 
 
 def test_fit_measures_alpha_and_beta_that_predict_its_own_points():
-    f = cm.fit(sizes=[1024, 16 * 1024, 256 * 1024, 4 * 2 ** 20], repeats=7)
+    # Other programs on a shared machine can slow one size's every try: measure again (up to
+    # 3 times) before calling a miss a failure. A line that never fits still fails.
+    for _ in range(3):
+        f = cm.fit(sizes=[1024, 16 * 1024, 256 * 1024, 4 * 2 ** 20], repeats=7)
+        if all(t / 3 < f.message_time(n) < 3 * t for n, t in zip(f.sizes, f.times)):
+            break
     assert f.alpha > 0 and f.beta > 0 and f.gamma > 0
+    assert (f.alpha, f.beta) == cm._fit_line(f.sizes, f.times)
     assert f.bandwidth == pytest.approx(1 / f.beta / 1e9)
     for n, t in zip(f.sizes, f.times):
         assert t / 3 < f.message_time(n) < 3 * t, str(f)
