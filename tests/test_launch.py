@@ -270,6 +270,7 @@ if __name__ == "__main__":
 '''
 
 
+@pytest.mark.timeout(600)       # its own waits (a fresh interpreter or kernel) add up to more than 300 s
 def test_same_script_runs_under_python_and_torchrun(tmp_path):
     """The function written for pplab.launch runs unchanged under torchrun (in place, gathered)."""
     script = tmp_path / "train.py"
@@ -319,6 +320,7 @@ def test_ranks_failing_together_end_the_launch_at_once():
         signal.signal(signal.SIGALRM, old)
 
 
+@pytest.mark.timeout(600)       # its own waits (a fresh interpreter or kernel) add up to more than 300 s
 def test_the_kernels_stop_button_ends_every_rank(tmp_path):
     """In JupyterLab: a cell is stuck in a launch, the student presses stop (the kernel gets
     an interrupt); every rank ends, the cell reports KeyboardInterrupt, the next launch works."""
