@@ -46,7 +46,13 @@ How the gradients are averaged, in the order it happens:
 The trace shows forward as "F" and backward as "B" compute boxes, and each bucket's
 all-reduce as "AR<i>" in the comm lane, from launch until the backend finished it;
 "n" is the tiny gather of the local batch sizes at the end of each synchronised backward.
-Unlike torch's DDP, buffers (e.g. BatchNorm running stats) are broadcast only once.
+
+**Buffers** (BatchNorm's running mean and variance, say) are not learned: each rank's
+forward updates its own from its own samples, so the replicas drift apart. As torch's
+DDP does (broadcast_buffers=True), rank 0's buffers are broadcast to every rank at the
+start of each forward ("buf" in the comm lane), except right after a forward that ran
+under no_sync() or without grad (torch's rule). So rank 0's running stats are the
+model's, and every rank evaluates alike.
 """
 from __future__ import annotations
 
@@ -138,10 +144,12 @@ class DDP(nn.Module):
 
     bucket_cap_mb: largest bucket, in MiB (a larger parameter gets a bucket to itself).
     overlap: all-reduce each bucket as soon as it is ready (True) or after backward (False).
+    broadcast_buffers: copy rank 0's buffers to every rank before each forward (as torch).
     `ddp.buckets` lists each bucket's (parameter name, bytes), in launch order.
     """
 
-    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, overlap: bool = True):
+    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, overlap: bool = True,
+                 broadcast_buffers: bool = True):
         super().__init__()
         if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) \
                 or not math.isfinite(bucket_cap_mb) or bucket_cap_mb <= 0:
@@ -151,6 +159,7 @@ class DDP(nn.Module):
             raise RuntimeError("DDP needs torch.distributed: create it inside a function run by "
                                "pplab.launch(fn, world_size=...) or in a script started by torchrun")
         self.module, self.overlap, self.world_size = module, bool(overlap), comm.world_size()
+        self.broadcast_buffers = bool(broadcast_buffers)
         params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         wrapped = [n for n, p in params if getattr(p, "_pplab_ddp_hook", None) is not None]
         if wrapped:
@@ -170,8 +179,8 @@ class DDP(nn.Module):
 
         # 2. Buckets: parameters in reverse order, a new bucket when the next would not fit.
         self._buckets = reverse_buckets(params, int(bucket_cap_mb * 2**20))
-        self._buffers = [torch.empty(sum(p.numel() for _, p in b), dtype=b[0][1].dtype, device=b[0][1].device)
-                         for b in self._buckets]
+        self._flat = [torch.empty(sum(p.numel() for _, p in b), dtype=b[0][1].dtype, device=b[0][1].device)
+                      for b in self._buckets]
 
         # 3. Hooks: tell us when each parameter's gradient is final.
         for i, bucket in enumerate(self._buckets):
@@ -180,6 +189,7 @@ class DDP(nn.Module):
                     lambda param, i=i, name=name: self._grad_ready(i, name))
 
         self._sync = True               # False inside no_sync()
+        self._sync_buffers = True       # broadcast buffers before the next forward (as torch's DDP)
         self._forward_synced = None     # whether the last forward ran outside no_sync()
         self._samples = 0               # local samples seen by forward since the last all-reduce
         self._backward_start = None     # set from the first hook of a backward until its end
@@ -219,8 +229,15 @@ class DDP(nn.Module):
         if torch.is_grad_enabled():     # an evaluation under no_grad has no backward to sync
             self._forward_synced = self._sync
             self._samples += _local_batch_size(args, kwargs)
+        if self.broadcast_buffers and self._sync_buffers:
+            handles = [comm.broadcast(b, src=0, async_op=True) for b in self.module.buffers()]
+            for h in handles:
+                h.event.label = "buf"
+                h.wait()
         with trace.span("F"):
             out = self.module(*args, **kwargs)
+        # as torch: the next forward broadcasts again only after a forward that will sync gradients
+        self._sync_buffers = torch.is_grad_enabled() and self._sync
         for t in _tensors(out):         # backward reaching the output = backward starting
             if t.requires_grad:
                 t.register_hook(lambda grad: self._start_backward())
@@ -255,7 +272,7 @@ class DDP(nn.Module):
         """Launch buckets in order for as long as the next one has all its gradients."""
         while self._next < len(self._buckets) and not self._waiting[self._next]:
             i = self._next
-            buf = self._buffers[i]
+            buf = self._flat[i]
             torch.cat([p.grad.reshape(-1) for _, p in self._buckets[i]], out=buf)
             handle = comm.all_reduce(buf, async_op=True)
             handle.event.label, handle.event.meta["bucket"] = f"AR{i}", i
@@ -297,7 +314,7 @@ class DDP(nn.Module):
             self._backward_start, self._handles = None, []
 
     def _unflatten(self, i: int) -> None:
-        buf = self._buffers[i].div_(self.world_size)        # the sum over ranks -> the mean
+        buf = self._flat[i].div_(self.world_size)        # the sum over ranks -> the mean
         offset = 0
         for _, p in self._buckets[i]:
             p.grad.copy_(buf[offset:offset + p.numel()].view_as(p.grad))

@@ -5,6 +5,12 @@ import pytest
 
 matplotlib.use("Agg")
 
+# A launch in a test that names no timeout= gives up after 60 s instead of the launcher's
+# default: a rank waiting for the wrong peer then fails the test in a minute, naming the
+# ranks still running, not after minutes. (pyproject's `timeout = 300` is the per-test
+# limit of pytest-timeout, for whatever hangs outside a launch.)
+os.environ.setdefault("PPLAB_LAUNCH_TIMEOUT", "60")
+
 
 def descendants(pid=None):
     """Pids of every live process below `pid` (default: this test process), from /proc."""

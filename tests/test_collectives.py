@@ -198,6 +198,37 @@ def _expected_sends(label, meta, p, me):
     return sum(sent) * es, sum(1 for x in sent if x)
 
 
+def _expected_receives(label, meta, p, me):
+    """(bytes, messages) each rank receives: not the mirror of what it sends (a broadcast's
+    root receives nothing, a ring's chunks differ by rank when p does not divide the tensor)."""
+    n, es = meta["numel"], meta["es"]
+    N = n * es
+    if p == 1 or n == 0:
+        return 0, 0
+    if label in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (p - 1) * N, p - 1
+    if label == "scatter":
+        return (N, 1) if me != meta["root"] else (0, 0)
+    if label == "gather":
+        return ((p - 1) * N, p - 1) if me == meta["root"] else (0, 0)
+    if label == "broadcast":                              # once, from the rank that reached me
+        return (N, 1) if me != meta["root"] else (0, 0)
+    if label == "reduce":                                 # the broadcast's tree backwards: from my children
+        m = _tree_sends((me - meta["root"]) % p, p)
+        return m * N, m
+    algo = meta["algorithm"]
+    if algo == "naive":
+        return ((p - 1) * N, p - 1) if me == 0 else (N, 1)
+    if algo == "tree":                                    # from my children, then from my parent
+        m = _tree_sends(me, p) + (me != 0)
+        return m * N, m
+    if algo == "ring":                                    # reduce-scatter: every chunk but my left's,
+        c = [len(t) for t in torch.arange(n).tensor_split(p)]   # all-gather: every chunk but mine
+        got = [c[i] for i in range(p) if i != (me - 1) % p] + [c[i] for i in range(p) if i != me]
+        return sum(got) * es, sum(1 for x in got if x)
+    return _expected_sends(label, meta, p, me)            # recursive doubling, halving-doubling: swaps
+
+
 def _measured(timeline):
     """{(rank, span index on that rank): (label, meta, bytes sent, sends)} for every case span."""
     out = {}
@@ -206,8 +237,10 @@ def _measured(timeline):
         for i, span in enumerate(timeline.select(rank, "compute", "case")):
             inside = [e for e in comm if span.start <= e.start and e.end <= span.end]
             sends = [e for e in inside if e.kind == "send"]
+            recvs = [e for e in inside if e.kind == "recv"]
             out[rank, i] = (span.label, span.meta, sum(e.bytes_sent for e in sends), len(sends),
-                            {e.peer for e in inside})
+                            {e.peer for e in inside}, sum(e.bytes_recv for e in recvs), len(recvs),
+                            sum(e.bytes_recv for e in sends) + sum(e.bytes_sent for e in recvs))
     return out
 
 
@@ -215,13 +248,17 @@ def _check_bytes(timeline):
     """Every case's bytes and messages, on every rank, equal the closed form; and no rank
     talked to a rank outside the case's group."""
     measured = _measured(timeline)
-    for (rank, _), (label, meta, sent, sends, peers) in measured.items():
+    for (rank, _), (label, meta, sent, sends, peers, got, recvs, crossed) in measured.items():
         ranks = list(meta["group"])
         assert peers <= set(ranks), f"rank {rank} {label}: talked to {peers - set(ranks)} outside {ranks}"
-        expected = _expected_sends("all_reduce" if label == "textbook" else label, meta,
-                                   len(ranks), ranks.index(rank))
+        kind = "all_reduce" if label == "textbook" else label
+        expected = _expected_sends(kind, meta, len(ranks), ranks.index(rank))
         assert (sent, sends) == expected, f"rank {rank} {label} {meta}: sent {sent} B in {sends} " \
                                           f"messages, expected {expected}"
+        expected = _expected_receives(kind, meta, len(ranks), ranks.index(rank))
+        assert (got, recvs) == expected, f"rank {rank} {label} {meta}: received {got} B in {recvs} " \
+                                         f"messages, expected {expected}"
+        assert crossed == 0                               # a send receives nothing, a receive sends nothing
     # every message sent was received, by the rank it was sent to
     sends = [e for e in timeline.select(category="comm") if e.kind == "send"]
     assert len(timeline.messages()) == len(sends)
@@ -241,7 +278,7 @@ def test_equal_to_torch_with_exact_bytes(p):
 
     # The textbook figures, for the 1680-element float32 tensor (N = 6720 bytes).
     N = 1680 * 4
-    text = {(r, m["algorithm"]): (sent, sends) for (r, _), (label, m, sent, sends, _) in measured.items()
+    text = {(r, m["algorithm"]): (sent, sends) for (r, _), (label, m, sent, sends, *_) in measured.items()
             if label == "textbook"}
     for r in range(p):
         assert text[r, "ring"] == (2 * (p - 1) * N // p, 2 * (p - 1))          # 2(p-1)/p·N, 2(p-1) α
@@ -393,3 +430,33 @@ def test_built_only_from_traced_point_to_point():
     assert set(re.findall(r"\bdist\.(\w+)\(", source)) <= {
         "is_initialized", "get_rank", "get_world_size", "get_process_group_ranks",
         "all_gather_object"}                    # all_gather_object: the untraced argument check only
+
+
+def test_sent_and_received_by_hand_for_rooted_collectives():
+    """p = 5, root 2, 4 float32 (16 bytes): numbers counted on paper from the trees.
+    broadcast: 2→3 | 2→4 3→0 | 2→1. reduce: the same arrows reversed. scatter/gather:
+    the root and 4 pieces of 4 bytes. Each as (sent, received) per rank."""
+    def f():
+        x, out = torch.arange(4.0), {}
+        for name, call in (("broadcast", lambda: C.broadcast(x.clone(), src=2)),
+                           ("reduce", lambda: C.reduce(x.clone(), dst=2)),
+                           ("scatter", lambda: C.scatter(torch.empty(1), list(x.repeat(5)[:5].split(1))
+                                                         if dist.get_rank() == 2 else None, src=2)),
+                           ("gather", lambda: C.gather(x[:1].clone(), list(torch.empty(5).split(1))
+                                                       if dist.get_rank() == 2 else None, dst=2))):
+            with trace.span("case", label=name):
+                call()
+        return out
+
+    tl = pplab.launch(f, world_size=5, timeout=60).timeline
+    by_hand = {"broadcast": [(0, 16), (0, 16), (48, 0), (16, 16), (0, 16)],
+               "reduce": [(16, 0), (16, 0), (0, 48), (16, 16), (16, 0)],
+               "scatter": [(0, 4), (0, 4), (16, 0), (0, 4), (0, 4)],
+               "gather": [(4, 0), (4, 0), (0, 16), (4, 0), (4, 0)]}
+    for name, expected in by_hand.items():
+        measured = []
+        for r in range(5):
+            (span,) = [s for s in tl.select(r, "compute", "case") if s.label == name]
+            inside = [e for e in tl.select(r, "comm") if span.start <= e.start and e.end <= span.end]
+            measured.append((sum(e.bytes_sent for e in inside), sum(e.bytes_recv for e in inside)))
+        assert measured == expected, name

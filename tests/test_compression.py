@@ -34,8 +34,9 @@ def _closed_form(comp, p, r, es=8):
     """Bytes rank r sends in one reduce() of SHAPES (float64, es = 8 bytes a number)."""
     if isinstance(comp, C.Dense):
         return _ring_sends(D, p, r) * es
-    if isinstance(comp, C.TopK):                  # all-gather of k values + k int32 indices
-        return (p - 1) * comp.k(D) * (es + 4)
+    if isinstance(comp, C.TopK):                  # all-gather of k = round(ratio·D) values + k int32 indices
+        k = {1.0: 61, 0.2: 12, 0.05: 3}[comp.ratio]
+        return (p - 1) * k * (es + 4)
     if isinstance(comp, C.SignSGD):               # all-gather of ceil(D/8) sign bytes + one scale a tensor
         return (p - 1) * (math.ceil(D / 8) + len(SHAPES) * es)
     mats = [(s[0], math.prod(s[1:])) for s in SHAPES if len(s) > 1]
@@ -205,3 +206,28 @@ def test_bad_input_says_what_to_change():
         C.train_with("topk", steps=1)
     with pytest.raises(pplab.LaunchError, match="must split evenly over 3 ranks"):
         C.train_with(C.TopK(0.1), steps=1, world_size=3, n=100, timeout=30)
+
+
+def _grads(rank, step):
+    """The gradients _everything gave `rank` at `step` (the same seeds)."""
+    gen = torch.Generator().manual_seed(100 * rank + step)
+    return [torch.randn(s, generator=gen, dtype=torch.float64) for s in SHAPES]
+
+
+def test_what_each_rank_sends_is_what_the_compressor_promises(launched):
+    """Top-k: exactly k entries, the k largest in magnitude, with their own values; sign: every
+    entry's sign (0 as +) times the tensor's mean |g|. Checked on every rank (each has other
+    gradients), without memory: the variants without error feedback, and step 0 of those with."""
+    p, res = launched
+    for rank in range(p):
+        for name, step, k in [("topk", 0, 3), ("topk", 2, 3), ("topk_ef", 0, 12)]:   # round(0.05·61), round(0.2·61)
+            g = torch.cat([t.reshape(-1) for t in _grads(rank, step)])
+            sent = torch.cat([t.reshape(-1) for t in res[rank][name]["rows"][step][2]])
+            kept = sent != 0
+            assert int(kept.sum()) == k, (name, rank)
+            assert torch.equal(sent[kept], g[kept]), (name, rank)
+            assert g[kept].abs().min() > g[~kept].abs().max(), (name, rank)
+        for name, step in [("sign", 0), ("sign", 1), ("sign_ef", 0)]:
+            for g, s in zip(_grads(rank, step), res[rank][name]["rows"][step][2]):
+                torch.testing.assert_close(s, g.abs().mean() * torch.where(g >= 0, 1.0, -1.0).double(),
+                                           rtol=1e-12, atol=0)

@@ -289,3 +289,144 @@ def test_misuse_gives_clear_errors_on_every_rank():
         assert "rank 1's model differs from rank 0's" in errors["different_models"]
         assert "user hook failed" in errors["aborted"]
         assert "the previous backward did not finish" in errors["after_abort"]
+
+
+# ----------------------------------------------------------------------------------
+# Buffers: BatchNorm's running stats differ by rank (each normalises its own samples)
+
+
+def make_bn_model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 3)).double()
+
+
+def buffers(model):
+    return [b.detach().clone() for b in model.buffers()]
+
+
+def bn_reference(p, steps):
+    """torch DDP's rule, by hand in one process: before each forward every replica takes rank
+    0's buffers; rank r's forward then updates them from its own samples; the gradient is the
+    mean of the p local gradients. Returns the parameters, each rank's final buffers and the
+    eval output (which uses rank 0's buffers, broadcast before it)."""
+    model, (x, y) = make_bn_model(), data()
+    opt = make_opt("sgd", model.parameters())
+    xs, ys = x.chunk(p), y.chunk(p)
+    names = [n for n, _ in model.named_buffers()]
+    rank0 = buffers(model)
+    for _ in range(steps):
+        losses, after = [], []
+        for r in range(p):                      # replica r: the shared parameters, its own buffers
+            mine = dict(zip(names, [b.clone() for b in rank0]))
+            out = torch.func.functional_call(model, (dict(model.named_parameters()), mine), (xs[r],))
+            losses.append(nn.functional.mse_loss(out, ys[r]))
+            after.append(list(mine.values()))   # updated in place by this forward
+        (sum(losses) / p).backward()
+        opt.step()
+        opt.zero_grad()
+        rank0 = after[0]
+    for b, b0 in zip(model.buffers(), rank0):
+        b.copy_(b0)
+    with torch.no_grad():
+        out = model.eval()(x)
+    return [q.detach().clone() for q in model.parameters()], after, out
+
+
+def train_bn(steps, broadcast_buffers=True):
+    """pplab's DDP and torch's DDP side by side, from differently seeded replicas."""
+    rank = pplab.comm.rank()
+    x, y = data()
+    local = shard((x, y))
+    out = {}
+    for name, wrap in (("pplab", lambda m: DDP(m, bucket_cap_mb=MEDIUM, broadcast_buffers=broadcast_buffers)),
+                       ("torch", lambda m: nn.parallel.DistributedDataParallel(m, broadcast_buffers=broadcast_buffers))):
+        model = wrap(make_bn_model(seed=rank))
+        opt = make_opt("sgd", model.parameters())
+        for _ in range(steps):
+            loss_fn(model, *local).backward()
+            opt.step()
+            opt.zero_grad()
+        trained = buffers(model.module)
+        model.eval()
+        with torch.no_grad():
+            evaluated = model(x)
+        out[name] = [q.detach().clone() for q in model.parameters()], trained, evaluated
+    return out
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_buffers_are_broadcast_before_each_forward_as_torch_ddp_does(p):
+    steps = 3
+    results = pplab.launch(train_bn, steps, world_size=p, timeout=60)
+    params, rank_buffers, evaluated = bn_reference(p, steps)
+    for rank, out in enumerate(results):
+        for name in ("pplab", "torch"):
+            got_params, got_buffers, got_eval = out[name]
+            assert max_diff(got_params, params) <= TOL, (rank, name)
+            assert max_diff(got_buffers[:2], rank_buffers[rank][:2]) <= TOL, (rank, name)   # mean, var
+            assert got_buffers[2] == rank_buffers[rank][2] == steps                          # batches seen
+            assert max_diff([got_eval], [evaluated]) <= TOL, (rank, name)
+    # the ranks' running stats really differ after a step (each saw other samples)
+    assert max_diff(rank_buffers[0][:2], rank_buffers[1][:2]) > 1e-3
+    # 3 buffers before each of the `steps` training forwards and the eval one, from rank 0
+    for rank in range(p):
+        bufs = [e for e in results.timeline.select(rank, kind="broadcast") if e.label == "buf"]
+        assert len(bufs) == 3 * (steps + 1)
+        assert sum(e.meta["payload"] for e in bufs) == (steps + 1) * (6 * 8 + 6 * 8 + 8)
+
+
+def test_without_broadcast_buffers_each_rank_keeps_its_own_statistics():
+    results = pplab.launch(train_bn, 2, False, world_size=2, timeout=60)
+    for name in ("pplab", "torch"):
+        (_, b0, e0), (_, b1, e1) = results[0][name], results[1][name]
+        assert max_diff(b0[:2], b1[:2]) > 1e-3 and max_diff([e0], [e1]) > 1e-6
+        for r in range(2):      # and pplab's equal torch's, rank by rank
+            assert max_diff(results[r]["pplab"][1][:2], results[r]["torch"][1][:2]) <= TOL
+    assert not [e for e in results.timeline.events if e.label == "buf"]
+
+
+def buffers_in_state_dict():
+    return sorted(DDP(make_bn_model()).state_dict())
+
+
+def test_state_dict_holds_the_module_and_its_buffers():
+    names = pplab.launch(buffers_in_state_dict, world_size=2, timeout=60)[0]
+    assert names == sorted("module." + n for n in make_bn_model().state_dict())
+
+
+def accumulate_bn(steps):
+    model = DDP(make_bn_model(seed=pplab.comm.rank()))
+    x, y = shard(data(2 * GLOBAL))
+    for _ in range(steps):
+        with model.no_sync():                   # its forward follows a synced one: broadcast
+            loss_fn(model, x[:len(x) // 2], y[:len(y) // 2]).backward()
+        loss_fn(model, x[len(x) // 2:], y[len(y) // 2:]).backward()   # follows a no_sync one: none
+    return buffers(model.module)
+
+
+def test_no_sync_forwards_and_the_one_after_them_follow_torchs_buffer_rule():
+    results = pplab.launch(accumulate_bn, 2, world_size=2, timeout=60)
+    for rank in range(2):
+        assert len([e for e in results.timeline.select(rank, kind="broadcast") if e.label == "buf"]) == 3 * 2
+    assert max_diff(results[0][:2], results[1][:2]) > 1e-3      # the last forward's stats are the rank's own
+
+
+def uneven_over_micro_steps(sizes):
+    """Rank r's micro-batches have sizes[r] samples: the check must add up every micro-step."""
+    model, (x, y) = DDP(make_model()), data()
+    first, second = sizes[pplab.comm.rank()]
+    with model.no_sync():
+        loss_fn(model, x[:first], y[:first]).backward()
+    try:
+        loss_fn(model, x[:second], y[:second]).backward()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_batch_sizes_are_counted_over_all_micro_steps():
+    # 3 + 4 samples on rank 0 against 4 + 4 on rank 1: the last micro-steps alone look even
+    errors = pplab.launch(uneven_over_micro_steps, [(3, 4), (4, 4)], world_size=2, timeout=60)
+    assert all("local batch sizes differ [7, 8]" in e for e in errors)
+    # 3 + 5 against 4 + 4: equal totals, which is what DDP checks (samples since the last sync)
+    assert pplab.launch(uneven_over_micro_steps, [(3, 5), (4, 4)], world_size=2, timeout=60) == [None, None]

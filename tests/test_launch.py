@@ -5,6 +5,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -117,6 +118,39 @@ def test_hanging_rank_is_stopped_and_named(tmp_path):
             break
         time.sleep(0.1)
     assert not alive(grandchild)
+
+
+def _ring_with_a_wrong_peer():
+    """A ring step in which the last rank listens to rank 0 instead of its left neighbour:
+    rank 0 never sends to it, so it waits forever (and its left neighbour for it)."""
+    r, p = dist.get_rank(), dist.get_world_size()
+    left = 0 if r == p - 1 else (r - 1) % p
+    got = torch.empty(4)
+    pplab.comm.exchange(torch.full((4,), float(r)), (r + 1) % p, got, left)
+    return got.tolist()
+
+
+def test_a_rank_waiting_for_the_wrong_peer_is_named_at_a_short_timeout():
+    with pytest.raises(pplab.LaunchError) as info:
+        pplab.launch(_ring_with_a_wrong_peer, world_size=3, timeout=5)
+    err = info.value
+    assert err.rank is None and 2 in err.running            # a hang, not a crash: rank 2 is stuck
+    assert f"{', '.join(map(str, err.running))} still running after 5 s" in str(err)
+
+
+def _reads_the_timeout_variable():
+    return any("PPLAB_LAUNCH_TIMEOUT" in f.read_text() for f in Path(pplab.__file__).parent.rglob("*.py"))
+
+
+@pytest.mark.skipif(not _reads_the_timeout_variable(), reason="pplab does not read PPLAB_LAUNCH_TIMEOUT yet")
+def test_launches_in_tests_time_out_from_the_environment(monkeypatch):
+    """tests/conftest.py sets PPLAB_LAUNCH_TIMEOUT so that a launch naming no timeout= stops a
+    hang after that many seconds (not the launcher's own default): here 4."""
+    assert os.environ["PPLAB_LAUNCH_TIMEOUT"]               # conftest's, unless the caller set one
+    monkeypatch.setenv("PPLAB_LAUNCH_TIMEOUT", "4")
+    with pytest.raises(pplab.LaunchError) as info:
+        pplab.launch(_ring_with_a_wrong_peer, world_size=3)
+    assert 2 in info.value.running and "still running after 4 s" in str(info.value)
 
 
 def test_rank_that_dies_without_answering():
@@ -236,6 +270,7 @@ if __name__ == "__main__":
 '''
 
 
+@pytest.mark.timeout(600)       # its own waits (a fresh interpreter or kernel) add up to more than 300 s
 def test_same_script_runs_under_python_and_torchrun(tmp_path):
     """The function written for pplab.launch runs unchanged under torchrun (in place, gathered)."""
     script = tmp_path / "train.py"
@@ -285,6 +320,7 @@ def test_ranks_failing_together_end_the_launch_at_once():
         signal.signal(signal.SIGALRM, old)
 
 
+@pytest.mark.timeout(600)       # its own waits (a fresh interpreter or kernel) add up to more than 300 s
 def test_the_kernels_stop_button_ends_every_rank(tmp_path):
     """In JupyterLab: a cell is stuck in a launch, the student presses stop (the kernel gets
     an interrupt); every rank ends, the cell reports KeyboardInterrupt, the next launch works."""

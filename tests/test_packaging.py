@@ -1,5 +1,6 @@
 """The set-up promises: two commands, one package list, a CPU torch, CI runs the README's command."""
 import re
+import sys
 import tomllib
 from importlib import metadata
 from pathlib import Path
@@ -38,9 +39,46 @@ def test_readme_gives_the_two_commands_and_ci_runs_the_test_one():
     assert "notebooks/00_start_here.ipynb" in makefile and "--nbval" in makefile
 
 
+def _canonical(name):
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _required_by(root):
+    """Every distribution `root` needs, directly or through others (markers and extras included:
+    an upper bound of what installing it may have pulled in)."""
+    from packaging.requirements import Requirement
+    seen, todo = set(), [root]
+    while todo:
+        try:
+            requires = metadata.distribution(todo.pop()).requires or []
+        except metadata.PackageNotFoundError:
+            continue
+        for spec in requires:
+            name = _canonical(Requirement(spec).name)
+            if name not in seen:
+                seen.add(name)
+                todo.append(name)
+    return seen
+
+
+def _inside(dist, prefix):
+    return Path(dist.locate_file("")).resolve().is_relative_to(Path(prefix).resolve())
+
+
 def test_no_cuda_packages_were_installed():
-    cuda = [d.metadata["Name"] for d in metadata.distributions()
-            if d.metadata["Name"] and d.metadata["Name"].lower().startswith(("nvidia-", "triton"))]
+    """The Makefile keeps a torch that python3 could already import (a CUDA build, say: the venv
+    then sees it through --system-site-packages) or installs the CPU wheel into .venv. Either
+    way pplab pulls in no CUDA package of its own: every nvidia-*/triton distribution here is
+    one that torch itself requires (none for a CPU build), none sits in a venv that did not
+    install torch, and a torch installed into the venv is the CPU build."""
     import torch
-    if torch.version.cuda is None:              # a CPU build: nothing CUDA should come with it
-        assert cuda == []
+    cuda = [d for d in metadata.distributions()
+            if d.metadata["Name"] and _canonical(d.metadata["Name"]).startswith(("nvidia-", "triton"))]
+    needed = _required_by("torch")
+    assert [d.metadata["Name"] for d in cuda if _canonical(d.metadata["Name"]) not in needed] == []
+    if sys.prefix != sys.base_prefix:                  # a venv (the Makefile's .venv)
+        if _inside(metadata.distribution("torch"), sys.prefix):     # torch installed by `make`
+            assert torch.version.cuda is None, f"make installed a CUDA build of torch {torch.__version__}"
+            assert cuda == []
+        else:                                          # a torch python3 already had: nothing CUDA added
+            assert [d.metadata["Name"] for d in cuda if _inside(d, sys.prefix)] == []

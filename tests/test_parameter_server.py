@@ -80,6 +80,33 @@ def test_bytes_server_link_2Wd_against_ring_2_W_minus_1_over_W_d():
     assert ps.link_bytes(tl, 0) // steps == 288 and ps.link_bytes(rt, 0) == 128
 
 
+def test_one_step_sent_and_received_by_phase():
+    """One synchronous step, W = 3, d = 12 float32 (48 bytes): before computing, a worker has
+    received d and sent nothing; after, it has sent d. Before updating, the server has sent d
+    to each worker (W·d in all) and received d from each: then it sends nothing more."""
+    X, y = _data(30, 11, dtype=torch.float32)
+    W, d = 3, 12 * 4
+    tl = ps.run(ps.train_sync, lambda: torch.nn.Linear(11, 1), (X, y), workers=W, steps=1, lr=0.1).timeline
+
+    def traffic(rank, before=None, after=None):       # (sent, received, peers) in a time window
+        es = [e for e in tl.select(rank, "comm") if (before is None or e.start < before)
+              and (after is None or e.start >= after)]
+        return sum(e.bytes_sent for e in es), sum(e.bytes_recv for e in es), sorted(e.peer for e in es)
+
+    for w in range(1, W + 1):
+        (grad,) = tl.select(w, "compute", "grad")
+        assert traffic(w, before=grad.start) == (0, d, [0])
+        assert traffic(w, after=grad.end) == (d, 0, [0])
+    (update,) = tl.select(0, "compute", "update")
+    assert traffic(0, before=update.start) == (W * d, W * d, [1, 1, 2, 2, 3, 3])
+    assert traffic(0, after=update.end) == (0, 0, [])
+    pull = [e for e in tl.select(0, "comm") if e.kind == "send"]
+    push = [e for e in tl.select(0, "comm") if e.kind == "recv"]
+    assert [(e.peer, e.bytes_sent, e.bytes_recv) for e in pull] == [(w, d, 0) for w in range(1, W + 1)]
+    assert [(e.peer, e.bytes_sent, e.bytes_recv) for e in push] == [(w, 0, d) for w in range(1, W + 1)]
+    assert max(e.end for e in pull) <= min(e.end for e in push)   # no gradient before its parameters
+
+
 def _grad_at(params, X, y):
     """The gradient of the mean squared error of _mlp at flat `params` (plain autograd)."""
     model = _mlp()

@@ -125,8 +125,8 @@ def test_interleaving_divides_the_bubble_by_v(p, m, v):
     ideal = m * 3.0
     inter = simulate(make_schedule("interleaved-1f1b", p, m, chunks=v), t_f=1, t_b=2)
     plain = simulate(make_schedule("1f1b", p, m), t_f=1, t_b=2)
-    assert (inter.makespan - ideal) / ideal == pytest.approx(bubble_fraction(p, m, v), abs=1e-9)
-    assert (plain.makespan - ideal) / ideal == pytest.approx(bubble_fraction(p, m), abs=1e-9)
+    assert (inter.makespan - ideal) / ideal == pytest.approx((p - 1) / (v * m), abs=1e-9)
+    assert (plain.makespan - ideal) / ideal == pytest.approx((p - 1) / m, abs=1e-9)
     assert all(b == pytest.approx((p - 1) * 3.0 / v) for b in inter.bubble)
 
 
