@@ -24,9 +24,9 @@ import struct
 import time
 
 SLOT = 512
-RETURNED = "nothing: fn had returned"   # what a rank waiting in the end-of-launch barrier is in
+RETURNED = "the end-of-launch barrier (fn had returned)"   # where a finished rank waits
 _HEAD = struct.Struct("<QBd")          # version, inside (0 or 1), since (time.time())
-_state = {"mm": None, "offset": 0, "version": 0, "index": {}}
+_state = {"mm": None, "offset": 0, "version": 0, "index": {}, "now": None, "last": None}
 
 
 # ----------------------------------------------------------------------------------
@@ -43,12 +43,14 @@ def attach(path: str, rank: int) -> None:
     """Called once in each rank, before fn runs."""
     with open(path, "r+b") as f:
         _state["mm"] = mmap.mmap(f.fileno(), 0)
-    _state.update(offset=rank * SLOT, version=0, index={})
+    _state.update(offset=rank * SLOT, version=0, index={}, now=None, last=None)
 
 
-def _write(inside: int, call: dict) -> None:
+def _write(inside: int) -> None:
     mm, off = _state["mm"], _state["offset"]
-    body = json.dumps(call, separators=(",", ":")).encode()[: SLOT - _HEAD.size - 2]
+    body = json.dumps({"now": _state["now"], "last": _state["last"]}, separators=(",", ":")).encode()
+    if len(body) > SLOT - _HEAD.size - 2:              # a huge shape: keep what fits, still valid JSON
+        body = json.dumps({"now": {"kind": (_state["now"] or {}).get("kind", "?")}, "last": None}).encode()
     v = _state["version"] + 1                           # odd: being written
     mm[off:off + _HEAD.size] = _HEAD.pack(v, 0, 0.0)
     mm[off + _HEAD.size:off + _HEAD.size + 2] = len(body).to_bytes(2, "little")
@@ -78,12 +80,17 @@ def enter(kind: str, tensor=None, group=None, ranks=(), collective=True, **extra
         index = _state["index"]
         call["index"] = index.get(call["group"], 0)
         index[call["group"]] = call["index"] + 1
-    _write(1, call)
+    _state["now"] = call
+    _write(1)
 
 
 def leave() -> None:
+    """Note that the call has returned; it stays on the board as this rank's last collective."""
     if _state["mm"] is not None:
-        _write(0, {})
+        if _state["now"] and "index" in _state["now"]:
+            _state["last"] = _state["now"]
+        _state["now"] = None
+        _write(0)
 
 
 # ----------------------------------------------------------------------------------
@@ -91,25 +98,25 @@ def leave() -> None:
 
 
 def read(path: str, world_size: int) -> list:
-    """[(version, inside, since, call) per rank]; call is {} when the rank is in no call."""
+    """One dict per rank: inside (bool), since (time.time() it entered), call (what it is in,
+    {} when in none), last (its last finished collective, {} when none)."""
+    empty = {"inside": False, "since": 0.0, "call": {}, "last": {}}
     try:
         with open(path, "rb") as f:
             raw = f.read(SLOT * world_size)
     except OSError:
-        return [(0, 0, 0.0, {})] * world_size
+        return [dict(empty) for _ in range(world_size)]
     out = []
     for r in range(world_size):
         off = r * SLOT
         version, inside, since = _HEAD.unpack_from(raw, off)
-        if version % 2 or not inside:
-            out.append((version, 0, since, {}))
-            continue
         n = int.from_bytes(raw[off + _HEAD.size:off + _HEAD.size + 2], "little")
         try:
-            call = json.loads(raw[off + _HEAD.size + 2:off + _HEAD.size + 2 + n])
+            body = json.loads(raw[off + _HEAD.size + 2:off + _HEAD.size + 2 + n]) if n and not version % 2 else {}
         except ValueError:
-            call = {}
-        out.append((version, inside, since, call))
+            body = {}
+        out.append({"inside": bool(inside) and bool(body.get("now")), "since": since,
+                    "call": body.get("now") or {}, "last": body.get("last") or {}})
     return out
 
 
@@ -134,16 +141,24 @@ def _signature(call: dict):
 
 
 def find_mismatch(board: list) -> str | None:
-    """Ranks inside different collectives at the same index of the same group, or None."""
+    """Two ranks that disagree on the same collective call (same group, same index): both
+    inside it, or one inside it while the other has already finished its own version."""
     at = {}
-    for r, (_, inside, _, call) in enumerate(board):
-        if inside and "index" in call:
-            at.setdefault((call["group"], call["index"]), []).append((r, call))
+    for r, slot in enumerate(board):
+        if slot["inside"] and "index" in slot["call"]:
+            at.setdefault((slot["call"]["group"], slot["call"]["index"]), []).append((r, slot["call"], ""))
+    for r, slot in enumerate(board):
+        last = slot["last"]
+        if last and (last["group"], last["index"]) in at:
+            at[(last["group"], last["index"])].append((r, last, " (and returned from it)"))
     for (group, index), calls in sorted(at.items(), key=lambda kv: kv[1][0][0]):
-        if len({_signature(c) for _, c in calls}) > 1:
-            listing = "; ".join(f"rank {r} is in {describe(c)}" for r, c in calls)
+        if len({_signature(c) for _, c, _ in calls}) > 1:
+            calls.sort(key=lambda x: x[0])
+            listing = "; ".join(f"rank {r} {'called' if done else 'is in'} {describe(c)}{done}"
+                                for r, c, done in calls)
             which = "the world group" if group == "world" else f"group {calls[0][1]['ranks']}"
             return (f"mismatched collectives: at collective call #{index} on {which}, {listing}. "
                     f"Every rank of a group must make the same collective calls, in the same order, "
-                    f"with the same shapes, dtypes and roots; these ranks would wait for each other forever")
+                    f"with the same shapes, dtypes and roots; these ranks would wait for each other forever "
+                    f"(or gloo would abort)")
     return None

@@ -114,6 +114,7 @@ def rank_main(rank, world_size, folder, backend, threads, timeout, parent_pid, p
     os.setpgid(0, 0)                                # our own process group: killpg ends our children too
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # the caller handles Ctrl-C and stops us
     _redirect_output(out_conn, err_conn)
+    faulthandler.disable()     # the caller's (pytest, ipykernel) writes past our pipes: gloo says why it aborts
     stack_file = open(os.path.join(folder, f"stack.{rank}"), "w")
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     phase = "init"

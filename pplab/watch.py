@@ -165,7 +165,7 @@ def collect(ranks, folder, timeout):
                 break
     for fd, rk in by_fd.items():
         rk.pump(fd)
-    calls = {r: callboard.describe(c) for r, (_, inside, _, c) in enumerate(board) if inside}
+    calls = {r: callboard.describe(slot["call"]) for r, slot in enumerate(board) if slot["inside"]}
     if failed:
         raise failure(ranks, failed, calls)
     if mismatch:
@@ -226,11 +226,11 @@ def _timed_out(ranks, running, folder, timeout, board) -> LaunchError:
     stacks = _stacks(ranks, running, folder)
     now, parts, calls = time.time(), [], {}
     for r in running:
-        _, inside, since, call = board[r]
-        if inside and call.get("kind") == callboard.RETURNED:
+        slot = board[r]
+        if slot["inside"] and slot["call"].get("kind") == callboard.RETURNED:
             text = "had returned from fn and waits for the others"
-        elif inside:
-            text = f"in {callboard.describe(call)} since {now - since:.1f} s"
+        elif slot["inside"]:
+            text = f"in {callboard.describe(slot['call'])} since {now - slot['since']:.1f} s"
         else:
             text = _where(stacks.get(r, "")) or "not in a communication call"
         calls[r] = text
