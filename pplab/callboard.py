@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import mmap
-import os
 import struct
 import time
 

@@ -9,7 +9,6 @@ becomes one LaunchError whose message says what each rank did, once per distinct
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import multiprocessing.connection
 import os
 import re
@@ -139,7 +138,7 @@ def collect(ranks, folder, timeout):
         left = deadline - time.monotonic()
         if left <= 0:
             break
-        ready = mp.connection.wait(list(by_fd) + list(by_conn) + list(by_sentinel),
+        ready = multiprocessing.connection.wait(list(by_fd) + list(by_conn) + list(by_sentinel),
                                    timeout=min(left, BOARD_EVERY))
         for obj in ready:
             if obj in by_fd:
@@ -290,7 +289,7 @@ def failure(ranks, failed, calls=None) -> LaunchError:
                 story += f" [it was in {calls[r]}]"
         elif _knock_on(info) and r != first:
             tracebacks[r] = info[3]
-            story = "lost its connection to a rank that had stopped"
+            story = "lost the connection to a rank that had stopped"
         else:
             _, phase, summary, text = info
             tracebacks[r] = text
