@@ -22,10 +22,13 @@ import mmap
 import struct
 import time
 
+import torch.distributed as dist
+
 SLOT = 512
 RETURNED = "the end-of-launch barrier (fn had returned)"   # where a finished rank waits
 _HEAD = struct.Struct("<QBd")          # version, inside (0 or 1), since (time.time())
-_state = {"mm": None, "offset": 0, "version": 0, "index": {}, "now": None, "last": None}
+_encode = json.JSONEncoder(separators=(",", ":")).encode     # built once: json.dumps(..., separators) is slow
+_state = {"mm": None, "offset": 0, "version": 0, "index": {}, "now": "null", "last": "null"}
 
 
 # ----------------------------------------------------------------------------------
@@ -42,29 +45,34 @@ def attach(path: str, rank: int) -> None:
     """Called once in each rank, before fn runs."""
     with open(path, "r+b") as f:
         _state["mm"] = mmap.mmap(f.fileno(), 0)
-    _state.update(offset=rank * SLOT, version=0, index={}, now=None, last=None)
+    _state.update(offset=rank * SLOT, version=0, index={}, now="null", last="null")
+
+
+def _write_head(inside: int) -> int:
+    mm, off = _state["mm"], _state["offset"]
+    v = _state["version"] = _state["version"] + 2
+    mm[off:off + _HEAD.size] = _HEAD.pack(v - 1, 0, 0.0)         # odd: being written
+    return v
 
 
 def _write(inside: int) -> None:
+    """Write the slot: header (version, inside, since) and body {"now": ..., "last": ...}."""
     mm, off = _state["mm"], _state["offset"]
-    body = json.dumps({"now": _state["now"], "last": _state["last"]}, separators=(",", ":")).encode()
+    body = f'{{"now":{_state["now"]},"last":{_state["last"]}}}'.encode()
     if len(body) > SLOT - _HEAD.size - 2:              # a huge shape: keep what fits, still valid JSON
-        body = json.dumps({"now": {"kind": (_state["now"] or {}).get("kind", "?")}, "last": None}).encode()
-    v = _state["version"] + 1                           # odd: being written
-    mm[off:off + _HEAD.size] = _HEAD.pack(v, 0, 0.0)
+        body = b'{"now":{"kind":"?"},"last":null}'
+    v = _write_head(inside)
     mm[off + _HEAD.size:off + _HEAD.size + 2] = len(body).to_bytes(2, "little")
     mm[off + _HEAD.size + 2:off + _HEAD.size + 2 + len(body)] = body
-    _state["version"] = v + 1                            # even: whole again
-    mm[off:off + _HEAD.size] = _HEAD.pack(v + 1, inside, time.time())
+    mm[off:off + _HEAD.size] = _HEAD.pack(v, inside, time.time())
 
 
 def group_key(group) -> str:
     """A name for a process group that two different groups never share."""
-    if group is None:
+    if group is None or group is dist.group.WORLD:
         return "world"
     name = getattr(group, "group_name", None)
-    import torch.distributed as dist
-    return "world" if group is dist.group.WORLD or name is None else str(name)
+    return "world" if name is None else str(name)
 
 
 def enter(kind: str, tensor=None, group=None, ranks=(), collective=True, **extra) -> None:
@@ -73,23 +81,24 @@ def enter(kind: str, tensor=None, group=None, ranks=(), collective=True, **extra
         return
     call = {"kind": kind, "group": group_key(group), "ranks": list(ranks), **extra}
     if tensor is not None:
-        call["dtype"] = str(tensor.dtype).replace("torch.", "")
+        call["dtype"] = str(tensor.dtype)[6:]                         # "torch.float32" -> "float32"
         call["shape"] = list(tensor.shape)
     if collective:
         index = _state["index"]
         call["index"] = index.get(call["group"], 0)
         index[call["group"]] = call["index"] + 1
-    _state["now"] = call
+    _state["now"] = _encode(call)
     _write(1)
+    if collective:                     # once it returns, this is the rank's last collective
+        _state["last"] = _state["now"]
 
 
 def leave() -> None:
-    """Note that the call has returned; it stays on the board as this rank's last collective."""
+    """Note that the call has returned (only the header changes: cheap)."""
     if _state["mm"] is not None:
-        if _state["now"] and "index" in _state["now"]:
-            _state["last"] = _state["now"]
-        _state["now"] = None
-        _write(0)
+        mm, off = _state["mm"], _state["offset"]
+        v = _write_head(0)
+        mm[off:off + _HEAD.size] = _HEAD.pack(v, 0, time.time())
 
 
 # ----------------------------------------------------------------------------------
@@ -114,8 +123,10 @@ def read(path: str, world_size: int) -> list:
             body = json.loads(raw[off + _HEAD.size + 2:off + _HEAD.size + 2 + n]) if n and not version % 2 else {}
         except ValueError:
             body = {}
-        out.append({"inside": bool(inside) and bool(body.get("now")), "since": since,
-                    "call": body.get("now") or {}, "last": body.get("last") or {}})
+        now, last = body.get("now") or {}, body.get("last") or {}
+        if not inside:                          # it returned from `now`: that is its last collective
+            last, now = (now if "index" in now else last), {}
+        out.append({"inside": bool(inside) and bool(now), "since": since, "call": now, "last": last})
     return out
 
 

@@ -29,10 +29,13 @@ class LaunchError(RuntimeError):
     rank: the rank blamed first (None for a timeout); tracebacks: {rank: text} of
     ranks that raised; running: ranks still running at the timeout; output: {rank:
     last lines printed}; calls: {rank: the pplab.comm call it was inside, described};
-    stacks: {rank: its Python stack when it was stopped at the timeout}.
+    stacks: {rank: its Python stack when it was stopped at the timeout}; mismatch: the
+    explanation when the launch was ended early because ranks sat in mismatched
+    collectives ("" otherwise; `running` then lists the ranks that were stopped).
     """
 
-    def __init__(self, message, rank=None, tracebacks=None, running=(), output=None, calls=None, stacks=None):
+    def __init__(self, message, rank=None, tracebacks=None, running=(), output=None, calls=None, stacks=None,
+                 mismatch=""):
         super().__init__(message)
         self.rank = rank
         self.tracebacks = tracebacks or {}
@@ -40,6 +43,7 @@ class LaunchError(RuntimeError):
         self.output = output or {}
         self.calls = calls or {}
         self.stacks = stacks or {}
+        self.mismatch = mismatch
 
 
 def ranks_text(ranks) -> str:
@@ -170,7 +174,7 @@ def collect(ranks, folder, timeout):
     if mismatch:
         involved = [r for r in pending if r in calls]
         raise LaunchError(mismatch + ". All ranks were stopped.", rank=min(involved, default=None),
-                          running=sorted(pending), calls=calls,
+                          running=sorted(pending), calls=calls, mismatch=mismatch,
                           output={r: ranks[r].tail[-5:] for r in pending})
     if pending:
         raise _timed_out(ranks, sorted(pending), folder, timeout, board)

@@ -49,6 +49,7 @@ def test_mismatched_collectives_through_comm_are_stopped_early(hang_detector):
     assert "rank 0 is in all_reduce(float32[1000], op=sum)" in msg
     assert "rank 1 is in broadcast(float32[1000], src=0)" in msg
     assert info.value.calls[1] == "broadcast(float32[1000], src=0)"
+    assert info.value.mismatch and info.value.running == (0, 1)
 
 
 def test_mismatched_sizes_are_named_with_both_shapes(hang_detector):
@@ -250,10 +251,16 @@ def test_board_reads_only_whole_slots(tmp_path):
     path = callboard.create(str(tmp_path / "board"), 2)
     callboard.attach(path, 1)
     try:
-        callboard._state["now"] = {"kind": "all_reduce", "group": "world", "index": 0}
-        callboard._write(1)
+        callboard.enter("all_reduce", torch.ones(3), None, (0, 1))
         board = callboard.read(path, 2)
         assert board[1]["inside"] and board[1]["call"]["kind"] == "all_reduce" and not board[0]["inside"]
+        assert board[1]["call"]["shape"] == [3] and board[1]["call"]["index"] == 0 and not board[1]["last"]
+        callboard.leave()
+        callboard.enter("send", torch.ones(2), None, (0, 1), collective=False, dst=0)
+        board = callboard.read(path, 2)
+        assert board[1]["call"]["kind"] == "send" and board[1]["last"]["kind"] == "all_reduce"
+        callboard.leave()
+        assert not callboard.read(path, 2)[1]["inside"] and callboard.read(path, 2)[1]["last"]["index"] == 0
         with open(path, "r+b") as f:                    # pretend the rank is half-way through a write
             f.seek(callboard.SLOT)
             f.write(callboard._HEAD.pack(7, 1, 0.0))
