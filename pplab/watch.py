@@ -161,16 +161,22 @@ def collect(ranks, folder, timeout):
                 if rk.message is None:
                     rk.proc.join(1)
                     failed[rk.rank] = ("died", rk.proc.exitcode)
-        if not failed:
+        if not failed and not mismatch:
             board = callboard.read(board_path, p)
             mismatch = callboard.find_mismatch(board)
-            if mismatch:
-                break
+            if mismatch:            # a moment for a rank that gloo aborts over it, to say why
+                in_grace, deadline = True, min(deadline, time.monotonic() + 0.25)
     for fd, rk in by_fd.items():
         rk.pump(fd)
+    board = callboard.read(board_path, p)                       # the last look: who was in what
+    mismatch = mismatch or callboard.find_mismatch(board)
     calls = {r: callboard.describe(slot["call"]) for r, slot in enumerate(board) if slot["inside"]}
     if failed:
-        raise failure(ranks, failed, calls)
+        err = failure(ranks, failed, calls)
+        if mismatch:                # the cause first, then what it did to the ranks
+            err.args = (f"{mismatch}. Then: {err.args[0]}",)
+            err.mismatch = mismatch
+        raise err
     if mismatch:
         involved = [r for r in pending if r in calls]
         raise LaunchError(mismatch + ". All ranks were stopped.", rank=min(involved, default=None),
@@ -203,7 +209,11 @@ def _stacks(ranks, running, folder) -> dict:
                 continue
             threads = [t for t in re.split(r"\n(?=(?:Current thread|Thread) 0x)", text) if "rank_main" in t]
             if threads and text.endswith("\n"):
-                lines = [ln for ln in threads[0].strip().splitlines()[1:] if "pplab/rank_main.py" not in ln]
+                lines = []
+                for ln in threads[0].strip().splitlines()[1:]:
+                    if "pplab/rank_main.py" in ln or "multiprocessing/process.py" in ln:
+                        break                   # below fn: how the rank was started, not the user's code
+                    lines.append(ln)
                 stacks[r] = "\n".join(lines)
     return stacks
 

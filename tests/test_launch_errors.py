@@ -165,6 +165,7 @@ def test_comm_refuses_bad_shapes_and_roots_on_every_rank(call, message, hang_det
 
 def test_same_error_on_every_rank_is_said_once():
     def f():
+        dist.barrier()              # every rank has joined: none can lose a peer still starting up
         raise ValueError(f"shape {dist.get_world_size()} is wrong")
 
     with pytest.raises(pplab.LaunchError) as info:
