@@ -122,8 +122,9 @@ class Handle:
     def wait(self) -> None:
         if self.work is not None:
             e = self.event
+            peer = {"recv": "src", "send": "dst"}.get(e.kind)
             callboard.enter(f"wait for {e.kind}", None, None, e.group or (), collective=False,
-                            **({"peer": e.peer} if e.peer is not None else {}))
+                            **({peer: e.peer} if peer and e.peer is not None else {}))
             try:
                 self.work.wait()
             finally:

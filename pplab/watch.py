@@ -235,6 +235,22 @@ def _where(stack: str) -> str:
     return f"in torch.distributed.{fn}{where}"
 
 
+def _recv_cycle(board, running) -> str:
+    """' Ranks 0 -> 1 -> 0 each wait to receive from the next: ...' when receives form a cycle."""
+    waits = {r: board[r]["call"]["src"] for r in running
+             if board[r]["inside"] and board[r]["call"].get("kind") in ("recv", "wait for recv")
+             and isinstance(board[r]["call"].get("src"), int)}
+    for start in sorted(waits):
+        path = [start]
+        while path[-1] in waits and waits[path[-1]] not in path:
+            path.append(waits[path[-1]])
+        if path[-1] in waits and waits[path[-1]] == start:
+            loop = " -> ".join(map(str, path + [start]))
+            return (f" Ranks {loop} each wait to receive from the next, so none of them ever sends: a "
+                    f"deadlock. One of them must send first, or post both with comm.exchange / isend.")
+    return ""
+
+
 def _timed_out(ranks, running, folder, timeout, board) -> LaunchError:
     stacks = _stacks(ranks, running, folder)
     now, parts, calls = time.time(), [], {}
@@ -248,6 +264,7 @@ def _timed_out(ranks, running, folder, timeout, board) -> LaunchError:
             text = _where(stacks.get(r, "")) or "not in a communication call"
         calls[r] = text
         parts.append(f"rank {r} {text}")
+    hint = _recv_cycle(board, running)
     output = {r: ranks[r].tail[-5:] for r in running}
     shown = "".join(f"\n  last output of rank {r}: " + " | ".join(lines) for r, lines in output.items() if lines)
     stack_text = "".join(f"\n--- Python stack of rank {r} (most recent call first) ---\n{s}"
@@ -255,7 +272,7 @@ def _timed_out(ranks, running, folder, timeout, board) -> LaunchError:
     return LaunchError(
         f"{ranks_text(running)} still running after {timeout:g} s (timeout={timeout:g}) and "
         f"{'were' if len(running) > 1 else 'was'} stopped; {len(ranks) - len(running)} of {len(ranks)} "
-        f"had finished. Where they were: {'; '.join(parts)}. A rank waiting in recv() or in a "
+        f"had finished. Where they were: {'; '.join(parts)}.{hint} A rank waiting in recv() or in a "
         f"collective that some peer never joins waits forever; if the work is only slow, pass a larger "
         f"timeout=.{shown}{stack_text}", running=running, output=output, calls=calls, stacks=stacks)
 

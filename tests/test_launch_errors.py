@@ -119,6 +119,21 @@ def test_timeout_says_what_each_rank_was_inside():
     assert "rank 1 running f (" in msg
 
 
+def test_receives_waiting_on_each_other_are_called_a_deadlock():
+    def f():
+        peer = (dist.get_rank() + 1) % 3
+        if dist.get_rank() == 2:
+            pplab.comm.irecv(torch.zeros(1), src=peer).wait()    # async, then waited on: the same
+        else:
+            pplab.comm.recv(torch.zeros(1), src=peer)
+
+    with pytest.raises(pplab.LaunchError) as info:
+        pplab.launch(f, world_size=3, timeout=3)
+    msg = str(info.value)
+    assert "rank 2 in wait for recv(src=0) since" in msg
+    assert "Ranks 0 -> 1 -> 2 -> 0 each wait to receive from the next, so none of them ever sends" in msg
+
+
 def test_returned_rank_while_peer_in_collective_is_a_mismatch(hang_detector):
     def f():
         if dist.get_rank() == 0:
