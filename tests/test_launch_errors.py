@@ -95,7 +95,7 @@ def test_raw_torch_distributed_mismatch_names_each_ranks_call_at_the_timeout():
             dist.broadcast(t, src=0)
 
     with pytest.raises(pplab.LaunchError) as info:
-        pplab.launch(f, world_size=2, timeout=3)
+        pplab.launch(f, world_size=2, timeout=6)       # time to get there on a loaded machine
     err = info.value
     assert err.running == (0, 1)
     assert "rank 0 in torch.distributed.all_reduce called from f" in str(err)
@@ -113,7 +113,7 @@ def test_timeout_says_what_each_rank_was_inside():
             time.sleep(300)
 
     with pytest.raises(pplab.LaunchError) as info:
-        pplab.launch(f, world_size=2, timeout=3)
+        pplab.launch(f, world_size=2, timeout=6)
     msg = str(info.value)
     assert "rank 0 in recv(float32[2], src=1) since" in msg
     assert "rank 1 running f (" in msg
@@ -128,7 +128,7 @@ def test_receives_waiting_on_each_other_are_called_a_deadlock():
             pplab.comm.recv(torch.zeros(1), src=peer)
 
     with pytest.raises(pplab.LaunchError) as info:
-        pplab.launch(f, world_size=3, timeout=3)
+        pplab.launch(f, world_size=3, timeout=6)
     msg = str(info.value)
     assert "rank 2 in wait for recv(src=0) since" in msg
     assert "Ranks 0 -> 1 -> 2 -> 0 each wait to receive from the next, so none of them ever sends" in msg
