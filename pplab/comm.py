@@ -12,13 +12,19 @@ the group (collectives), and bytes:
   `bytes_sent`/`bytes_recv` stay 0 and `meta["payload"]` holds the tensor bytes.
 
 Peers are global ranks, as in torch.distributed.
+
+Under pplab.launch every call is also noted on the launch's call board (callboard.py)
+while it runs, so that a launch that hangs can say which rank is in which call, and
+two ranks in mismatched collectives are stopped at once. Arguments each rank can check
+alone (a root that is not in the group, an output of the wrong size) raise a ValueError
+on every rank, before anything is sent.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from . import trace
+from . import callboard, trace
 from .trace import Event, now
 
 # torch 2.13 renamed the tensor forms (the old names still work, with a warning)
@@ -83,10 +89,19 @@ def _check_peer(peer, what):
         raise ValueError(f"{what}={peer} is this rank itself: a rank cannot send to or receive from itself")
 
 
+def _blocking(kind, tensor, group, call, **where):
+    """Run a blocking call with this rank's board slot saying it is inside it."""
+    callboard.enter(kind, tensor, group, _group_ranks(group), collective=False, **where)
+    try:
+        call()
+    finally:
+        callboard.leave()
+
+
 def send(tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> None:
     _check_peer(dst, "dst")
     start = now()
-    dist.send(tensor, dst, group=group, tag=tag)
+    _blocking("send", tensor, group, lambda: dist.send(tensor, dst, group=group, tag=tag), dst=dst)
     _p2p_event("send", tensor, dst, start, now())
 
 
@@ -94,7 +109,7 @@ def recv(tensor: torch.Tensor, src: int, group=None, tag: int = 0) -> None:
     """Receive into `tensor` from rank `src` (src is required: traces pair each recv with a send)."""
     _check_peer(src, "src")
     start = now()
-    dist.recv(tensor, src, group=group, tag=tag)
+    _blocking("recv", tensor, group, lambda: dist.recv(tensor, src, group=group, tag=tag), src=src)
     _p2p_event("recv", tensor, src, start, now())
 
 
@@ -106,7 +121,14 @@ class Handle:
 
     def wait(self) -> None:
         if self.work is not None:
-            self.work.wait()
+            e = self.event
+            peer = {"recv": "src", "send": "dst"}.get(e.kind)
+            callboard.enter(f"wait for {e.kind}", None, None, e.group or (), collective=False,
+                            **({peer: e.peer} if peer and e.peer is not None else {}))
+            try:
+                self.work.wait()
+            finally:
+                callboard.leave()
         if self.event.end is None:
             self.event.end = now()
 
@@ -141,11 +163,16 @@ def exchange(send_tensor: torch.Tensor, dst: int, recv_tensor: torch.Tensor, src
 # Collectives (forwarded to the backend's own implementation)
 
 
-def _collective(kind, payload, group, fn, async_op=False):
+def _collective(kind, tensor, group, fn, async_op=False, **call):
+    """Forward one collective to the backend, noting it on the trace and on the call board."""
     start = now()
-    work = fn()
+    callboard.enter(kind, tensor, group, _group_ranks(group), **call)
+    try:
+        work = fn()
+    finally:
+        callboard.leave()
     event = trace.record(Event(trace._state["rank"], kind, "comm", start, None, _SHORT.get(kind, kind),
-                               group=_group_ranks(group), meta={"payload": payload}))
+                               group=_group_ranks(group), meta={"payload": 0 if tensor is None else _nbytes(tensor)}))
     handle = Handle(work if async_op else None, event)
     if not async_op:
         handle.wait()
@@ -153,52 +180,97 @@ def _collective(kind, payload, group, fn, async_op=False):
     return handle
 
 
+def _check_root(kind, name, root, group):
+    """The same ValueError on every rank for a root that is not in the group."""
+    ranks = _group_ranks(group)
+    if isinstance(root, bool) or not isinstance(root, int) or root not in ranks:
+        raise ValueError(f"{kind}: {name}={root!r} is not a rank of the group: use one of {list(ranks)} "
+                         f"({name} is a global rank, as in torch.distributed)")
+
+
+def _check_sizes(kind, output, input, out_numel, formula):
+    problems = []
+    if output.dtype != input.dtype:
+        problems.append(f"output is {_describe(output)} but input is {_describe(input)}: use one dtype")
+    if output.numel() != out_numel:
+        problems.append(f"output is {_describe(output)}: it must hold {formula} = {out_numel} elements")
+    if not (output.is_contiguous() and input.is_contiguous()):
+        problems.append("output and input must be contiguous: pass .contiguous()")
+    if problems:
+        raise ValueError(f"{kind}: " + "; ".join(problems))
+
+
+def _describe(t) -> str:
+    return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}"
+
+
 def all_reduce(tensor, op="sum", group=None, async_op=False):
-    return _collective("all_reduce", _nbytes(tensor), group,
-                       lambda: dist.all_reduce(tensor, op=_op(op), group=group, async_op=async_op), async_op)
+    return _collective("all_reduce", tensor, group,
+                       lambda: dist.all_reduce(tensor, op=_op(op), group=group, async_op=async_op), async_op,
+                       op=str(op))
 
 
 def broadcast(tensor, src, group=None, async_op=False):
-    return _collective("broadcast", _nbytes(tensor), group,
-                       lambda: dist.broadcast(tensor, src, group=group, async_op=async_op), async_op)
+    _check_root("broadcast", "src", src, group)
+    return _collective("broadcast", tensor, group,
+                       lambda: dist.broadcast(tensor, src, group=group, async_op=async_op), async_op, src=src)
 
 
 def reduce(tensor, dst, op="sum", group=None, async_op=False):
-    return _collective("reduce", _nbytes(tensor), group,
-                       lambda: dist.reduce(tensor, dst, op=_op(op), group=group, async_op=async_op), async_op)
+    _check_root("reduce", "dst", dst, group)
+    return _collective("reduce", tensor, group,
+                       lambda: dist.reduce(tensor, dst, op=_op(op), group=group, async_op=async_op), async_op,
+                       dst=dst, op=str(op))
 
 
 def all_gather(tensor_list, tensor, group=None, async_op=False):
-    return _collective("all_gather", _nbytes(tensor), group,
+    p = len(_group_ranks(group))
+    if tensor_list is None or len(tensor_list) != p:
+        raise ValueError(f"all_gather: tensor_list must hold one tensor per rank of the group ({p}), "
+                         f"got {0 if tensor_list is None else len(tensor_list)}")
+    return _collective("all_gather", tensor, group,
                        lambda: dist.all_gather(tensor_list, tensor, group=group, async_op=async_op), async_op)
 
 
 def all_gather_into_tensor(output, input, group=None, async_op=False):
-    return _collective("all_gather", _nbytes(input), group,
+    p = len(_group_ranks(group))
+    _check_sizes("all_gather_into_tensor", output, input, input.numel() * p, f"input.numel() * {p} ranks")
+    return _collective("all_gather", input, group,
                        lambda: _all_gather_single(output, input, group=group, async_op=async_op),
                        async_op)
 
 
 def reduce_scatter_tensor(output, input, op="sum", group=None, async_op=False):
-    return _collective("reduce_scatter", _nbytes(input), group,
+    p = len(_group_ranks(group))
+    if input.numel() % p:
+        raise ValueError(f"reduce_scatter_tensor: input is {_describe(input)}, {input.numel()} elements, "
+                         f"which do not split evenly over the {p} ranks of the group: pad it to a multiple "
+                         f"of {p}")
+    _check_sizes("reduce_scatter_tensor", output, input, input.numel() // p, f"input.numel() / {p} ranks")
+    return _collective("reduce_scatter", input, group,
                        lambda: _reduce_scatter_single(output, input, op=_op(op), group=group,
-                                                          async_op=async_op), async_op)
+                                                          async_op=async_op), async_op, op=str(op))
 
 
 def gather(tensor, gather_list=None, dst=0, group=None, async_op=False):
-    return _collective("gather", _nbytes(tensor), group,
-                       lambda: dist.gather(tensor, gather_list, dst, group=group, async_op=async_op), async_op)
+    _check_root("gather", "dst", dst, group)
+    return _collective("gather", tensor, group,
+                       lambda: dist.gather(tensor, gather_list, dst, group=group, async_op=async_op), async_op,
+                       dst=dst)
 
 
 def scatter(tensor, scatter_list=None, src=0, group=None, async_op=False):
-    return _collective("scatter", _nbytes(tensor), group,
-                       lambda: dist.scatter(tensor, scatter_list, src, group=group, async_op=async_op), async_op)
+    _check_root("scatter", "src", src, group)
+    return _collective("scatter", tensor, group,
+                       lambda: dist.scatter(tensor, scatter_list, src, group=group, async_op=async_op), async_op,
+                       src=src)
 
 
 def all_to_all_single(output, input, group=None, async_op=False):
-    return _collective("all_to_all", _nbytes(input), group,
+    _check_sizes("all_to_all_single", output, input, input.numel(), "input.numel()")
+    return _collective("all_to_all", input, group,
                        lambda: dist.all_to_all_single(output, input, group=group, async_op=async_op), async_op)
 
 
 def barrier(group=None):
-    return _collective("barrier", 0, group, lambda: dist.barrier(group=group))
+    return _collective("barrier", None, group, lambda: dist.barrier(group=group))

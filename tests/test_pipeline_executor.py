@@ -77,6 +77,8 @@ CASES = [  # name, p, m, batch, chunks, balance
     ("interleaved-1f1b", 2, 4, 10, 2, [8, 8]),           # one count per rank, split over 2 chunks
     ("interleaved-1f1b", 2, 4, 10, 3, "params"),
     ("interleaved-1f1b", 4, 8, 13, 2, "params"),
+    ("interleaved-1f1b", 4, 6, 13, 2, "params"),         # m not a multiple of p: one group of 6
+    ("interleaved-1f1b", 4, 3, 7, 2, "params"),          # fewer micro-batches than ranks
     ("zb-h1", 2, 3, 10, None, "params"),
     ("zb-h1", 4, 6, 13, None, "params"),
     ("zb-v", 2, 3, 10, None, "params"),

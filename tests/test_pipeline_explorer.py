@@ -43,5 +43,7 @@ def test_controls_redraw_with_memory_and_report_bad_choices():
     box.controls["m"].value = 4
     assert box.timeline.title.startswith("gpipe: p=4, m=4") and box.error is None
     box.controls["schedule"].value = "interleaved-1f1b"
-    box.controls["m"].value = 6                    # interleaving needs m to be a multiple of p
-    assert box.error is not None and "m=6" in str(box.error)
+    box.controls["m"].value = 6                    # m need not be a multiple of p
+    assert box.error is None and box.timeline.title.startswith("interleaved-1f1b: p=4, m=6, v=2")
+    box.controls["v"].value = 1                    # interleaving needs two chunks or more
+    assert box.error is not None and "chunks >= 2" in str(box.error)

@@ -267,8 +267,10 @@ def test_bubble_fraction():
 @pytest.mark.parametrize("args,kwargs,message", [
     (("pipedream", 4, 8), {}, "unknown schedule 'pipedream'; known schedules: naive, gpipe, 1f1b, "
                               "interleaved-1f1b, zb-h1, zb-v"),
-    (("interleaved-1f1b", 4, 6), {}, "must be a multiple of the number of stages: got m=6, p=4"),
-    (("interleaved-1f1b", 4, 2), {}, "got m=2, p=4 (try m=4)"),
+    (("1f1b", 10, 10**6), {}, "1f1b with p=10 ranks, m=1000000 micro-batches, v=1 chunks is 20,000,000 "
+                              "actions: more than the 1,000,000 pplab builds"),
+    (("zb-v", 1000, 1), {}, "zb-v builds each rank's order for at least 2p-1 = 1999 micro-batches"),
+    (("interleaved-1f1b", 300, 1000), {"chunks": 2}, "is 1,200,000 actions"),
     (("interleaved-1f1b", 4, 8), {"chunks": 1}, "with one chunk per rank, use '1f1b'"),
     (("gpipe", 4, 8), {"chunks": 2}, "gpipe puts 1 chunk(s) on each rank, got chunks=2"),
     (("zb-v", 4, 8), {"chunks": 3}, "zb-v puts 2 chunk(s) on each rank, got chunks=3"),
@@ -345,3 +347,52 @@ def test_incomplete_or_misplaced_actions_are_reported():
         validate(s)
     with pytest.raises(ScheduleError, match=r"each of the 2 ranks exactly 1 stage\(s\), got \[0, 0\]"):
         validate(Schedule("bad", 2, 1, 1, [[], []], [0, 0]))
+
+
+# ----------------------------------------------------------------------------------
+# interleaved 1F1B with any m, and sizes
+
+
+@pytest.mark.parametrize("v", [2, 3])
+def test_interleaved_runs_any_number_of_microbatches(v):
+    """m need not be a multiple of p (as torch's ScheduleInterleaved1F1B). Bubble, idle time
+    over useful time: (p-1)/(v m) for m >= p; for m < p rank 0 also waits p-m chunk-times
+    at each of the v-1 turns between chunks, forward and backward."""
+    for p in range(1, 7):
+        for m in range(1, 14):
+            s = make_schedule("interleaved-1f1b", p, m, chunks=v)      # validated: complete, no deadlock
+            r = simulate(s, t_f=1, t_b=2)
+            ideal = 3.0 * m
+            expected = ((p - 1) + (v - 1) * max(0, p - m)) / (v * m)
+            assert (r.makespan - ideal) / ideal == pytest.approx(expected, abs=1e-9), (p, m, v)
+            if m >= p:
+                assert expected == pytest.approx(bubble_fraction(p, m, v))
+
+
+def test_interleaved_groups_follow_torchs_rounds():
+    from pplab.pipeline.schedules import interleaved_groups
+    assert interleaved_groups(4, 8) == [4, 4]           # Megatron: groups of p
+    assert interleaved_groups(4, 10) == [5, 5]          # torch: m // p rounds of m / rounds
+    assert interleaved_groups(4, 9) == [5, 4]           # uneven: as even as can be
+    assert interleaved_groups(4, 3) == [3]
+    for p in range(1, 9):
+        for m in range(1, 40):
+            g = interleaved_groups(p, m)
+            assert sum(g) == m and (m < p or min(g) >= p)
+
+
+def test_large_schedules_are_built_in_time_linear_in_actions():
+    """p = 100,000 ranks, one micro-batch each: 200,000 actions (once quadratic in p)."""
+    import signal
+
+    def too_slow(signum, frame):
+        raise AssertionError("make_schedule took minutes: not linear in the number of actions")
+
+    old = signal.signal(signal.SIGALRM, too_slow)
+    signal.alarm(120)                                    # a hang detector, not a timing
+    try:
+        s = make_schedule("1f1b", 100_000, 1)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    assert sum(map(len, s.actions)) == 200_000 and s.stages_of(99_999) == [99_999]

@@ -9,10 +9,12 @@
 
 schedules.py: Action, Schedule, the generators and make_schedule.
 simulate.py:  validate (complete? deadlock-free?), simulate, bubble_fraction.
-executor.py:  partition, and run_pipeline / PipelineExecutor: the same schedule on real ranks.
+partition.py: partition, layer_times: cutting the model into stages.
+executor.py:  run_pipeline / PipelineExecutor: the same schedule on real ranks.
 explorer.py:  explore(), a widget: schedule, p, m, v, t_f, t_b, t_w -> swimlane + memory + bubble.
 """
-from .executor import PipelineError, PipelineExecutor, layer_times, partition, run_pipeline
+from .executor import PipelineExecutor, run_pipeline
+from .partition import PipelineError, layer_times, partition
 from .explorer import explore, pipeline_timeline
 from .schedules import SCHEDULES, Action, Schedule, ScheduleError, make_schedule
 from .simulate import SimResult, bubble_fraction, simulate, validate

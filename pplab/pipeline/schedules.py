@@ -71,7 +71,13 @@ class Schedule:
 
     def stages_of(self, rank: int) -> list[int]:
         """The stages `rank` holds, in model order: its chunk 0, chunk 1, ..."""
-        return [s for s, r in enumerate(self.stage_to_rank) if r == rank]
+        by_rank = self.__dict__.get("_stages_by_rank")
+        if by_rank is None or by_rank[0] is not self.stage_to_rank:   # built once: O(stages), not per rank
+            table = {}
+            for s, r in enumerate(self.stage_to_rank):
+                table.setdefault(r, []).append(s)
+            by_rank = self.__dict__["_stages_by_rank"] = (self.stage_to_rank, table)
+        return list(by_rank[1].get(rank, []))
 
     def neighbour_ranks(self, stage: int) -> tuple[int | None, int | None]:
         """(rank holding stage-1, rank holding stage+1); None at either end of the model.
@@ -148,29 +154,45 @@ def one_f_one_b(p, m):
     return ranks
 
 
+def interleaved_groups(p, m):
+    """Sizes of the groups micro-batches go through the chunks in: as torch's
+    ScheduleInterleaved1F1B, max(1, m // p) groups ("rounds") as even as can be, each of
+    at least p micro-batches when m >= p (m = 10, p = 4: 5 and 5; m = 9: 5 and 4)."""
+    rounds = max(1, m // p)
+    return [m // rounds + (1 if i < m % rounds else 0) for i in range(rounds)]
+
+
 def interleaved_1f1b(p, m, v):
     """Interleaved 1F1B (Megatron-LM): v chunks per rank, stage = chunk * p + rank.
 
-    Forwards go in groups of p micro-batches: micro-batches 0..p-1 through chunk 0, the
-    same ones through chunk 1, ..., then the next p. Backwards visit chunks in reverse.
+    Forwards go in groups of micro-batches: the first group through chunk 0, the same
+    ones through chunk 1, ..., then the next group. Backwards visit chunks in reverse.
     A chunk is 1/v of a rank's layers, so filling and draining the pipeline takes p-1
     chunk-times instead of p-1 stage-times: the bubble shrinks by 1/v, for v times more
     messages and more activations held during the longer warm-up.
+
+    Groups. With m a multiple of p, micro-batches go in groups of p (Megatron). Otherwise,
+    as torch's ScheduleInterleaved1F1B does, in max(1, m // p) groups ("rounds") of about
+    m / rounds >= p micro-batches each (interleaved_groups: m = 10, p = 4 -> 5 + 5). Each
+    rank warms up with (v-1)*g + 2(p-1-r) chunk-forwards, g the first group's size.
+
+    Bubble (idle / useful time, measured by simulate): (p-1)/(v*m) for every m >= p, even
+    or uneven groups. For m < p there is one group of m < p micro-batches, and at each of
+    the v-1 turns from a chunk to the next, rank 0 has sent all m micro-batches on before
+    the first comes back from rank p-1: it waits p-m chunk-times, forward and backward.
+    The bubble becomes ((p-1) + (v-1)(p-m)) / (v*m); bubble_fraction gives the m >= p one.
     """
-    total = m * v                                   # chunk-forwards per rank
-
-    def microbatch(k):                               # k-th chunk-op of a rank
-        return (k // (p * v)) * p + k % p
-
-    def chunk(k):
-        return (k // p) % v
-
     ranks = []
+    order = []                                       # (micro-batch, chunk) of the k-th chunk-forward
+    first = 0
+    for g in interleaved_groups(p, m):
+        order += [(first + i, c) for c in range(v) for i in range(g)]
+        first += g
+    g0 = interleaved_groups(p, m)[0]
     for r in range(p):
-        forwards = [Action("F", microbatch(k), chunk(k) * p + r, chunk(k)) for k in range(total)]
-        backwards = [Action("B", microbatch(k), (v - 1 - chunk(k)) * p + r, v - 1 - chunk(k))
-                     for k in range(total)]
-        warmup = min((v - 1) * p + 2 * (p - 1 - r), total)
+        forwards = [Action("F", i, c * p + r, c) for i, c in order]
+        backwards = [Action("B", i, (v - 1 - c) * p + r, v - 1 - c) for i, c in order]
+        warmup = min((v - 1) * g0 + 2 * (p - 1 - r), len(order))
         ranks.append(_one_f_one_b_order(forwards, backwards, warmup))
     return ranks
 
@@ -273,6 +295,26 @@ SCHEDULES = {
 }
 
 
+# A schedule is a list of Action objects that validate, simulate and the executor walk one
+# by one: about 1-2 us and 100 bytes each (plus the validator's tables). A million actions
+# is seconds and ~150 MB; beyond that the lesson is better told by the formulas.
+MAX_ACTIONS = 1_000_000
+
+
+def _size_check(key, p, m, v):
+    per_pair = 3 if key in ("zb-h1", "zb-v") else 2                # F B, or F I W
+    actions = p * v * m * per_pair
+    built = p * 2 * max(2 * p - 1, m) * 3 if key == "zb-v" else actions   # zb-v orders >= 2p-1 first
+    if max(actions, built) > MAX_ACTIONS:
+        why = (f" (zb-v builds each rank's order for at least 2p-1 = {2 * p - 1} micro-batches, "
+               f"{built:,} actions, before dropping the extra ones)" if built > actions else "")
+        raise ScheduleError(
+            f"{key} with p={p} ranks, m={m} micro-batches, v={v} chunks is {actions:,} actions{why}: more "
+            f"than the {MAX_ACTIONS:,} pplab builds. Every action is an object that validate, simulate and "
+            f"the executor walk one by one (a million take seconds and ~150 MB). Use fewer ranks or "
+            f"micro-batches; bubble_fraction and the memory formulas give the trend for larger ones.")
+
+
 def _positive_int(value, what):
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ScheduleError(f"{what} must be a positive integer, got {value!r}")
@@ -298,16 +340,13 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int, chunks: int
     if key == "interleaved-1f1b":
         if v < 2:
             raise ScheduleError("interleaved-1f1b needs chunks >= 2 (with one chunk per rank, use '1f1b')")
-        if m % p:
-            raise ScheduleError(
-                f"interleaved-1f1b sends micro-batches through each chunk in groups of p, so the number of "
-                f"micro-batches must be a multiple of the number of stages: got m={m}, p={p} "
-                f"(try m={p * max(1, round(m / p))})")
+        _size_check(key, p, m, v)
         actions = generate(p, m, v)
     elif v != default_chunks:
         hint = " (for several chunks per rank use 'interleaved-1f1b' or 'zb-v')" if default_chunks == 1 else ""
         raise ScheduleError(f"{key} puts {default_chunks} chunk(s) on each rank, got chunks={v}{hint}")
     else:
+        _size_check(key, p, m, v)
         actions = generate(p, m)
     schedule = Schedule(key, p, m, v, actions, placement(p, v))
     from .simulate import validate                      # validating = playing the schedule out
