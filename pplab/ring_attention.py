@@ -168,6 +168,11 @@ def _pairs(q_runs, k_runs, causal):
     return out
 
 
+def _count(pairs):
+    """How many query-key scores a block computes (the work in its trace span)."""
+    return sum((qs.stop - qs.start) * (ks.stop - ks.start) for qs, ks, _ in pairs)
+
+
 def _scores(q, k, scale, diagonal):
     s = (q @ k.transpose(-1, -2)) * scale
     if diagonal:                                            # same run of positions: key j sees query i >= j
@@ -222,7 +227,7 @@ class _RingAttention(torch.autograd.Function):
                 handles = _post([k_cur, v_cur], nxt, right, left, group)
             todo = _pairs(runs[me], runs[j], causal)
             if todo:
-                with trace.span("F", microbatch=j, block=j):
+                with trace.span("F", microbatch=j, block=j, scores=_count(todo)):
                     for qs, ks, diagonal in todo:
                         sc = _scores(_rows(qa, qs), _rows(k_cur, ks).to(acc), scale, diagonal)
                         part_lse = torch.logsumexp(sc, -1)
@@ -261,7 +266,7 @@ class _RingAttention(torch.autograd.Function):
             dv = torch.zeros(v_cur.shape, dtype=acc, device=v.device)
             todo = _pairs(runs[me], runs[j], causal)
             if todo:
-                with trace.span("B", microbatch=j, block=j):
+                with trace.span("B", microbatch=j, block=j, scores=_count(todo)):
                     for qs, ks, diagonal in todo:
                         kb, vb, qb, dob = _rows(k_cur, ks).to(acc), _rows(v_cur, ks).to(acc), _rows(qa, qs), _rows(do, qs)
                         prob = torch.exp(_scores(qb, kb, scale, diagonal) - lse[..., qs, None])
@@ -305,7 +310,7 @@ def ring_attention(q, k, v, group=None, causal: bool = False, layout: str = "con
 
 class _GatheredKV(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, layout, scale):
+    def forward(ctx, q, k, v, group, causal, layout, scale, will_backward):
         ranks, me, runs = _agree("gathered_kv_attention", group, q, k, v, layout, causal)
         p = len(ranks)
         if len({sum(b - a for a, b in r) for r in runs}) > 1:
@@ -320,9 +325,13 @@ class _GatheredKV(torch.autograd.Function):
         k_all, v_all = (full[:, i].movedim(0, -3).flatten(-3, -2) for i in (0, 1))   # rank order
         pos = [torch.cat([torch.arange(a, b) for a, b in r]) for r in runs]
         mask = (pos[me][:, None] >= torch.cat(pos)[None, :]).to(q.device) if causal else None
-        ctx.save_for_backward(q, k_all, v_all)
-        ctx.info = (group, p, mask, scale, full)
-        return _plain_attention(q, k_all, v_all, mask, scale)
+        out = _plain_attention(q, k_all, v_all, mask, scale)
+        if will_backward:                                   # the gathered K/V stay until backward
+            ctx.save_for_backward(q, k_all, v_all)
+            ctx.info = (group, p, mask, scale, full)
+        else:
+            trace.release([k, v, full], "K/V")
+        return out
 
     @staticmethod
     def backward(ctx, dout):
@@ -336,8 +345,8 @@ class _GatheredKV(torch.autograd.Function):
         grads = torch.stack([dk_all, dv_all]).unflatten(-2, (p, -1)).movedim(-3, 0).contiguous()
         mine = grads.new_empty(grads.shape[1:])
         comm.reduce_scatter_tensor(mine, grads.flatten(0, 1), group=group)
-        trace.release(full.numel() * full.element_size() + 2 * mine[0].numel() * mine.element_size(), "K/V")
-        return dq, mine[0], mine[1], None, None, None, None
+        trace.release([full, mine[0], mine[1]], "K/V")    # = k, v, full: the holdings of forward
+        return dq, mine[0], mine[1], None, None, None, None, None
 
 
 def _plain_attention(q, k, v, mask, scale):
@@ -350,4 +359,5 @@ def _plain_attention(q, k, v, mask, scale):
 def gathered_kv_attention(q, k, v, group=None, causal: bool = False, layout: str = "contiguous", scale=None):
     """The same result as ring_attention, the naive way: all-gather K and V (S tokens on every
     rank), attend, reduce-scatter dK/dV in backward. Needs equal shards."""
-    return _GatheredKV.apply(q, k, v, group, causal, layout, scale)
+    will_backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    return _GatheredKV.apply(q, k, v, group, causal, layout, scale, will_backward)
