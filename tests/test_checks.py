@@ -108,7 +108,7 @@ def test_forbidden_collectives_come_back_after_the_watch():
     """The launcher's own end-of-run barrier and any later code need the real collectives."""
     def job():
         t = torch.ones(3) * dist.get_rank()
-        with checks.watch_comm("broadcast", "broadcast") as watch:
+        with checks.core.watch_comm("broadcast", "broadcast") as watch:
             with pytest.raises(checks.Forbidden, match="torch.distributed.all_reduce"):
                 dist.all_reduce(t)
             if dist.get_rank() == 0:
@@ -137,11 +137,11 @@ def test_the_seed_reproduces_a_failure():
 
 def test_trials_cover_every_src_dtype_and_shape():
     for p in (2, 3, 4):
-        trials = checks._broadcast_trials(7, p)
+        trials = checks.collectives._broadcast_trials(7, p)
         assert {t.src for t in trials} == set(range(p))
-        assert {(t.dtype, t.shape) for t in trials} == set(checks._BROADCAST_CASES)
+        assert {(t.dtype, t.shape) for t in trials} == set(checks.collectives._BROADCAST_CASES)
         assert any(t.shape == (1,) for t in trials) and any(t.src != 0 for t in trials)
-    assert checks._broadcast_trials(1, 4) != checks._broadcast_trials(2, 4)
+    assert checks.collectives._broadcast_trials(1, 4) != checks.collectives._broadcast_trials(2, 4)
 
 
 def test_unknown_exercise_lists_the_known_ones():

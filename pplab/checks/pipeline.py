@@ -18,8 +18,7 @@ import math
 import random
 import re
 
-from .checks import Fail, call_answer, check_number, exercise, require_function
-from .checks_collectives import refuse_library
+from .core import Fail, call_answer, check_number, exercise, refuse_library, require_function
 
 # pplab.pipeline is imported inside the checks: it loads its executor (torch.fx, sympy),
 # which would make every `import pplab.checks` slow and every process it forks bigger.
@@ -36,7 +35,7 @@ def _cases(seed: int) -> list[tuple[int, int]]:
 
 
 def _action(a, rank: int, where: str):
-    from .pipeline import Action
+    from ..pipeline import Action
     if isinstance(a, Action):
         return a
     if isinstance(a, str) and (found := re.fullmatch(r"([FB])(\d+)", a.strip())):
@@ -50,7 +49,7 @@ def _action(a, rank: int, where: str):
 
 def _schedule(fn, p: int, m: int, where: str):
     """Call the student's generator and check its result with pplab.pipeline.validate."""
-    from .pipeline import Schedule, ScheduleError, validate
+    from ..pipeline import Schedule, ScheduleError, validate
     out = call_answer(fn, p, m, where=where)
     if not isinstance(out, (list, tuple)) or len(out) != p or not all(isinstance(r, (list, tuple)) for r in out):
         got = f"{len(out)} items" if isinstance(out, (list, tuple)) else type(out).__name__
@@ -66,7 +65,7 @@ def _schedule(fn, p: int, m: int, where: str):
 
 
 def _compare(fn, seed: int, library: str, shown: str, peak_limit, peak_rule: str) -> str:
-    from .pipeline import make_schedule, simulate
+    from ..pipeline import make_schedule, simulate
     cases = _cases(seed)
     for p, m in cases:
         where = f"p={p} stages, m={m} micro-batch{'es' if m > 1 else ''}: "
@@ -130,7 +129,7 @@ _BUBBLE_MISTAKES = [
           notebook="04c_bubble_fraction")
 def check_bubble_fraction(fn, seed: int, timeout: float) -> str:
     """bubble_fraction(p, m, v) = (p-1)/(v·m), as pplab.pipeline.bubble_fraction."""
-    from .pipeline import bubble_fraction as reference
+    from ..pipeline import bubble_fraction as reference
     require_function(fn, "bubble_fraction", "p, m, v", 4, 8, 1)
     refuse_library(fn, "bubble_fraction", "the bubble fraction", {"bubble_fraction": reference},
                    "pplab.pipeline.bubble_fraction")

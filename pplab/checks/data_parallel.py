@@ -24,8 +24,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .checks import Fail, call_answer, exercise, first_difference, progress, require_function, run_on_ranks
-from .checks import _fmt
+from .core import Fail, call_answer, exercise, first_difference, progress, require_function, run_on_ranks
+from .core import _fmt
 
 # ----------------------------------------------------------------------------------
 # Exercise "ddp_buckets"

@@ -1,5 +1,6 @@
-"""Checks of chapter 1's exercises: collectives built from point-to-point messages, and their cost.
+"""Checks of chapters 0 and 1's exercises: collectives built from point-to-point messages, and their cost.
 
+    broadcast         my_broadcast(tensor, src)                       in place, rank src's tensor everywhere
     reduce_scatter    my_reduce_scatter(output, input)                rank r gets the sum of chunk r
     ring_all_reduce   my_ring_all_reduce(tensor)                      in place, the sum over ranks
     predict_time      predict_ring_all_reduce(alpha, beta, p, n_bytes)   seconds, by the α-β model
@@ -16,14 +17,124 @@ import dis
 import inspect
 import math
 import random
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from . import costmodel
-from .checks import (Fail, Forbidden, check_number, call_answer, exercise, first_difference, forbidden_references,
+from .. import costmodel
+from .core import (Fail, Forbidden, check_number, call_answer, exercise, first_difference, forbidden_references,
                      progress, require_function, run_on_ranks, watch_comm)
-from .checks import _fmt
+from .core import _fmt, refuse_library
+
+# ----------------------------------------------------------------------------------
+# Exercise "broadcast": build broadcast from point-to-point operations
+
+
+@dataclass(frozen=True)
+class _Trial:
+    src: int
+    dtype: str
+    shape: tuple
+
+
+_BROADCAST_CASES = [("float32", (17,)), ("int64", (1,)), ("float32", (3, 5)), ("int64", (2, 3, 4)),
+                    ("float32", (1,)), ("float32", (1000,))]
+
+
+def _broadcast_trials(seed: int, world_size: int) -> list[_Trial]:
+    """Every src at least once (in random order), every dtype/shape case once."""
+    rng = random.Random(seed * 31 + world_size)
+    sources = list(range(world_size))
+    rng.shuffle(sources)
+    cases = list(_BROADCAST_CASES)
+    rng.shuffle(cases)
+    n = max(world_size, len(cases))
+    return [_Trial(sources[i % world_size], *cases[i % len(cases)]) for i in range(n)]
+
+
+def _broadcast_inputs(seed: int, world_size: int, index: int, trial: _Trial) -> list[torch.Tensor]:
+    """A different random tensor for every rank; every rank can compute all of them."""
+    g = torch.Generator().manual_seed(seed * 1000 + world_size * 100 + index)
+    if trial.dtype == "int64":
+        return [torch.randint(-10**6, 10**6, trial.shape, generator=g) for _ in range(world_size)]
+    return [torch.randn(trial.shape, generator=g) for _ in range(world_size)]
+
+
+def _describe_broadcast(trials):
+    def describe(world_size, i):
+        t = trials[world_size][i]
+        return f"world_size={world_size}, src={t.src}, dtype={t.dtype}, shape={t.shape}"
+    return describe
+
+
+def _broadcast_rank(fn, trials, seed, progress_dir):
+    """Run on every rank: call the student's fn on each trial and check this rank's tensor."""
+    rank, p = dist.get_rank(), dist.get_world_size()
+    name = getattr(fn, "__name__", "your function")
+    with watch_comm("broadcast", "broadcast") as watch:
+        for i, trial in enumerate(trials):
+            progress(progress_dir, i)
+            inputs = _broadcast_inputs(seed, p, i, trial)
+            tensor = inputs[rank].clone()
+            received = watch.receives
+            returned = fn(tensor, trial.src)
+            watch.raise_if_forbidden()
+            expected = inputs[trial.src]
+            if tensor.dtype != expected.dtype or tensor.shape != expected.shape:
+                raise Fail(f"rank {rank}'s tensor changed from {expected.dtype}{tuple(expected.shape)} to "
+                           f"{tensor.dtype}{tuple(tensor.shape)}: write the values into it, keep its dtype "
+                           f"and shape.")
+            diff = first_difference(tensor, expected)
+            if diff is not None:
+                new = isinstance(returned, torch.Tensor) and returned is not tensor
+                if new and returned.shape == expected.shape and torch.equal(returned, expected.to(returned.dtype)):
+                    raise Fail(f"{name} returned the result as a new tensor on rank {rank} but left `tensor` "
+                               f"unchanged: write into `tensor` itself, in place, as torch.distributed.broadcast "
+                               f"does (recv into it, or tensor.copy_(result)).")
+                index, got, want = diff
+                if rank == trial.src:
+                    raise Fail(f"rank {rank} is the src, so its tensor must stay as it was, but it changed at "
+                               f"index {index} (got {_fmt(got)}, expected {_fmt(want)}).")
+                raise Fail(f"rank {rank}'s result differs from the reference (rank {trial.src}'s tensor, the src) "
+                           f"at index {index} (got {_fmt(got)}, expected {_fmt(want)}).")
+            if rank != trial.src and watch.receives == received:
+                raise Fail(f"rank {rank} ended with the right values but received no point-to-point message: "
+                           f"the data must travel with send/recv (pplab.comm or torch.distributed), not another "
+                           f"way.")
+    return True
+
+
+@exercise("broadcast", "Broadcast built from point-to-point messages", answer="my_broadcast",
+          notebook="00_broadcast")
+def check_broadcast(fn, seed: int, timeout: float) -> str:
+    """my_broadcast(tensor, src), called on every rank, leaves every rank's tensor equal to
+    rank src's, in place, using only point-to-point operations."""
+    if not callable(fn):
+        raise Fail(f"pass your function itself: pplab.check('broadcast', my_broadcast), got {type(fn).__name__}.",
+                   seed_matters=False)
+    try:
+        inspect.signature(fn).bind(torch.zeros(1), 0)
+    except TypeError:
+        raise Fail(f"{fn.__name__} must take (tensor, src); yours takes {inspect.signature(fn)}.",
+                   seed_matters=False) from None
+    except ValueError:
+        pass                                             # no signature to inspect (a builtin)
+    reference = forbidden_references(fn, "broadcast", "broadcast")
+    if reference:
+        raise Forbidden(reference)
+    sizes = (2, 3, 4)                                    # 3: not a power of two
+    trials = {p: _broadcast_trials(seed, p) for p in sizes}
+    for p in sizes:
+        run_on_ranks(_broadcast_rank, fn, trials[p], seed, world_size=p, timeout=timeout,
+                     answer=fn, describe=_describe_broadcast(trials))
+    n = sum(len(t) for t in trials.values())
+    return (f"on world sizes {', '.join(map(str, sizes))} ({n} trials with random data: every src, "
+            f"float32 and int64, 1 to 1000 elements, exact match)")
+
+
+# ----------------------------------------------------------------------------------
+# Exercises "reduce_scatter" and "ring_all_reduce": rings from point-to-point messages
 
 # (dtype, shape): p does not divide 13, 2-D, larger, then the edge cases numel < p.
 _CASES = ([("float32", (13,)), ("int64", (3, 5)), ("float32", (1001,)), ("int64", (12,))],
@@ -226,36 +337,6 @@ def check_ring_all_reduce(fn, seed: int, timeout: float) -> str:
 
 # ----------------------------------------------------------------------------------
 # Exercise "predict_time": the α-β model, no ranks
-
-
-def refuse_library(fn, exercise_id: str, what: str, library: dict, shown: str) -> None:
-    """Fail if `fn` (nested functions included) uses the library's own answer: an attribute
-    of that name (`pipeline.bubble_fraction(...)`), or the object under any name."""
-    names = getattr(fn, "__globals__", {})
-    cells = [c.cell_contents for c in getattr(fn, "__closure__", None) or () if _filled(c)]
-    codes, found = [getattr(fn, "__code__", None)], False
-    while codes and not found:
-        code = codes.pop()
-        if code is None:
-            continue
-        codes += [c for c in code.co_consts if inspect.iscode(c)]
-        for ins in dis.get_instructions(code):
-            if ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and ins.argval in library:
-                found = True
-            elif ins.opname in ("LOAD_GLOBAL", "LOAD_NAME") and any(names.get(ins.argval) is v
-                                                                   for v in library.values()):
-                found = True
-    if found or any(c is v for c in cells for v in library.values()):
-        raise Forbidden(f"exercise '{exercise_id}' asks you to work out {what} yourself; you use {shown}, "
-                        f"the library's answer.")
-
-
-def _filled(cell) -> bool:
-    try:
-        cell.cell_contents
-        return True
-    except ValueError:
-        return False
 
 
 _MISTAKES = [       # (what a common slip computes, what to say about it)
