@@ -309,6 +309,8 @@ def ring_attention(q, k, v, group=None, causal: bool = False, layout: str = "con
 
 
 class _GatheredKV(torch.autograd.Function):
+    """The same arithmetic as one ring step, but over every rank's K/V at once."""
+
     @staticmethod
     def forward(ctx, q, k, v, group, causal, layout, scale, will_backward):
         ranks, me, runs = _agree("gathered_kv_attention", group, q, k, v, layout, causal)
@@ -317,43 +319,51 @@ class _GatheredKV(torch.autograd.Function):
             raise ValueError(f"gathered_kv_attention: all-gather needs equal shards; the ranks hold "
                              f"{[sum(b - a for a, b in r) for r in runs]} tokens. Use a sequence length "
                              f"divisible by {p if layout == 'contiguous' else 2 * p}, or ring_attention.")
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
         kv = torch.stack([k, v])                            # one all-gather for both
         full = kv.new_empty((p * 2,) + kv.shape[1:])       # (rank, K or V, ...), flattened for the backend
         trace.hold([k, v, full], "K/V")
         comm.all_gather_into_tensor(full, kv, group=group)
         full = full.unflatten(0, (p, 2))
-        k_all, v_all = (full[:, i].movedim(0, -3).flatten(-3, -2) for i in (0, 1))   # rank order
-        pos = [torch.cat([torch.arange(a, b) for a, b in r]) for r in runs]
-        mask = (pos[me][:, None] >= torch.cat(pos)[None, :]).to(q.device) if causal else None
-        out = _plain_attention(q, k_all, v_all, mask, scale)
+        pos = [torch.cat([torch.arange(a, b, dtype=torch.long) for a, b in r]) for r in runs]
+        mask = (pos[me][:, None] < torch.cat(pos)[None, :]).to(q.device) if causal else None   # hidden keys
+        prob, lse = _gathered_softmax(q, full, mask, scale)
+        out = sum(prob[..., i, :] @ full[i, 1] for i in range(p))
         if will_backward:                                   # the gathered K/V stay until backward
-            ctx.save_for_backward(q, k_all, v_all)
-            ctx.info = (group, p, mask, scale, full)
+            ctx.save_for_backward(q, full, out, lse)
+            ctx.info = (group, mask, scale)
         else:
             trace.release([k, v, full], "K/V")
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k_all, v_all = ctx.saved_tensors
-        group, p, mask, scale, full = ctx.info
-        with torch.enable_grad():
-            q, k_all, v_all = (t.detach().requires_grad_() for t in (q, k_all, v_all))
-            dq, dk_all, dv_all = torch.autograd.grad(_plain_attention(q, k_all, v_all, mask, scale),
-                                                     (q, k_all, v_all), dout)
-        # each rank's share of dK/dV is the sum over every rank's queries: reduce-scatter
-        grads = torch.stack([dk_all, dv_all]).unflatten(-2, (p, -1)).movedim(-3, 0).contiguous()
-        mine = grads.new_empty(grads.shape[1:])
-        comm.reduce_scatter_tensor(mine, grads.flatten(0, 1), group=group)
+        q, full, out, lse = ctx.saved_tensors
+        group, mask, scale = ctx.info
+        prob, _ = _gathered_softmax(q, full, mask, scale, lse)
+        delta = (dout * out).sum(-1, keepdim=True)
+        dq, dfull = torch.zeros_like(q), torch.empty_like(full)
+        for i in range(full.shape[0]):                      # the same rules as ring attention's backward
+            k_i, v_i, p_i = full[i, 0], full[i, 1], prob[..., i, :]
+            dfull[i, 1] = p_i.transpose(-1, -2) @ dout
+            ds = p_i * (dout @ v_i.transpose(-1, -2) - delta)
+            dq += (ds @ k_i) * scale
+            dfull[i, 0] = (ds.transpose(-1, -2) @ q) * scale
+        # each rank's dK/dV is the sum over every rank's queries: reduce-scatter
+        mine = dfull.new_empty(dfull.shape[1:])
+        comm.reduce_scatter_tensor(mine, dfull.flatten(0, 1), group=group)
         trace.release([full, mine[0], mine[1]], "K/V")    # = k, v, full: the holdings of forward
         return dq, mine[0], mine[1], None, None, None, None, None
 
 
-def _plain_attention(q, k, v, mask, scale):
-    s = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+def _gathered_softmax(q, full, mask, scale, lse=None):
+    """Softmax over all S keys, as (..., n_q, p, n_k) probabilities (block i = rank i's keys), and lse."""
+    s = torch.stack([q @ full[i, 0].transpose(-1, -2) for i in range(full.shape[0])], -2) * scale
     if mask is not None:
-        s = s.masked_fill(~mask, -math.inf)
-    return torch.softmax(s, -1) @ v
+        s = s.masked_fill(mask.view(mask.shape[0], full.shape[0], -1), -math.inf)
+    if lse is None:
+        lse = torch.logsumexp(s.flatten(-2), -1)
+    return torch.exp(s - lse[..., None, None]), lse
 
 
 def gathered_kv_attention(q, k, v, group=None, causal: bool = False, layout: str = "contiguous", scale=None):

@@ -3,7 +3,8 @@
 Everything is float64. The reference is a plain softmax(QKᵀ/√d)·V on one process (and torch's
 scaled_dot_product_attention, checked to agree with it); "equal" means max |difference| <=
 TOL = 1e-10 for outputs and for the gradients of q, k and v (measured: ~1e-15). Sequence
-lengths 12 (divides by 1..4 ranks and by 2p for zigzag at p = 2, 3) and 13 (divides by nothing).
+lengths 12 (divides by 1..4 ranks and by 2p for zigzag at p = 2, 3) and 13 (divides by nothing);
+24 for the all-gather baseline, which needs equal shards.
 """
 import math
 
@@ -62,9 +63,9 @@ def all_cases():
             for layout in ("contiguous", "zigzag"):
                 results["ring", seq, causal, layout] = run_one(ring_attention, seq, causal, layout)
             results["ulysses", seq, causal, "contiguous"] = run_one(ulysses_attention, seq, causal, "contiguous")
-            if seq == 12:
-                results["gathered", seq, causal, "contiguous"] = run_one(
-                    gathered_kv_attention, seq, causal, "contiguous")
+    for causal in (False, True):                    # the baseline needs equal shards: 24 = 2·3·4
+        for layout in ("contiguous", "zigzag"):
+            results["gathered", 24, causal, layout] = run_one(gathered_kv_attention, 24, causal, layout)
     return results
 
 
