@@ -11,6 +11,9 @@ from pplab import checks, comm
 from notebook_answers import solution, stub
 from wrong_solutions import WRONG
 from wrong_solutions_chapters import WRONG as WRONG_CHAPTERS
+from wrong_solutions_sequence_parallel import WRONG as WRONG_SEQUENCE_PARALLEL
+
+WRONG_CHAPTERS = {**WRONG_CHAPTERS, **WRONG_SEQUENCE_PARALLEL}
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
