@@ -328,7 +328,7 @@ class _GatheredKV(torch.autograd.Function):
         pos = [torch.cat([torch.arange(a, b, dtype=torch.long) for a, b in r]) for r in runs]
         mask = (pos[me][:, None] < torch.cat(pos)[None, :]).to(q.device) if causal else None   # hidden keys
         prob, lse = _gathered_softmax(q, full, mask, scale)
-        out = sum(prob[..., i, :] @ full[i, 1] for i in range(p))
+        out = sum(prob[..., i, :, :] @ full[i, 1] for i in range(p))
         if will_backward:                                   # the gathered K/V stay until backward
             ctx.save_for_backward(q, full, out, lse)
             ctx.info = (group, mask, scale)
@@ -344,7 +344,7 @@ class _GatheredKV(torch.autograd.Function):
         delta = (dout * out).sum(-1, keepdim=True)
         dq, dfull = torch.zeros_like(q), torch.empty_like(full)
         for i in range(full.shape[0]):                      # the same rules as ring attention's backward
-            k_i, v_i, p_i = full[i, 0], full[i, 1], prob[..., i, :]
+            k_i, v_i, p_i = full[i, 0], full[i, 1], prob[..., i, :, :]
             dfull[i, 1] = p_i.transpose(-1, -2) @ dout
             ds = p_i * (dout @ v_i.transpose(-1, -2) - delta)
             dq += (ds @ k_i) * scale
@@ -357,13 +357,13 @@ class _GatheredKV(torch.autograd.Function):
 
 
 def _gathered_softmax(q, full, mask, scale, lse=None):
-    """Softmax over all S keys, as (..., n_q, p, n_k) probabilities (block i = rank i's keys), and lse."""
-    s = torch.stack([q @ full[i, 0].transpose(-1, -2) for i in range(full.shape[0])], -2) * scale
+    """Softmax over all S keys as (..., p, n_q, n_k) probabilities (block i = rank i's keys), and lse."""
+    s = torch.stack([q @ full[i, 0].transpose(-1, -2) for i in range(full.shape[0])], -3) * scale
     if mask is not None:
-        s = s.masked_fill(mask.view(mask.shape[0], full.shape[0], -1), -math.inf)
+        s = s.masked_fill(mask.view(mask.shape[0], full.shape[0], -1).transpose(0, 1), -math.inf)
     if lse is None:
-        lse = torch.logsumexp(s.flatten(-2), -1)
-    return torch.exp(s - lse[..., None, None]), lse
+        lse = torch.logsumexp(s, (-3, -1))
+    return torch.exp(s - lse[..., None, :, None]), lse
 
 
 def gathered_kv_attention(q, k, v, group=None, causal: bool = False, layout: str = "contiguous", scale=None):
