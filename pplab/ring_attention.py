@@ -32,7 +32,8 @@ The zigzag layout cuts the sequence into 2p chunks and gives rank r chunks r and
 Blocks or halves that the mask hides entirely are skipped, not computed and masked.
 
 Bytes per rank (N_kv = one rank's K block in bytes, equal shards): forward sends K and V
-p-1 times: 2(p-1)·N_kv. Backward sends K and V p-1 times and dK, dV p times: (4p-2)·N_kv.
+p-1 times: 2(p-1)·N_kv. Backward sends K and V p-1 times and dK, dV p times: (4p-2)·N_kv
+(dK, dV travel in float32 when the inputs are half or bfloat16: they are sums).
 
 The trace shows each block's compute as "F<j>" / "B<j>" (j: the rank whose K/V block it
 is) and the K/V held by this rank as memory events labelled "K/V".
@@ -68,6 +69,11 @@ def pieces(seq_len: int, p: int, layout: str = "contiguous") -> list[list[tuple[
         bounds.append(bounds[-1] + n)
     run = [(bounds[c], bounds[c + 1]) for c in range(chunks)]
     return [[run[r]] if layout == "contiguous" else [run[r], run[2 * p - 1 - r]] for r in range(p)]
+
+
+def _length(runs) -> int:
+    """How many tokens a rank's runs hold."""
+    return sum(b - a for a, b in runs)
 
 
 def shard_sequence(x: torch.Tensor, group=None, layout: str = "contiguous", dim: int = -2) -> torch.Tensor:
@@ -124,7 +130,7 @@ def _agree(name, group, q, k, v, layout, causal):
                          f"head_dim, v's head_dim): {listing}; every rank must pass the same")
     lengths = [d["n"] for d in everyone]
     runs = pieces(sum(lengths), len(ranks), layout)
-    expected = [sum(b - a for a, b in r) for r in runs]
+    expected = [_length(r) for r in runs]
     if lengths != expected:
         raise ValueError(
             f"{name}: the ranks hold {lengths} tokens, but a {layout} layout of {sum(lengths)} tokens "
@@ -154,7 +160,7 @@ def _pairs(q_runs, k_runs, causal):
     Runs are disjoint ranges of global positions, so under `causal` a pair of runs is either
     all visible (keys before queries), all hidden (skipped), or the same run (mask a triangle).
     """
-    nq, nk = sum(b - a for a, b in q_runs), sum(b - a for a, b in k_runs)
+    nq, nk = _length(q_runs), _length(k_runs)
     if not causal:
         return [(slice(0, nq), slice(0, nk), False)] if nq and nk else []
     out, qo = [], 0
@@ -220,7 +226,7 @@ class _RingAttention(torch.autograd.Function):
             j = (me - s) % p                                # whose K/V block we hold now
             handles, nxt = [], None
             if s < p - 1:                                   # pass it on while we compute with it
-                n_next = sum(b - a for a, b in runs[(j - 1) % p])
+                n_next = _length(runs[(j - 1) % p])
                 nxt = (k.new_empty(k.shape[:-2] + (n_next, k.shape[-1])),
                        v.new_empty(v.shape[:-2] + (n_next, v.shape[-1])))
                 trace.hold(list(nxt), "K/V")
@@ -258,7 +264,7 @@ class _RingAttention(torch.autograd.Function):
             j = (me - s) % p
             handles, nxt = [], None
             if s < p - 1:
-                n_next = sum(b - a for a, b in runs[(j - 1) % p])
+                n_next = _length(runs[(j - 1) % p])
                 nxt = (k.new_empty(k.shape[:-2] + (n_next, k.shape[-1])),
                        v.new_empty(v.shape[:-2] + (n_next, v.shape[-1])))
                 handles = _post([k_cur, v_cur], nxt, right, left, group)
@@ -268,7 +274,8 @@ class _RingAttention(torch.autograd.Function):
             if todo:
                 with trace.span("B", microbatch=j, block=j, scores=_count(todo)):
                     for qs, ks, diagonal in todo:
-                        kb, vb, qb, dob = _rows(k_cur, ks).to(acc), _rows(v_cur, ks).to(acc), _rows(qa, qs), _rows(do, qs)
+                        kb, vb = _rows(k_cur, ks).to(acc), _rows(v_cur, ks).to(acc)
+                        qb, dob = _rows(qa, qs), _rows(do, qs)
                         prob = torch.exp(_scores(qb, kb, scale, diagonal) - lse[..., qs, None])
                         dv[..., ks, :] += prob.transpose(-1, -2) @ dob
                         ds = prob * (dob @ vb.transpose(-1, -2) - delta[..., qs, None])
@@ -279,7 +286,7 @@ class _RingAttention(torch.autograd.Function):
                 dk += arriving[0]
                 dv += arriving[1]
             if p > 1:                                       # on to the right; take block j-1's from the left
-                n_in = sum(b - a for a, b in runs[(j - 1) % p])
+                n_in = _length(runs[(j - 1) % p])
                 arriving = (torch.empty(k.shape[:-2] + (n_in, k.shape[-1]), dtype=acc, device=k.device),
                             torch.empty(v.shape[:-2] + (n_in, v.shape[-1]), dtype=acc, device=v.device))
                 dkv_handles = _post([dk, dv], arriving, right, left, group)
@@ -315,9 +322,9 @@ class _GatheredKV(torch.autograd.Function):
     def forward(ctx, q, k, v, group, causal, layout, scale, will_backward):
         ranks, me, runs = _agree("gathered_kv_attention", group, q, k, v, layout, causal)
         p = len(ranks)
-        if len({sum(b - a for a, b in r) for r in runs}) > 1:
+        if len({_length(r) for r in runs}) > 1:
             raise ValueError(f"gathered_kv_attention: all-gather needs equal shards; the ranks hold "
-                             f"{[sum(b - a for a, b in r) for r in runs]} tokens. Use a sequence length "
+                             f"{[_length(r) for r in runs]} tokens. Use a sequence length "
                              f"divisible by {p if layout == 'contiguous' else 2 * p}, or ring_attention.")
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         kv = torch.stack([k, v])                            # one all-gather for both
