@@ -7,7 +7,10 @@ backward of attention over a sequence of S tokens sharded over the ranks (S/p ea
             overlapped with each block's compute; dK/dV travel back round it;
 * gathered: `gathered_kv_attention`: all-gather K and V (the backend's all-gather), attend
             to the whole sequence, reduce-scatter dK/dV;
-* Ulysses:  `pplab.sequence_parallel.ulysses_attention` for comparison (all-to-all by heads).
+* gathered K/V + torch SDPA: the same all-gather (chapter 3's, reduce-scatter in backward),
+            then torch's own fused attention kernel: what the plain-arithmetic versions give up;
+* Ulysses:  `pplab.sequence_parallel.ulysses_attention` for comparison (all-to-all by heads,
+            then torch's attention kernel).
 
 Every rank starts each step after a barrier; a step's time is the slowest rank's. After
 warm-up the methods take turns step by step, so drift in the machine's load hits them
@@ -27,11 +30,25 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import pplab
 from pplab import trace
-from pplab.ring_attention import gathered_kv_attention, ring_attention, shard_sequence
+from pplab.ring_attention import gathered_kv_attention, pieces, ring_attention, shard_sequence
 from pplab.sequence_parallel import ulysses_attention
+from pplab.tensor_parallel import gather_from_sequence_parallel
+
+
+def gathered_sdpa(q, k, v, causal=False, layout="contiguous"):
+    """All-gather K and V along the sequence (chapter 3's operator: reduce-scatter in backward),
+    then torch's scaled_dot_product_attention with the causal mask of this layout's positions."""
+    p, r = dist.get_world_size(), dist.get_rank()
+    k_all, v_all = (gather_from_sequence_parallel(t, dim=-2) for t in (k, v))
+    mask = None
+    if causal:
+        pos = [torch.cat([torch.arange(a, b) for a, b in runs]) for runs in pieces(q.shape[-2] * p, p, layout)]
+        mask = pos[r][:, None] >= torch.cat(pos)[None, :]
+    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
 
 
 def timed_step(fn, q, k, v, do, **kw):
@@ -52,7 +69,8 @@ def bench(seq, heads, head_dim, steps, warmup, causal):
     q, k, v, do = (shard_sequence(t, None, layout) for t in (Q, K, V, dO))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     methods = {"gathered K/V": (gathered_kv_attention, {"layout": layout}),
-               "ring": (ring_attention, {"layout": layout})}
+               "ring": (ring_attention, {"layout": layout}),
+               "gathered + SDPA": (gathered_sdpa, {"layout": layout})}
     if heads % dist.get_world_size() == 0 and not causal:
         methods["Ulysses"] = (ulysses_attention, {})
     times = {name: [] for name in methods}
@@ -98,25 +116,27 @@ def main():
         times, peaks, n_kv = res[0]
         formula = {"gathered K/V": (p + 1) * n_kv, "ring": min(3, p) * n_kv}
         print(f"{'causal, zigzag' if causal else 'non-causal, contiguous'}:")
-        print(f"  {'':14} {'step ms':>9} {'vs gathered':>11} {'K/V MiB/rank':>13} {'formula MiB':>11} {'vs gathered':>11}")
+        print(f"  {'':16} {'step ms':>9} {'vs gathered':>11} {'K/V MiB/rank':>13} {'formula MiB':>11} "
+              f"{'vs gathered':>11}")
         base_t, base_m = times["gathered K/V"], peaks["gathered K/V"]
         for name, t in times.items():
             m = peaks[name]
             f = f"{formula[name] / 2**20:>11.2f}" if name in formula else f"{'':>11}"
             mem = f"{m / 2**20:>13.2f} {f} {m / base_m:>10.2f}x" if name in formula else f"{'':>13} {f} {'':>11}"
-            print(f"  {name:14} {t * 1e3:>9.1f} {t / base_t:>10.2f}x {mem}")
+            print(f"  {name:16} {t * 1e3:>9.1f} {t / base_t:>10.2f}x {mem}")
         for name in formula:                              # the trace's count must be the closed form
             assert peaks[name] == formula[name], (name, peaks[name], formula[name])
         print()
     if a.memory_ranks:
         print(f"K/V memory per rank as the ranks grow (S = {a.seq}, causal zigzag, one step):")
-        print(f"  {'ranks':>5} {'gathered MiB':>12} {'ring MiB':>9} {'ring/gathered':>13} {'min(3,p)/(p+1)':>14} {'1/p':>6}")
+        print(f"  {'ranks':>5} {'gathered MiB':>12} {'ring MiB':>9} {'ring/gathered':>13} {'min(3,p)/(p+1)':>14} "
+              f"{'1/p':>6}")
         for r in a.memory_ranks:
             peaks = pplab.launch(kv_peaks, a.seq, a.heads, a.head_dim, world_size=r, backend="gloo",
                                  timeout=1800)[0]
             g, ring = peaks["gathered K/V"], peaks["ring"]
-            print(f"  {r:>5} {g / 2**20:>12.2f} {ring / 2**20:>9.2f} {ring / g:>13.2f} {min(3, r) / (r + 1):>14.2f} "
-                  f"{1 / r:>6.2f}")
+            print(f"  {r:>5} {g / 2**20:>12.2f} {ring / 2**20:>9.2f} {ring / g:>13.2f} "
+                  f"{min(3, r) / (r + 1):>14.2f} {1 / r:>6.2f}")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,15 @@
-"""Ring attention and Ulysses against single-process attention; bytes and memory against closed forms.
+"""Ring attention, Ulysses and Megatron SP against one process; bytes and memory against closed forms.
 
 Everything is float64. The reference is a plain softmax(QKᵀ/√d)·V on one process (and torch's
 scaled_dot_product_attention, checked to agree with it); "equal" means max |difference| <=
 TOL = 1e-10 for outputs and for the gradients of q, k and v (measured: ~1e-15). Sequence
 lengths 12 (divides by 1..4 ranks and by 2p for zigzag at p = 2, 3) and 13 (divides by nothing);
 24 for the all-gather baseline, which needs equal shards.
+
+Megatron SP: MegatronBlock (chapter 3's layers, sequence parallel or not) trained 3 SGD steps
+equals chapter 3's dense TransformerBlock trained on one process (float64, TOL); the bytes
+autograd keeps equal Korthikanti et al.'s formula exactly (bf16) plus LayerNorm's statistics,
+which the formula leaves out; bytes per rank from the trace equal closed forms.
 """
 import math
 
@@ -17,7 +22,9 @@ import pplab
 from pplab import trace
 from pplab.ring_attention import gathered_kv_attention, merge, pieces, ring_attention, shard_sequence, \
     unshard_sequence
-from pplab.sequence_parallel import heads_to_seq, seq_to_heads, ulysses_attention
+from pplab.sequence_parallel import MegatronBlock, activation_bytes_formula, heads_to_seq, ring_collectives, \
+    saved_activations, seq_to_heads, ulysses_attention
+from pplab.tensor_parallel_transformer import TransformerBlock
 
 TOL = 1e-10
 B, H, D = 2, 12, 4                 # 12 heads divide by 1, 2, 3 and 4 ranks
@@ -288,3 +295,135 @@ def test_bad_input_is_a_clear_error_on_every_rank(case, message):
     text = str(info.value)
     assert message in text, text
     assert "rank 0 raised ValueError" in text and "rank 1 raised ValueError" in text, text
+
+
+# ----------------------------------------------------------------------------------
+# Megatron sequence parallelism: chapter 3's block with the sequence cut between its halves
+
+
+def dense_block(h=16, a=4, dtype=torch.float64):
+    torch.manual_seed(0)
+    return TransformerBlock(h, a, 4 * h).to(dtype)
+
+
+def block_data(s=12, b=2, h=16):
+    g = torch.Generator().manual_seed(5)
+    return torch.randn(s, b, h, generator=g, dtype=torch.float64), torch.randn(s, b, h, generator=g,
+                                                                              dtype=torch.float64)
+
+
+def megatron_train(sequence_parallel, steps, group=None):
+    block = MegatronBlock.from_dense(dense_block(), sequence_parallel=sequence_parallel, group=group)
+    opt = torch.optim.SGD(block.parameters(), lr=0.1)
+    X, Y = block_data()
+    x, y = (shard_sequence(X, group, dim=0), shard_sequence(Y, group, dim=0)) if sequence_parallel else (X, Y)
+    grads = None
+    for step in range(steps):
+        opt.zero_grad()
+        x_in = x.clone().requires_grad_()
+        (((block(x_in) - y) ** 2).sum() / Y.numel()).backward()      # my tokens' share of the global mean
+        if step == 0:
+            grads = x_in.grad
+        opt.step()
+    return block(x).detach(), grads
+
+
+def single_process_training(steps):
+    block, (X, Y) = dense_block(), block_data()
+    opt = torch.optim.SGD(block.parameters(), lr=0.1)
+    grads = None
+    for step in range(steps):
+        opt.zero_grad()
+        x_in = X.clone().requires_grad_()
+        F.mse_loss(block(x_in), Y).backward()
+        if step == 0:
+            grads = x_in.grad
+        opt.step()
+    return block(X).detach(), grads
+
+
+@pytest.mark.parametrize("p", [1, 2, 4])
+def test_megatron_sp_trains_like_one_process(p):
+    """3 SGD steps of chapter 3's dense block on one process = TP and TP + SP on p ranks (outputs
+    after training, and the input gradient of the first step), to TOL."""
+    want_out, want_grad = single_process_training(3)
+    assert (want_out - dense_block()(block_data()[0])).abs().max() > 1e-3          # training moved it
+    for sp in (True, False):
+        res = pplab.launch(megatron_train, sp, 3, world_size=p)
+        out = torch.cat([r[0] for r in res]) if sp else res[0][0]
+        grad = torch.cat([r[1] for r in res]) if sp else res[0][1]
+        assert (out - want_out).abs().max().item() <= TOL, (p, sp)
+        assert (grad - want_grad).abs().max().item() <= TOL, (p, sp)
+
+
+def megatron_on_subgroups():
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    return megatron_train(True, 2, group=groups[pplab.comm.rank() % 2])
+
+
+def test_megatron_sp_on_two_subgroups_of_four_ranks():
+    want_out, want_grad = single_process_training(2)
+    res = pplab.launch(megatron_on_subgroups, world_size=4)
+    for members in ([0, 2], [1, 3]):
+        assert (torch.cat([res[r][0] for r in members]) - want_out).abs().max().item() <= TOL
+        assert (torch.cat([res[r][1] for r in members]) - want_grad).abs().max().item() <= TOL
+
+
+S_M, B_M, H_M, A_M = 32, 2, 32, 4
+
+
+def layer_memory(sequence_parallel, keep_input_shard):
+    block = MegatronBlock.from_dense(dense_block(H_M, A_M, torch.bfloat16), dropout=0.1,
+                                     sequence_parallel=sequence_parallel, keep_input_shard=keep_input_shard)
+    x = torch.randn(S_M, B_M, H_M, dtype=torch.bfloat16)
+    x = (shard_sequence(x, dim=0) if sequence_parallel else x).requires_grad_()
+    with saved_activations(block.parameters()) as saved:
+        y = block(x)
+    y.float().sum().backward()
+    return saved.bytes
+
+
+@pytest.mark.parametrize("t", [1, 2, 4])
+def test_activation_memory_is_korthikanti_formula(t):
+    """Bytes autograd keeps for backward = s·b·h·(34 + 5as/h) / t with TP + SP, and
+    s·b·h·(10 + 24/t + 5as/(ht)) with TP alone (bf16, 1-byte dropout masks), plus what the
+    formula leaves out: LayerNorm's mean and 1/std, 2 numbers (2 bytes each) per token, 2 LayerNorms."""
+    for sp in (True, False):
+        ln_stats = 2 * 2 * 2 * S_M * B_M // (t if sp else 1)
+        want = activation_bytes_formula(S_M, B_M, H_M, A_M, t, sp) + ln_stats
+        assert pplab.launch(layer_memory, sp, True, world_size=t) == [want] * t, (t, sp)
+    # chapter 3's column layer keeps the gathered input, [s, b, h], instead of this rank's shard
+    keeps_gathered = pplab.launch(layer_memory, True, False, world_size=t)[0]
+    assert keeps_gathered - activation_bytes_formula(S_M, B_M, H_M, A_M, t) - 2 * 2 * 2 * S_M * B_M // t == \
+        2 * 2 * S_M * B_M * H_M * (1 - 1 / t)
+
+
+def megatron_bytes(sequence_parallel):
+    block = MegatronBlock.from_dense(dense_block(H_M, A_M, torch.float32), sequence_parallel=sequence_parallel)
+    x = torch.randn(S_M, B_M, H_M)
+    trace.reset(pplab.comm.rank())
+    with ring_collectives():
+        block(shard_sequence(x, dim=0) if sequence_parallel else x).sum().backward()
+    return sum(e.bytes_sent for e in trace.events())
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_megatron_bytes_per_rank(t):
+    """From the trace (collectives run as traced rings): TP sends 4 all-reduces of A = s·b·h·4 bytes;
+    TP + SP the same forward as 2 all-gathers + 2 reduce-scatters, and backward 2 all-gathers more
+    (it re-gathers what it did not keep), plus 6 all-reduces of h gradients (LayerNorms, row biases)."""
+    A = S_M * B_M * H_M * 4
+    assert pplab.launch(megatron_bytes, False, world_size=t) == [8 * (t - 1) * A // t] * t
+    assert pplab.launch(megatron_bytes, True, world_size=t) == [(10 * (t - 1) * A + 12 * (t - 1) * H_M * 4) // t] * t
+
+
+def uneven_megatron():
+    block = MegatronBlock.from_dense(dense_block())
+    block(shard_sequence(block_data(s=13)[0], dim=0))
+
+
+def test_megatron_sp_refuses_a_sequence_that_does_not_divide():
+    with pytest.raises(pplab.LaunchError) as info:
+        pplab.launch(uneven_megatron, world_size=2, timeout=30)
+    assert "the ranks hold [7, 6] tokens" in str(info.value) and "divisible by 2" in str(info.value)
+    assert "rank 1 raised ValueError" in str(info.value)
