@@ -104,7 +104,7 @@ def _ulysses_setup(name, group, q, k, v, causal=False):
     heads, p = q.shape[-3], len(ranks)
     if heads % p:
         raise ValueError(f"{name}: {heads} heads cannot be split over {p} ranks: Ulysses gives every rank "
-                         f"{heads}/{p} whole heads. Use a group whose size divides {heads} "
+                         f"the same number of whole heads. Use a group whose size divides {heads} "
                          f"({', '.join(str(d) for d in range(1, heads + 1) if heads % d == 0)}), "
                          f"or ring_attention, which has no such limit.")
     return [b - a for (a, b), in runs], ranks, me
