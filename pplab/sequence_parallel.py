@@ -1,0 +1,305 @@
+"""Sequence parallelism: cut the sequence over ranks, because activations grow with it.
+
+Three ways, all taking `group=` (None = every rank) so they can sit inside a larger mesh:
+
+* **Ring attention** (`pplab.ring_attention`, re-exported here): K/V blocks go round a
+  ring of point-to-point sends, partial results merged by the online-softmax rule.
+* **DeepSpeed-Ulysses** (`ulysses_attention`): q, k, v arrive sharded by sequence. One
+  all-to-all re-cuts them by heads: every rank then holds the *whole* sequence for H/p
+  of the heads, runs ordinary attention on them, and a second all-to-all cuts the output
+  back by sequence. Heads are independent, so nothing else needs to talk.
+* **Megatron sequence parallelism** (`MegatronBlock`): on top of tensor parallelism, built
+  from chapter 3's layers, the parts of a transformer layer that TP replicates (LayerNorm,
+  dropout, residual adds) run on a sequence shard, and TP's all-reduce splits into its two
+  halves: an all-gather of the sequence before the column-parallel layer, a reduce-scatter
+  after the row-parallel one.
+
+Ulysses' all-to-all, for p ranks, H heads, local tokens n_r (any split of the sequence:
+the pieces may differ in size), tensor layout (..., heads, seq, head_dim):
+
+    rank r holds (..., H, n_r, d)  --all-to-all-->  (..., H/p, S, d): heads r·H/p .. (r+1)·H/p - 1
+
+Each rank sends (p-1)/p of its tensor per all-to-all (pairwise exchange built from traced
+sends, `pplab.collectives`). Forward moves q, k, v in (one message per peer) and the
+output back: 4·(p-1)/p·N bytes per rank, N = one rank's q in bytes. Backward the same.
+
+Megatron SP's memory is Korthikanti et al.'s s·b·h·(34 + 5·a·s/h)/t bytes per layer
+(`activation_bytes_formula`; `saved_activations` measures what autograd really keeps).
+Its forward sends what TP's two all-reduces send (all-gather + reduce-scatter = all-reduce);
+backward adds one all-gather per column layer, which re-gathers the input it did not keep.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from . import comm, trace
+from .collectives import _pairwise_all_to_all
+from .ring_attention import _agree, gathered_kv_attention, merge, pieces, ring_attention, shard_sequence, \
+    unshard_sequence
+from .tensor_parallel import _all_gather, _reduce_scatter, copy_to_parallel
+from .tensor_parallel_transformer import ParallelMLP, ParallelSelfAttention, TransformerBlock
+
+__all__ = ["ulysses_attention", "ring_attention", "gathered_kv_attention", "merge", "pieces",
+           "shard_sequence", "unshard_sequence", "seq_to_heads", "heads_to_seq", "MegatronBlock",
+           "activation_bytes_formula", "saved_activations", "ring_collectives"]
+
+
+# ----------------------------------------------------------------------------------
+# Ulysses: two all-to-alls around ordinary attention.
+
+
+def _seq_to_heads(x, lengths, ranks, me, group):
+    """(..., H, n_me, d) -> (..., H/p, S, d): send heads block j to rank j, stack what comes back by position."""
+    h = x.shape[-3] // len(ranks)
+    ins = [x[..., j * h:(j + 1) * h, :, :].contiguous() for j in range(len(ranks))]
+    outs = [x.new_empty(x.shape[:-3] + (h, n, x.shape[-1])) for n in lengths]
+    _pairwise_all_to_all(outs, ins, ranks, me, group)
+    return torch.cat(outs, -2)
+
+
+def _heads_to_seq(y, lengths, ranks, me, group):
+    """(..., H/p, S, d) -> (..., H, n_me, d): the inverse: tokens of rank i go back to rank i."""
+    ins = [t.contiguous() for t in y.split(lengths, -2)]
+    outs = [y.new_empty(y.shape[:-2] + (lengths[me], y.shape[-1])) for _ in ranks]
+    _pairwise_all_to_all(outs, ins, ranks, me, group)
+    return torch.cat(outs, -3)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    """Forward: sequence-sharded -> head-sharded. Backward: the gradient takes the way back."""
+
+    @staticmethod
+    def forward(ctx, x, lengths, ranks, me, group):
+        ctx.args = (lengths, ranks, me, group)
+        return _seq_to_heads(x, *ctx.args)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _heads_to_seq(g, *ctx.args), None, None, None, None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, lengths, ranks, me, group):
+        ctx.args = (lengths, ranks, me, group)
+        return _heads_to_seq(y, *ctx.args)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _seq_to_heads(g, *ctx.args), None, None, None, None
+
+
+def _ulysses_setup(name, group, q, k, v, causal=False):
+    """Check the call (every rank raises the same error); return every rank's token count, ranks, my index."""
+    ranks, me, runs = _agree(name, group, q, k, v, "contiguous", causal)
+    if q.dim() < 3 or v.shape != q.shape:
+        raise ValueError(f"{name}: q, k, v must be (..., heads, seq, head_dim) and of one shape, "
+                         f"got {list(q.shape)}, {list(k.shape)}, {list(v.shape)}")
+    heads, p = q.shape[-3], len(ranks)
+    if heads % p:
+        raise ValueError(f"{name}: {heads} heads cannot be split over {p} ranks: Ulysses gives every rank "
+                         f"the same number of whole heads. Use a group whose size divides {heads} "
+                         f"({', '.join(str(d) for d in range(1, heads + 1) if heads % d == 0)}), "
+                         f"or ring_attention, which has no such limit.")
+    return [b - a for (a, b), in runs], ranks, me
+
+
+def seq_to_heads(x, group=None):
+    """Re-cut this rank's (..., H, n_r, d) sequence shard into (..., H/p, S, d): all heads' tokens, my heads."""
+    return _SeqToHeads.apply(x, *_ulysses_setup("seq_to_heads", group, x, x, x), group)
+
+
+def heads_to_seq(y, lengths, group=None):
+    """The inverse of seq_to_heads; `lengths` = every rank's number of tokens n_r, in rank order."""
+    ranks, me, _ = _agree("heads_to_seq", group, y, y, y, "contiguous", False)
+    return _HeadsToSeq.apply(y, list(lengths), ranks, me, group)
+
+
+def ulysses_attention(q, k, v, group=None, causal: bool = False, scale=None):
+    """DeepSpeed-Ulysses: exact attention over the whole sequence, sharded by sequence.
+
+    q, k, v: this rank's tokens, (..., heads, n_r, head_dim), cut contiguously
+    (`shard_sequence(x, group)`; n_r may differ by one). The number of heads must divide
+    by the group size. Returns this rank's rows of softmax(q·kᵀ·scale)·v, differentiable.
+    """
+    lengths, ranks, me = _ulysses_setup("ulysses_attention", group, q, k, v, causal)
+    qkv = _SeqToHeads.apply(torch.stack([q, k, v]), lengths, ranks, me, group)   # one exchange for all three
+    with trace.span("F", label="attn", heads=q.shape[-3] // len(ranks)):
+        out = F.scaled_dot_product_attention(*qkv.unbind(0), is_causal=causal, scale=scale)
+    return _HeadsToSeq.apply(out, lengths, ranks, me, group)
+
+
+# ----------------------------------------------------------------------------------
+# Megatron sequence parallelism: chapter 3's tensor-parallel block, the sequence cut in between.
+
+
+class _ColumnKeepingShard(torch.autograd.Function):
+    """A column-parallel linear on the all-gathered sequence that keeps only this rank's
+    shard of its input for backward and all-gathers it again there (Korthikanti et al.):
+    s/t·b·h saved instead of s·b·h, for one more all-gather in backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.has_bias = group, bias is not None
+        return F.linear(_all_gather(x, 0, group), weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        x_full = _all_gather(x, 0, ctx.group)              # again: forward did not keep it
+        dw = dy.flatten(0, -2).T @ x_full.flatten(0, -2)
+        db = dy.flatten(0, -2).sum(0) if ctx.has_bias else None
+        dx = _reduce_scatter(dy @ weight, 0, ctx.group)    # every rank's part of dL/dx, summed; my tokens
+        return dx, dw, db, None
+
+
+def _dropout(x, p, training):
+    # native_dropout keeps a 1-byte mask for backward (as on GPUs); F.dropout on CPU keeps a full-size one
+    return torch.native_dropout(x, p, True)[0] if training and p > 0 else x
+
+
+def _attention_core(qkv, heads, dropout, training):
+    """Causal attention of [s, b, 3·heads·d] -> [s, b, heads·d], laid out as chapter 3's, but
+    unfused: the s x s scores are materialised and kept, as Korthikanti et al. count them."""
+    s, b, _ = qkv.shape
+    q, k, v = qkv.view(s, b, 3, heads, -1).permute(2, 1, 3, 0, 4)            # each [b, heads, s, d]
+    causal = torch.full((s, s), -math.inf, dtype=qkv.dtype, device=qkv.device).triu(1)   # added: saves nothing
+    probs = torch.softmax(q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5 + causal, -1)
+    return (_dropout(probs, dropout, training) @ v).permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+class MegatronBlock(nn.Module):
+    """Chapter 3's tensor-parallel transformer block (pre-LayerNorm), with dropout, and with
+    Megatron sequence parallelism unless sequence_parallel=False.
+
+    With sequence parallelism x and y are [s/t, b, h]: this rank's contiguous slice of the
+    sequence (s must divide by t). LayerNorm, dropout and the residual adds run on that slice
+    only; the column layers all-gather the sequence, the row layers reduce-scatter it.
+    LayerNorm's weights then see only this rank's tokens, so their gradients are summed over
+    the group (chapter 3's f operator). keep_input_shard=True saves only the shard of the
+    column layers' input (all-gathered again in backward); False keeps the gathered input, as
+    chapter 3's ColumnParallelLinear does. Without sequence parallelism x and y are [s, b, h]
+    on every rank and everything outside attention and MLP is replicated (chapter 3's block).
+    """
+
+    def __init__(self, hidden, heads, ffn, dropout=0.0, sequence_parallel=True, keep_input_shard=True,
+                 group=None):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.attn = ParallelSelfAttention(hidden, heads, sequence_parallel, group)
+        self.mlp = ParallelMLP(hidden, ffn, sequence_parallel, group)
+        self.dropout, self.sp, self.keep_shard, self.group = dropout, sequence_parallel, keep_input_shard, group
+        self._checked = set()
+
+    @classmethod
+    def from_dense(cls, block: TransformerBlock, dropout=0.0, sequence_parallel=True, keep_input_shard=True,
+                   group=None):
+        """This rank's part of chapter 3's dense TransformerBlock: its heads, its ffn slice."""
+        m = cls(block.attn.proj.in_features, block.attn.heads, block.mlp.fc1.out_features, dropout,
+                sequence_parallel, keep_input_shard, group).to(block.ln1.weight.dtype)
+        m.ln1.load_state_dict(block.ln1.state_dict())
+        m.ln2.load_state_dict(block.ln2.state_dict())
+        m.attn = ParallelSelfAttention.from_dense(block.attn, sequence_parallel, group)
+        m.mlp = ParallelMLP.from_dense(block.mlp, sequence_parallel, group)
+        return m
+
+    def _norm(self, ln, x):
+        if not self.sp:
+            return ln(x)
+        w, b = (copy_to_parallel(t, self.group) for t in (ln.weight, ln.bias))   # grads summed over ranks
+        return F.layer_norm(x, ln.normalized_shape, w, b, ln.eps)
+
+    def _column(self, layer, x):
+        if self.sp and self.keep_shard:
+            return _ColumnKeepingShard.apply(x, layer.weight, layer.bias, self.group)
+        return layer(x)
+
+    def _check(self, x):
+        """Once per input shape: every rank of the group holds the same number of tokens (untraced)."""
+        if x.dim() != 3:
+            raise ValueError(f"MegatronBlock takes [s, b, h], got shape {list(x.shape)}")
+        if x.shape in self._checked or comm.world_size(self.group) == 1:
+            return
+        shapes = [None] * comm.world_size(self.group)
+        with trace.paused():
+            dist.all_gather_object(shapes, tuple(x.shape), group=self.group)
+        if len(set(shapes)) > 1:
+            lengths = [sh[0] for sh in shapes]
+            raise ValueError(f"MegatronBlock: the ranks hold {lengths} tokens ([s/t, b, h] shapes {shapes}): "
+                             f"sequence parallelism needs the same s/t on every rank, so use a sequence "
+                             f"length divisible by {len(shapes)} (here {sum(lengths)} is not)")
+        self._checked.add(x.shape)
+
+    def forward(self, x):
+        if self.sp:
+            self._check(x)
+        a = self._column(self.attn.qkv, self._norm(self.ln1, x))             # SP: all-gather the sequence
+        a = self.attn.proj(_attention_core(a, self.attn.local_heads, self.dropout, self.training))  # SP: reduce-scatter
+        x = x + _dropout(a, self.dropout, self.training)
+        m = self.mlp.fc2(F.gelu(self._column(self.mlp.fc1, self._norm(self.ln2, x))))
+        return x + _dropout(m, self.dropout, self.training)
+
+
+def activation_bytes_formula(s, b, h, a, t=1, sequence_parallel=True):
+    """Korthikanti et al.'s activation bytes of one layer (16-bit activations, 1-byte dropout masks).
+
+    No parallelism: s·b·h·(34 + 5·a·s/h). Tensor parallel over t: s·b·h·(10 + 24/t + 5·a·s/(h·t)).
+    Tensor + sequence parallel: s·b·h·(34 + 5·a·s/h)/t."""
+    if sequence_parallel or t == 1:
+        return s * b * h * (34 + 5 * a * s / h) / t
+    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+
+
+class saved_activations:
+    """Count the bytes autograd keeps for backward inside the block: each storage once,
+    `exclude`d tensors (the parameters) left out.
+
+        with saved_activations(model.parameters()) as saved:
+            loss = model(x).sum()
+        saved.bytes
+    """
+
+    def __init__(self, exclude=()):
+        self.skip = {t.untyped_storage().data_ptr() for t in exclude}
+        self.storages, self.bytes = set(), 0
+
+    def _pack(self, t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in self.skip and ptr not in self.storages:
+            self.storages.add(ptr)
+            self.bytes += t.untyped_storage().nbytes()
+        return t
+
+    def __enter__(self):
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+
+
+@contextlib.contextmanager
+def ring_collectives():
+    """Inside this block, pplab.comm's all-gather, reduce-scatter and all-reduce (which forward to
+    the backend, so the trace sees only their payload) run as pplab.collectives' rings built from
+    traced sends: the trace then counts every byte each rank puts on the wire."""
+    from . import collectives, comm
+    saved = {name: getattr(comm, name) for name in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")}
+    comm.all_gather_into_tensor = lambda out, x, group=None, async_op=False: collectives.all_gather_into_tensor(
+        out, x, group=group)
+    comm.reduce_scatter_tensor = lambda out, x, op="sum", group=None, async_op=False: \
+        collectives.reduce_scatter_tensor(out, x, op=op, group=group)
+    comm.all_reduce = lambda t, op="sum", group=None, async_op=False: collectives.all_reduce(t, op, group=group)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(comm, name, fn)

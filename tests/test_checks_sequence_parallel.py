@@ -1,0 +1,92 @@
+"""The exercises of chapter 5: registered, each solution notebook checks its own exercise, and
+other correct answers pass too (the checks ask for a result, not one way to write it).
+Every solution passing, every stub failing and every wrong answer of
+wrong_solutions_sequence_parallel.py failing with its message: tests/test_checks.py runs those."""
+import math
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pplab import checks, comm
+from pplab.ring_attention import merge
+from notebook_answers import solution_notebook
+from wrong_solutions_sequence_parallel import WRONG
+
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")
+
+IDS = sorted(i for i, ex in checks.EXERCISES.items() if ex.checker.__module__ == "pplab.checks.sequence_parallel")
+
+
+def test_the_chapter_registers_its_exercises():
+    assert IDS == ["online_softmax_merge", "ring_attention_step", "ulysses_all_to_all"]
+    assert set(WRONG) == set(IDS)
+    # one wrong answer per rank exercise is right on rank 0 and wrong on another rank only
+    assert any("rank 0 only" in fn.__doc__ for fn, _, _ in WRONG["ulysses_all_to_all"])
+    assert any("rank 0 only" in fn.__doc__ for fn, _, _ in WRONG["ring_attention_step"])
+
+
+@pytest.mark.parametrize("exercise_id", IDS)
+def test_solution_notebook_checks_its_own_exercise(exercise_id):
+    ex = checks.get_exercise(exercise_id)
+    sources = [c.source for c in solution_notebook(exercise_id).cells if c.cell_type == "code"]
+    assert any(f'pplab.check("{exercise_id}", {ex.answer})' in s for s in sources)
+    assert any("### BEGIN SOLUTION" in s and re.search(rf"^def {ex.answer}\(", s, re.M) for s in sources)
+
+
+# -- other correct answers pass -------------------------------------------------------
+
+def merge_with_max_reference(o1, lse1, o2, lse2):
+    """The max of the two lse as reference (finite where either is), weights then normalised."""
+    m = torch.maximum(lse1, lse2)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    w1, w2 = torch.exp(lse1 - m), torch.exp(lse2 - m)
+    total = w1 + w2
+    safe = torch.where(total > 0, total, torch.ones_like(total))
+    return (w1[..., None] * o1 + w2[..., None] * o2) / safe[..., None], m + torch.log(total)
+
+
+def a2a_one_peer_at_a_time(x, scatter_dim, gather_dim):
+    """torch.distributed's blocking send/recv, lower rank sends first, pieces via torch.split."""
+    rank, p = dist.get_rank(), dist.get_world_size()
+    size = x.shape[scatter_dim] // p
+    pieces = [t.contiguous() for t in torch.split(x, size, dim=scatter_dim)]
+    got = []
+    for i in range(p):
+        if i == rank:
+            got.append(pieces[i])
+            continue
+        buf = torch.empty_like(pieces[i])
+        if rank < i:
+            dist.send(pieces[i], i)
+            dist.recv(buf, i)
+        else:
+            dist.recv(buf, i)
+            dist.send(pieces[i], i)
+        got.append(buf)
+    return torch.cat(got, dim=gather_dim)
+
+
+def ring_step_with_library_merge(q, k, v, out, lse, step):
+    """Global positions for the mask, the library's merge, comm.exchange after the compute."""
+    rank, p = comm.rank(), comm.world_size()
+    n = q.shape[-2]
+    src = (rank - step) % p
+    hidden = (rank * n + torch.arange(n))[:, None] < (src * n + torch.arange(n))[None, :]
+    if not hidden.all():
+        s = (q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5).masked_fill(hidden, -math.inf)
+        out, lse = merge(out, lse, torch.softmax(s, -1) @ v, torch.logsumexp(s, -1))
+    if step == p - 1:
+        return out, lse, None, None
+    kv, nxt = torch.cat([k, v], -1), torch.empty(k.shape[:-1] + (k.shape[-1] + v.shape[-1],), dtype=k.dtype)
+    comm.exchange(kv, (rank + 1) % p, nxt, (rank - 1) % p)
+    return out, lse, nxt[..., :k.shape[-1]], nxt[..., k.shape[-1]:]
+
+
+@pytest.mark.parametrize("exercise_id, fn", [("online_softmax_merge", merge_with_max_reference),
+                                             ("ulysses_all_to_all", a2a_one_peer_at_a_time),
+                                             ("ring_attention_step", ring_step_with_library_merge)])
+def test_other_correct_answers_pass(exercise_id, fn):
+    result = checks.run_check(exercise_id, fn)
+    assert result, result.message
