@@ -186,24 +186,51 @@ def test_arrows_one_per_message_from_send_end_to_recv_end():
     assert arrows(swimlane.draw(tl)) == []
 
 
-def test_memory_curves_under_the_lanes():
+def memory_panels(fig):
+    return [a for a in fig.axes if a.get_label().startswith("memory:")]
+
+
+def test_memory_one_panel_per_rank_on_one_scale():
     tl = gpipe()
     fig = swimlane.draw(tl, memory=True)
-    mem = next(a for a in fig.axes if a.get_label() == "memory")
-    assert len(mem.get_lines()) == 4
-    assert max(max(line.get_ydata()) for line in mem.get_lines()) == 4     # GPipe holds all m=4
-    assert mem.get_ylabel() == "held (micro-batches)"
-    assert mem.get_shared_x_axes().joined(mem, lanes(fig))
+    panels = memory_panels(fig)
+    assert [a.get_label() for a in panels] == [f"memory:{r}" for r in range(4)]
+    for a in panels:
+        assert len(a.get_lines()) == 1                                   # one rank per panel
+        assert max(a.get_lines()[0].get_ydata()) == 4                    # GPipe holds all m=4
+        assert a.get_shared_x_axes().joined(a, lanes(fig))
+    assert len({a.get_ylim() for a in panels}) == 1                      # the same scale: heights compare
+    assert "held over time (micro-batches)" in panels[0].get_title(loc="left")
     assert len(swimlane.draw(tl).axes) == 1
+
+    # rank r holds r + 1 micro-batches at its peak: each panel shows its own rank's
+    stairs = Timeline([Event(r, "F", "compute", 0, 3, "F0") for r in range(3)] +
+                      [Event(r, "memory", "memory", 1, 1, value=r + 1) for r in range(3)] +
+                      [Event(r, "memory", "memory", 2, 2, value=0) for r in range(3)], memory_unit="micro-batches")
+    fig = swimlane.draw(stairs, memory=True)
+    assert [max(a.get_lines()[0].get_ydata()) for a in memory_panels(fig)] == [1, 2, 3]
+    assert texts(fig, "peak") == ["peak 1", "peak 2", "peak 3"]
 
     in_bytes = Timeline([Event(0, "F", "compute", 0, 1, "F0"),
                          Event(0, "memory", "memory", 0.5, 0.5, value=3_000_000)])
-    mem = next(a for a in swimlane.draw(in_bytes, memory=True).axes if a.get_label() == "memory")
-    assert mem.get_ylabel() == "held (MB)"
+    (mem,) = memory_panels(swimlane.draw(in_bytes, memory=True))
+    assert "(MB)" in mem.get_title(loc="left") and mem.get_ylabel() == "rank 0"
     assert max(mem.get_lines()[0].get_ydata()) == pytest.approx(3.0)
 
-    with pytest.raises(ValueError, match="lanes_ax, memory_ax"):
+    with pytest.raises(ValueError, match="one panel per rank"):
         swimlane.draw(tl, memory=True, ax=Figure().subplots())
+    fig = Figure()
+    axes = fig.subplots(5, 1)
+    assert swimlane.draw(tl, memory=True, ax=(axes[0], axes[1:])) is fig
+    assert len(memory_panels(fig)) == 4
+
+
+def test_memory_changes_at_one_instant_draw_no_spike():
+    # at t=1 one micro-batch is released and another held: the curve stays at 1, no dip to 0
+    tl = Timeline([Event(0, "F", "compute", 0, 2, "F0"), Event(0, "memory", "memory", 0, 0, value=1),
+                   Event(0, "memory", "memory", 1, 1, value=0), Event(0, "memory", "memory", 1, 1, value=1)])
+    (mem,) = memory_panels(swimlane.draw(tl, memory=True))
+    assert min(mem.get_lines()[0].get_ydata()) == 1
 
 
 def test_time_range_zooms_and_draws_only_what_is_in_it():
@@ -278,9 +305,9 @@ def test_measured_run_from_launch():
     assert f"utilisation {tl.utilization():.1%}" in lanes(fig).get_title()
     assert "rank-ms)" in lanes(fig).get_title()           # a run under 1 s is shown in ms
     assert arrows(fig)[0].N == len(tl.messages()) == 2
-    mem = next(a for a in fig.axes if a.get_label() == "memory")
-    assert max(max(line.get_ydata()) for line in mem.get_lines()) == pytest.approx(64 * 64 * 4 / 1e3)  # 16.384 kB
-    assert mem.get_ylabel() == "held (kB)" and mem.get_xlabel() == "time (ms)"
+    mem = memory_panels(fig)
+    assert [max(a.get_lines()[0].get_ydata()) for a in mem] == pytest.approx([64 * 64 * 4 / 1e3] * 2)  # 16.384 kB
+    assert "(kB)" in mem[0].get_title(loc="left") and mem[-1].get_xlabel() == "time (ms)"
     with pytest.raises(TypeError, match="results.timeline"):
         swimlane.draw(results)
 
@@ -301,7 +328,7 @@ def test_explore_a_timeline_rerenders_on_each_control():
     assert boxes(box.figure) == {"F": 16, "B": 16}
 
     box.controls["memory"].value = True
-    assert any(a.get_label() == "memory" for a in box.figure.axes)
+    assert len(memory_panels(box.figure)) == 4
 
     assert (box.controls["time"].min, box.controls["time"].max) == (0, 21)
     box.controls["time"].value = (0, 4)
