@@ -550,11 +550,13 @@ def explore(source, *, applies=None, **controls):
     Returns an ipywidgets VBox; `.update()` re-renders, `.figure` is the figure last
     drawn, `.timeline` the timeline it shows, `.error` the error of the last render (if any).
 
-    The figure is shown as an Image widget holding PNG bytes, not printed into an Output
-    widget: a headless runner (nbconvert) answers each output captured by an Output widget
-    with a message on the kernel's shell channel, sent while it waits on that channel for
-    the cell's reply, and can miss the reply and wait forever.
+    The figure is shown as a PNG <img> (its title as alt text) in an HTML widget, not
+    displayed into an Output widget: a headless runner (nbconvert) answers each output an
+    Output widget captures with a message on the kernel's shell channel, sent while it
+    waits on that channel for the cell's reply, and can miss the reply and wait forever.
     """
+    import base64
+    import html
     import io
 
     import ipywidgets as w
@@ -603,12 +605,12 @@ def explore(source, *, applies=None, **controls):
             wd.style.description_width = "initial"
     grid = w.GridBox(shown + list(view.values()), layout=w.Layout(
         grid_template_columns="repeat(auto-fill, minmax(260px, 1fr))", grid_gap="2px 18px", width="100%"))
-    image = w.Image(format="png", layout=w.Layout(max_width="100%", height="auto"))
+    image = w.HTML()
     message = w.HTML()
     box = w.VBox([grid, time, message, image], layout=w.Layout(width="100%"))
     box.controls = {**params, **view, "time": time}
     box.image = image
-    box.figure = box.timeline = box.error = None
+    box.figure = box.timeline = box.error = box.png = None
     state = {"stale": True, "quiet": False}
 
     def values():
@@ -655,10 +657,12 @@ def explore(source, *, applies=None, **controls):
         if box.figure is not None:
             png = io.BytesIO()
             box.figure.savefig(png, format="png", dpi=80, bbox_inches="tight")
-            image.value, message.value = png.getvalue(), ""
+            box.png, title = png.getvalue(), html.escape(box.figure.axes[0].get_title(), quote=True)
+            image.value = (f'<img style="max-width: 100%; height: auto" alt="{title}" title="{title}" '
+                           f'src="data:image/png;base64,{base64.b64encode(box.png).decode()}">')
+            message.value = ""
             show_if(image, True)
         else:
-            import html
             message.value = f"<pre style='color:#b00'>cannot draw: {html.escape(str(box.error))}</pre>"
             show_if(image, False)
 

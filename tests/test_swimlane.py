@@ -594,8 +594,14 @@ def test_explorer_titles_state_the_simulated_bubble_and_the_formula_that_applies
         idle = max(e.end for e in tl.events if e.category == "compute") - useful
         assert f"bubble {idle / useful:.1%} of useful time" in tl.title, name
         if name in ("zb-h1", "zb-v"):
-            assert "(p-1)/(v·m)" not in tl.title and "no closed form" in tl.title
-            assert f"1F1B would idle (p-1)/m = {(p - 1) / m:.1%}" in tl.title
+            assert "(p-1)/(v·m)" not in tl.title
+    # ZB-H1: makespan m(F+I+W) + (p-1)(F+I-W), I = t_b - t_W (the zero-bubble paper's, for W <= I)
+    zb = pipeline_timeline("zb-h1", 4, 8, t_f=1, t_b=2, t_w=0.5)
+    assert f"(p-1)(t_f+t_I-t_W)/(m·(t_f+t_b)) = {3 * (1 + 1.5 - 0.5) / (8 * 3):.1%}" in zb.title
+    assert "does not hold" not in zb.title
+    assert "does not hold" in pipeline_timeline("zb-h1", 4, 8, t_f=1, t_b=2, t_w=1.5).title     # W > I
+    zbv = pipeline_timeline("zb-v", 4, 8).title
+    assert "no closed form" in zbv and f"1F1B would idle (p-1)/m = {3 / 8:.1%}" in zbv
     assert "(p-1)/(v·m) = 18.8%" in pipeline_timeline("interleaved-1f1b", 4, 8, 2).title     # 3/16
     assert "p-1 = 300.0%" in pipeline_timeline("naive", 4, 8).title
     assert "t_I=1.5, t_W=0.5" in pipeline_timeline("zb-v", 4, 8, t_b=2, t_w=0.5).title
@@ -607,7 +613,7 @@ def test_explorer_redraws_an_image_when_schedule_or_m_change():
     box = explore()
     assert not any(isinstance(x, w.Output) for x in _tree(box))      # see the next test for why
     first = box.image.value
-    assert first[:8] == b"\x89PNG\r\n\x1a\n"
+    assert first.startswith("<img") and 'alt="1f1b: p=4, m=8' in first and box.png[:8] == b"\x89PNG\r\n\x1a\n"
     box.controls["m"].value = 4
     assert box.image.value != first and box.timeline.title.startswith("1f1b: p=4, m=4")
     second = box.image.value

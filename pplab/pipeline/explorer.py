@@ -6,9 +6,9 @@
 Every change re-simulates the schedule and redraws it with the same renderer as a measured
 run, each rank's activations held in a panel of its own under the lanes. The title gives
 the bubble measured on the simulation next to the formula that applies to the schedule:
-(p-1)/(v·m) for GPipe, 1F1B and interleaved 1F1B, p-1 for naive model parallelism; the
-zero-bubble schedules have none that holds for every t_f, t_I, t_W, so the title compares
-them with what 1F1B would idle instead.
+(p-1)/(v·m) for GPipe, 1F1B and interleaved 1F1B, p-1 for naive model parallelism,
+(p-1)(t_f+t_I-t_W)/(m(t_f+t_b)) for ZB-H1 (saying so where these times break it); ZB-V has
+none that holds for every t_f, t_I, t_W, so its title compares it with 1F1B's bubble.
 """
 from __future__ import annotations
 
@@ -40,17 +40,20 @@ def pipeline_timeline(schedule="1f1b", p=4, m=8, v=2, t_f=1.0, t_b=2.0, t_w=0.0)
         w = t_w or t_b / 2
         head += f", t_f={t_f:g}, t_I={t_b - w:g}, t_W={w:g}"
     tl = result.timeline()
-    tl.title = f"{head}  |  peak activations {max(result.peak_activations):g}\n" + _bubble_line(schedule, p, m, chunks, bubble)
+    tl.title = (f"{head}  |  peak activations {max(result.peak_activations):g}\n"
+                + _bubble_line(schedule, p, m, chunks, bubble, t_f, t_b, t_w or t_b / 2))
     return tl
 
 
-def _bubble_line(schedule, p, m, chunks, bubble):
+def _bubble_line(schedule, p, m, chunks, bubble, t_f, t_b, t_w):
     """What the simulation idled, and the closed form that applies to this schedule (if one does)."""
     said = f"bubble {bubble:.1%} of useful time"
     if schedule == "naive":                       # one micro-batch at a time: p-1 ranks idle while one works
         formula, value = "p-1", float(p - 1)
+    elif schedule == "zb-h1":                     # the paper's makespan m(F+I+W) + (p-1)(F+I-W)
+        formula, value = "(p-1)(t_f+t_I-t_W)/(m·(t_f+t_b))", (p - 1) * (t_f + t_b - 2 * t_w) / (m * (t_f + t_b))
     elif schedule in _SPLIT:
-        return (f"{said} (no closed form for zero-bubble schedules: it depends on t_f, t_I, t_W; "
+        return (f"{said} (no closed form for ZB-V that holds for every t_f, t_I, t_W; "
                 f"1F1B would idle (p-1)/m = {bubble_fraction(p, m):.1%})")
     else:
         formula, value = "(p-1)/(v·m)", bubble_fraction(p, m, chunks)
