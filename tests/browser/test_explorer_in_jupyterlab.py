@@ -10,6 +10,7 @@ The JupyterLab server and the browser are stopped however the test ends.
 """
 import hashlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -137,8 +138,8 @@ def test_explorer_in_jupyterlab(lab, tmp_path):
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             page.goto(f"{url}/lab/tree/{NOTEBOOK}?token={token}")
             page.locator(".jp-Notebook .jp-Cell").first.wait_for(timeout=120_000)
-            page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle'], "
-                         ".jp-Toolbar-kernelStatus, .jp-KernelStatus").first.wait_for(timeout=120_000)
+            # the kernel must be up before "Run All", or JupyterLab asks which kernel to start
+            page.locator(".jp-StatusBar-TextItem", has_text=re.compile(r"\| Idle")).first.wait_for(timeout=180_000)
             page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
             page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
 
@@ -146,6 +147,9 @@ def test_explorer_in_jupyterlab(lab, tmp_path):
             img = explorer.locator(".widget-html-content img").first
             deadline = time.monotonic() + RUN_ALL_TIMEOUT
             while not img.is_visible():
+                dialog = page.locator(".jp-Dialog .jp-mod-accept")
+                if dialog.count():                      # "Select Kernel": take the notebook's own
+                    dialog.first.click()
                 errors = page.locator("[data-mime-type='application/vnd.jupyter.error']")
                 if errors.count():
                     pytest.fail("a cell failed in JupyterLab:\n" + errors.first.inner_text()[-2000:])
