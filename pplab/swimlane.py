@@ -81,7 +81,7 @@ KIND_NAMES = {"F": "F forward", "B": "B backward", "I": "I input grad", "W": "W 
 # Kinds not listed above take a colour from here, chosen by a hash of their name
 # (crc32, not Python's per-process salted hash) so a kind keeps its colour everywhere.
 PALETTE = ["#332288", "#117733", "#DDCC77", "#AA4499", "#88CCEE", "#661100", "#6699CC",
-           "#888888", "#E69F00", "#44AA99", "#AA4466", "#999933"]
+           "#CC6677", "#E69F00", "#44AA99", "#AA4466", "#999933"]
 IDLE = "#e4e4e4"           # compute-lane background: what shows through is a bubble
 COMM_IDLE = "#f2f2f2"
 HATCHES = ["", "///", "...", "xxx", "\\\\\\"]     # chunk 0, 1, 2, ... of a rank
@@ -279,6 +279,9 @@ def draw(timeline, *, ax=None, comm_lanes="auto", arrows=False, memory=False, ti
             raise TypeError(f"ax must be a matplotlib Axes (e.g. from fig.subplots()), got {type(ax).__name__}")
         fig, layout = ax.figure, [(ax, mem_axes)]
 
+    tops = defaultdict(float)            # stacked timelines share one memory scale (per unit)
+    for tl in tls:
+        tops[tl.memory_unit] = max([tops[tl.memory_unit]] + [tl.peak_memory(r) for r in range(tl.world_size)])
     jobs, present, chunks, traced = [], set(), set(), False
     for i, (p, (lane_ax, mem_axes)) in enumerate(zip(panels, layout)):
         head = (titles[i] if titles is not None else None) if stacked else title
@@ -288,9 +291,7 @@ def draw(timeline, *, ax=None, comm_lanes="auto", arrows=False, memory=False, ti
         mb = (0 if p.chunked else None) if path == "auto" else path
         traced |= mb is not None and _draw_path(lane_ax, p, mb)
         if mem_axes:
-            _draw_memory(mem_axes, p.tl, p.n, top=max(max(tl.memory_curve(r)[1]) for tl in tls
-                                                      if tl.memory_unit == p.tl.memory_unit
-                                                      for r in range(tl.world_size)))
+            _draw_memory(mem_axes, p.tl, p.n, top=tops[p.tl.memory_unit])
     bottom = layout[-1][1][-1] if layout[-1][1] else layout[-1][0]
     scale, unit = (1e3, "ms") if tls[0].unit == "s" and 0 < max(makespan, t1) < 1 else (1.0, tls[0].unit)
     bottom.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v * scale:g}"))
@@ -426,9 +427,10 @@ def _draw_lanes(ax, p, t0, t1, head, zoomed, colors, arrows, labels):
         else:
             tries = _shorter(text)
         y, h = _row(e.rank, e, mode)
-        jobs.append((ax, (e.rank, y), max(e.start, t0), min(e.end, t1), y, h, tries,
-                     _LABEL_PT if e.category == "compute" else _LABEL_PT - 1, _ink(color_of(e.kind, colors))))
-    return jobs
+        a, b, size = max(e.start, t0), min(e.end, t1), _LABEL_PT if e.category == "compute" else _LABEL_PT - 1
+        if labels is True or 1.5 * (b - a) * pt_per_unit >= 0.45 * size * min(map(len, tries)):
+            jobs.append((ax, (e.rank, y), a, b, y, h, tries, size, _ink(color_of(e.kind, colors))))
+    return jobs       # only those that might fit (estimated before layout, generously): measured later
 
 
 def _shorter(text: str) -> list[str]:
