@@ -20,6 +20,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 
 pytestmark = pytest.mark.skipif(os.environ.get("PPLAB_BROWSER") != "1",
@@ -73,6 +74,12 @@ def lab(tmp_path):
                 time.sleep(0.5)
         yield url, token
     finally:
+        # kernels (and the ranks a notebook launched) may sit in sessions of their own:
+        # note them all, stop the server (it shuts its kernels down), then end any left
+        try:
+            family = psutil.Process(server.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            family = []
         try:
             os.killpg(server.pid, signal.SIGTERM)
             server.wait(timeout=20)
@@ -82,6 +89,11 @@ def lab(tmp_path):
             except ProcessLookupError:
                 pass
             server.wait()
+        for proc in family:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
         log.close()
 
 
