@@ -1,6 +1,7 @@
 # pplab: two commands.
 #   make lab    install (once) and open the course in JupyterLab at notebooks/00_start_here.ipynb
 #   make test   install (once) and run every test, the notebooks included
+#   make browser-test   the pipeline explorer in JupyterLab, driven by Playwright in Debian's chromium
 #
 # The install goes into .venv. If `python3` can already import torch (your own CUDA
 # build, say), the venv sees it and keeps it; otherwise it installs $(TORCH), which on
@@ -12,10 +13,11 @@ TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.pplab-installed
 
-.PHONY: lab test install exercises benchmarks clean
+.PHONY: lab test install exercises benchmarks browser-test clean
 
 # JupyterLab refuses to run as root unless told; containers often are root
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
+SUDO       := $(if $(filter 0,$(shell id -u)),,sudo)
 
 lab: $(STAMP)
 	$(BIN)/jupyter lab $(ALLOW_ROOT) --ServerApp.root_dir=. notebooks/00_start_here.ipynb
@@ -41,6 +43,22 @@ exercises: $(STAMP)          # regenerate exercises/ from solutions/ (the one so
 
 benchmarks: $(STAMP)        # figures recorded in benchmarks/README.md (10-15 minutes)
 	for b in launch swimlane collectives ddp pipeline tensor_parallel zero sequence_parallel; do $(BIN)/python benchmarks/$$b.py || exit 1; done
+
+# Opens 04_pipeline in JupyterLab (free port, token), runs it in chromium, drives the explorer.
+# Installs Debian's chromium if missing (no browser download) and playwright (pip, the
+# [browser] extra). Skips, saying so, only where chromium is missing and apt-get is not there.
+browser-test: $(STAMP)
+	@if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then \
+	  if command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing Debian's chromium"; \
+	    $(SUDO) apt-get update && $(SUDO) apt-get install -y chromium || exit 1; \
+	  else \
+	    echo "SKIPPED the browser test: chromium is not installed and there is no apt-get to install it"; \
+	    echo "(install chromium, then run: make browser-test)"; exit 0; \
+	  fi; \
+	fi; \
+	$(BIN)/python -c "import playwright" 2>/dev/null || $(BIN)/pip install -e ".[browser]" || exit 1; \
+	PPLAB_BROWSER=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests/browser
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -186,24 +186,51 @@ def test_arrows_one_per_message_from_send_end_to_recv_end():
     assert arrows(swimlane.draw(tl)) == []
 
 
-def test_memory_curves_under_the_lanes():
+def memory_panels(fig):
+    return [a for a in fig.axes if a.get_label().startswith("memory:")]
+
+
+def test_memory_one_panel_per_rank_on_one_scale():
     tl = gpipe()
     fig = swimlane.draw(tl, memory=True)
-    mem = next(a for a in fig.axes if a.get_label() == "memory")
-    assert len(mem.get_lines()) == 4
-    assert max(max(line.get_ydata()) for line in mem.get_lines()) == 4     # GPipe holds all m=4
-    assert mem.get_ylabel() == "held (micro-batches)"
-    assert mem.get_shared_x_axes().joined(mem, lanes(fig))
+    panels = memory_panels(fig)
+    assert [a.get_label() for a in panels] == [f"memory:{r}" for r in range(4)]
+    for a in panels:
+        assert len(a.get_lines()) == 1                                   # one rank per panel
+        assert max(a.get_lines()[0].get_ydata()) == 4                    # GPipe holds all m=4
+        assert a.get_shared_x_axes().joined(a, lanes(fig))
+    assert len({a.get_ylim() for a in panels}) == 1                      # the same scale: heights compare
+    assert "held over time (micro-batches)" in panels[0].get_title(loc="left")
     assert len(swimlane.draw(tl).axes) == 1
+
+    # rank r holds r + 1 micro-batches at its peak: each panel shows its own rank's
+    stairs = Timeline([Event(r, "F", "compute", 0, 3, "F0") for r in range(3)] +
+                      [Event(r, "memory", "memory", 1, 1, value=r + 1) for r in range(3)] +
+                      [Event(r, "memory", "memory", 2, 2, value=0) for r in range(3)], memory_unit="micro-batches")
+    fig = swimlane.draw(stairs, memory=True)
+    assert [max(a.get_lines()[0].get_ydata()) for a in memory_panels(fig)] == [1, 2, 3]
+    assert texts(fig, "peak") == ["peak 1", "peak 2", "peak 3"]
 
     in_bytes = Timeline([Event(0, "F", "compute", 0, 1, "F0"),
                          Event(0, "memory", "memory", 0.5, 0.5, value=3_000_000)])
-    mem = next(a for a in swimlane.draw(in_bytes, memory=True).axes if a.get_label() == "memory")
-    assert mem.get_ylabel() == "held (MB)"
+    (mem,) = memory_panels(swimlane.draw(in_bytes, memory=True))
+    assert "(MB)" in mem.get_title(loc="left") and mem.get_ylabel() == "rank 0"
     assert max(mem.get_lines()[0].get_ydata()) == pytest.approx(3.0)
 
-    with pytest.raises(ValueError, match="lanes_ax, memory_ax"):
+    with pytest.raises(ValueError, match="one panel per rank"):
         swimlane.draw(tl, memory=True, ax=Figure().subplots())
+    fig = Figure()
+    axes = fig.subplots(5, 1)
+    assert swimlane.draw(tl, memory=True, ax=(axes[0], axes[1:])) is fig
+    assert len(memory_panels(fig)) == 4
+
+
+def test_memory_changes_at_one_instant_draw_no_spike():
+    # at t=1 one micro-batch is released and another held: the curve stays at 1, no dip to 0
+    tl = Timeline([Event(0, "F", "compute", 0, 2, "F0"), Event(0, "memory", "memory", 0, 0, value=1),
+                   Event(0, "memory", "memory", 1, 1, value=0), Event(0, "memory", "memory", 1, 1, value=1)])
+    (mem,) = memory_panels(swimlane.draw(tl, memory=True))
+    assert min(mem.get_lines()[0].get_ydata()) == 1
 
 
 def test_time_range_zooms_and_draws_only_what_is_in_it():
@@ -278,9 +305,9 @@ def test_measured_run_from_launch():
     assert f"utilisation {tl.utilization():.1%}" in lanes(fig).get_title()
     assert "rank-ms)" in lanes(fig).get_title()           # a run under 1 s is shown in ms
     assert arrows(fig)[0].N == len(tl.messages()) == 2
-    mem = next(a for a in fig.axes if a.get_label() == "memory")
-    assert max(max(line.get_ydata()) for line in mem.get_lines()) == pytest.approx(64 * 64 * 4 / 1e3)  # 16.384 kB
-    assert mem.get_ylabel() == "held (kB)" and mem.get_xlabel() == "time (ms)"
+    mem = memory_panels(fig)
+    assert [max(a.get_lines()[0].get_ydata()) for a in mem] == pytest.approx([64 * 64 * 4 / 1e3] * 2)  # 16.384 kB
+    assert "(kB)" in mem[0].get_title(loc="left") and mem[-1].get_xlabel() == "time (ms)"
     with pytest.raises(TypeError, match="results.timeline"):
         swimlane.draw(results)
 
@@ -301,7 +328,7 @@ def test_explore_a_timeline_rerenders_on_each_control():
     assert boxes(box.figure) == {"F": 16, "B": 16}
 
     box.controls["memory"].value = True
-    assert any(a.get_label() == "memory" for a in box.figure.axes)
+    assert len(memory_panels(box.figure)) == 4
 
     assert (box.controls["time"].min, box.controls["time"].max) == (0, 21)
     box.controls["time"].value = (0, 4)
@@ -345,3 +372,283 @@ def test_explore_a_schedule_function_rebuilds_on_parameter_change():
         swimlane.explore(lambda n=1: [n], n=(1, 3))
     with pytest.raises(TypeError, match="Timeline"):
         swimlane.explore(42)
+
+
+# ----------------------------------------------------------------------------------
+# What a reader sees: checked on the rendered figure (text extents from the renderer)
+
+
+def _box_extents(fig):
+    """Every box drawn, as a pixel rectangle (x0, y0, x1, y1)."""
+    out = []
+    for ax in fig.axes:
+        for c in ax.collections:
+            if (c.get_gid() or "").startswith("box:"):
+                for path in c.get_paths():
+                    (x0, y0), (x1, y1) = ax.transData.transform(path.vertices[[0, 2]])
+                    out.append((min(x0, x1), min(y0, y1), max(x0, x1), max(y0, y1)))
+    return out
+
+
+def _label_extents(fig):
+    fig.canvas.draw()
+    return [(t.get_text(), t.get_window_extent()) for ax in fig.axes for t in ax.texts if t.get_gid() == "label"]
+
+
+def assert_readable(fig):
+    """No two labels overlap, and each lies inside the box it names."""
+    labels, boxes_px = _label_extents(fig), _box_extents(fig)
+    assert labels, "expected some labels"
+    for i, (a, bb) in enumerate(labels):
+        for b, other in labels[i + 1:]:
+            assert not bb.overlaps(other), f"labels {a!r} and {b!r} overlap"
+        cx, cy = (bb.x0 + bb.x1) / 2, (bb.y0 + bb.y1) / 2
+        home = [r for r in boxes_px if r[0] <= cx <= r[2] and r[1] <= cy <= r[3]]
+        assert home, f"label {a!r} is not on a box"
+        assert any(bb.x0 >= r[0] - 0.5 and bb.x1 <= r[2] + 0.5 and bb.y0 >= r[1] - 1 and bb.y1 <= r[3] + 1
+                   for r in home), f"label {a!r} spills out of its box"
+
+
+def zb_v_timeline(p=4, m=8):
+    from pplab.pipeline import make_schedule, simulate
+    return simulate(make_schedule("zb-v", p, m), t_f=1, t_b=2, t_w=1).timeline()
+
+
+def interleaved_timeline(p=4, m=8):
+    from pplab.pipeline import make_schedule, simulate
+    return simulate(make_schedule("interleaved-1f1b", p, m, chunks=2), t_f=1, t_b=2).timeline()
+
+
+def ring_like(p=4, steps=6, size=1000):
+    """Comm only: in step k every rank sends `size` bytes right and receives from the left."""
+    events = []
+    for k in range(steps):
+        for r in range(p):
+            dst, src = (r + 1) % p, (r - 1) % p
+            events.append(Event(r, "send", "comm", k, k + 0.9, f"→{dst}", bytes_sent=size, peer=dst, seq=k))
+            events.append(Event(r, "recv", "comm", k, k + 0.9, f"←{src}", bytes_recv=size, peer=src, seq=k))
+    return Timeline(events, world_size=p, unit="units")
+
+
+def overlapping_all_reduces():
+    """DDP with small buckets: all-reduces launched back to back overlap each other."""
+    events = [Event(0, "B", "compute", 0, 10, "B0"), Event(1, "B", "compute", 0, 10, "B0")]
+    for r in range(2):
+        events += [Event(r, "all_reduce", "comm", 1 + 0.05 * k, 4 + 0.05 * k, "AR") for k in range(8)]
+    return Timeline(events, world_size=2, unit="units")
+
+
+@pytest.mark.parametrize("make", [gpipe, zb_v_timeline, interleaved_timeline, ring_like, overlapping_all_reduces])
+def test_labels_never_overlap_and_stay_inside_their_boxes(make):
+    assert_readable(swimlane.draw(make(), arrows=True))
+    assert_readable(swimlane.draw(make(), memory=True, figsize=(7, 6)))
+
+
+def test_narrow_boxes_get_shorter_labels_and_zoom_gives_the_full_ones():
+    tl = zb_v_timeline()
+    wide = set(texts(swimlane.draw(tl, time_range=(0, 4)), "label"))
+    assert "F0.1" in wide                          # room: the whole label, chunk included
+    narrow = texts(swimlane.draw(tl, figsize=(8, 3)), "label")
+    assert narrow and not any("." in t for t in narrow)          # no room: the chunk goes first
+    assert texts(swimlane.draw(tl, figsize=(3, 3)), "label") == [] or \
+        all(t.isdigit() for t in texts(swimlane.draw(tl, figsize=(3, 3)), "label"))
+    overlapping = texts(swimlane.draw(overlapping_all_reduces()), "label").count("AR")
+    assert 2 <= overlapping < 8 * 2               # boxes on top of each other: one label per rank, not a smear
+
+
+def test_chunks_are_hatched_the_lanes_name_their_stages_and_the_v_shows():
+    p, m = 4, 4
+    tl = zb_v_timeline(p, m)
+    fig = swimlane.draw(tl)
+    ax = lanes(fig)
+    hatched = sum(len(c.get_paths()) for c in ax.collections if c.get_gid() == "chunk:1")
+    assert hatched == sum(1 for e in tl.events if e.category == "compute" and e.meta["chunk"] == 1)
+    # ZB-V's placement: chunk 0 of rank r is stage r, chunk 1 is stage 2p-1-r
+    assert [t.get_text() for t in ax.get_yticklabels()] == [f"rank {r}\nstages {r}, {2 * p - 1 - r}" for r in range(p)]
+    (line,) = [ln for ln in ax.get_lines() if ln.get_gid() == "path"]
+    ys = line.get_ydata()
+    down_and_up = [s if s < p else 2 * p - 1 - s for s in range(2 * p)]       # 0 1 2 3 3 2 1 0: the V
+    assert [math.floor(y) for y in ys] == down_and_up
+    assert list(line.get_xdata()) == sorted(line.get_xdata())                 # in time order too
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert "chunk 1" in legend and "micro-batch 0, stage by stage" in legend
+    assert not [ln for ln in lanes(swimlane.draw(gpipe())).get_lines() if ln.get_gid() == "path"]
+
+
+# Machado, Oliveira & Fernandes (2009), severity 1: linear RGB -> what a dichromat sees.
+_CVD = {"normal": [[1, 0, 0], [0, 1, 0], [0, 0, 1]],
+        "protanopia": [[0.152286, 1.052583, -0.204868], [0.114503, 0.786281, 0.099216], [-0.003882, -0.048116, 1.051998]],
+        "deuteranopia": [[0.367322, 0.860646, -0.227968], [0.280085, 0.672501, 0.047413], [-0.011820, 0.042940, 0.968881]],
+        "tritanopia": [[1.255528, -0.076749, -0.178779], [-0.078411, 0.930809, 0.147602], [0.004733, 0.691367, 0.303900]]}
+
+
+def _lab(color, vision):
+    """CIELAB (D65) of `color` as seen with `vision`."""
+    import numpy as np
+    srgb = np.array(matplotlib.colors.to_rgb(color))
+    linear = np.where(srgb <= 0.04045, srgb / 12.92, ((srgb + 0.055) / 1.055) ** 2.4)
+    linear = np.clip(np.array(_CVD[vision]) @ linear, 0, 1)
+    xyz = np.array([[0.4124, 0.3576, 0.1805], [0.2126, 0.7152, 0.0722], [0.0193, 0.1192, 0.9505]]) @ linear
+    f = [v ** (1 / 3) if v > 0.008856 else 7.787 * v + 16 / 116 for v in xyz / [0.95047, 1.0, 1.08883]]
+    return np.array([116 * f[1] - 16, 500 * (f[0] - f[1]), 200 * (f[1] - f[2])])
+
+
+@pytest.mark.parametrize("vision", list(_CVD))
+def test_f_b_i_w_colours_stay_apart_for_every_colour_vision(vision):
+    import itertools
+    import numpy as np
+    for a, b in itertools.combinations("FBIW", 2):
+        delta = np.linalg.norm(_lab(swimlane.KIND_COLORS[a], vision) - _lab(swimlane.KIND_COLORS[b], vision))
+        assert delta > 20, f"{a} and {b} are only ΔE {delta:.0f} apart with {vision}"
+
+
+def test_a_run_that_only_communicates_gets_comm_lanes_alone_and_numbered_steps():
+    p = 4
+    tl = ring_like(p, steps=6, size=1000)
+    fig = swimlane.draw(tl, arrows=True)
+    ax = lanes(fig)
+    assert sum(c.get_gid() == "idle" for c in ax.collections) == p           # one lane per rank, no compute lane
+    assert texts(fig, "util") == [] and "utilisation" not in ax.get_title()
+    assert texts(fig, "sent") == ["6 kB"] * p                                 # 6 steps x 1000 B
+    assert "communication only: 24 sends" in ax.get_title()
+    assert [t.get_text() for t in ax.get_yticklabels(minor=True)] == []        # no "comm" sub-lanes
+    sends = {}
+    for t in ax.texts:
+        if t.get_gid() == "label" and "→" in t.get_text() or (t.get_gid() == "label" and t.get_text().isdigit()):
+            row = math.floor(t.get_position()[1])
+            sends.setdefault(row, []).append((t.get_position()[0], t.get_text()))
+    for r in range(p):
+        numbers = [int(text.replace("step ", "").split()[0]) for _, text in sorted(sends[r])]
+        assert numbers == list(range(1, 7)), f"rank {r}'s steps are numbered {numbers}"
+    # a timeline with compute keeps its compute lanes and utilisation
+    assert texts(swimlane.draw(gpipe()), "util") == ["57.1%"] * 4
+
+
+def test_stacked_timelines_share_one_time_axis_and_one_memory_scale():
+    from pplab.pipeline import make_schedule, simulate
+    g = simulate(make_schedule("gpipe", 4, 8), t_f=1, t_b=2).timeline()
+    o = simulate(make_schedule("1f1b", 4, 8), t_f=1, t_b=2).timeline()
+    fig = swimlane.draw([g, o], titles=["GPipe", "1F1B"], title="same work, less memory", memory=True)
+    top, bottom = [a for a in fig.axes if a.get_label() == "swimlanes"]
+    assert top.get_shared_x_axes().joined(top, bottom) and top.get_xlim() == bottom.get_xlim() == (0, 33)
+    assert top.get_title().startswith("GPipe\n") and bottom.get_title().startswith("1F1B\n")
+    assert fig.get_suptitle() == "same work, less memory"
+    panels = memory_panels(fig)
+    assert len(panels) == 8 and len({a.get_ylim() for a in panels}) == 1      # one scale for both
+    peaks = [max(a.get_lines()[0].get_ydata()) for a in panels]
+    assert peaks == [8, 8, 8, 8, 4, 3, 2, 1]                                  # GPipe holds m, 1F1B p - r
+    assert_readable(fig)
+    with pytest.raises(ValueError, match="one per timeline"):
+        swimlane.draw([g, o], titles=["GPipe"])
+    with pytest.raises(ValueError, match="figure of its own"):
+        swimlane.draw([g, o], ax=Figure().subplots())
+    with pytest.raises(ValueError, match="share a time axis"):
+        swimlane.draw([g, Timeline([Event(0, "F", "compute", 0, 1)])])
+    with pytest.raises(ValueError, match="titles= goes with a list"):
+        swimlane.draw(g, titles=["GPipe"])
+
+
+# ----------------------------------------------------------------------------------
+# The pipeline explorer
+
+
+def _visible(widget):
+    return widget.layout.display != "none"
+
+
+def _tree(widget):
+    yield widget
+    for child in getattr(widget, "children", ()):
+        yield from _tree(child)
+
+
+def test_explorer_lays_controls_out_in_rows_and_shows_only_those_that_apply():
+    import ipywidgets as w
+    from pplab.pipeline import explore
+    box = explore()
+    grid = box.children[0]
+    assert isinstance(grid, w.GridBox) and "minmax" in grid.layout.grid_template_columns   # wraps into rows
+    c = box.controls
+    assert all(c[n] in grid.children for n in ("schedule", "p", "m", "v", "t_f", "t_b", "t_w", "memory"))
+    assert c["time"] not in grid.children                                   # the zoom slider: a row of its own
+    shown = lambda: {n for n, wd in c.items() if _visible(wd)}             # noqa: E731
+    # a simulation has no messages: no "comm lanes" or "arrows" boxes that would do nothing
+    assert shown() == {"schedule", "p", "m", "t_f", "t_b", "memory", "time"}
+    c["schedule"].value = "interleaved-1f1b"
+    assert shown() == {"schedule", "p", "m", "v", "t_f", "t_b", "memory", "time"}
+    c["schedule"].value = "zb-v"                                           # always 2 chunks: v does nothing
+    assert shown() == {"schedule", "p", "m", "t_f", "t_b", "t_w", "memory", "time"}
+    c["schedule"].value = "zb-h1"
+    assert "t_w" in shown() and "v" not in shown()
+    # a measured run with messages gets them
+    ring = swimlane.explore(gpipe())
+    assert _visible(ring.controls["comm_lanes"]) and _visible(ring.controls["arrows"])
+
+
+def test_explorer_titles_state_the_simulated_bubble_and_the_formula_that_applies():
+    from pplab.pipeline import SCHEDULES, pipeline_timeline
+    p, m, t_f, t_b = 4, 8, 1.0, 2.0
+    for name in SCHEDULES:
+        tl = pipeline_timeline(name, p, m, 2, t_f, t_b)
+        useful = m * (t_f + t_b)                                   # one rank's forwards and backwards
+        idle = max(e.end for e in tl.events if e.category == "compute") - useful
+        assert f"bubble {idle / useful:.1%} of useful time" in tl.title, name
+        if name in ("zb-h1", "zb-v"):
+            assert "(p-1)/(v·m)" not in tl.title
+    # ZB-H1: makespan m(F+I+W) + (p-1)(F+I-W), I = t_b - t_W (the zero-bubble paper's, for W <= I)
+    zb = pipeline_timeline("zb-h1", 4, 8, t_f=1, t_b=2, t_w=0.5)
+    assert f"(p-1)(t_f+t_I-t_W)/(m·(t_f+t_b)) = {3 * (1 + 1.5 - 0.5) / (8 * 3):.1%}" in zb.title
+    assert "does not hold" not in zb.title
+    assert "does not hold" in pipeline_timeline("zb-h1", 4, 8, t_f=1, t_b=2, t_w=1.5).title     # W > I
+    zbv = pipeline_timeline("zb-v", 4, 8).title
+    assert "no closed form" in zbv and f"1F1B would idle (p-1)/m = {3 / 8:.1%}" in zbv
+    assert "(p-1)/(v·m) = 18.8%" in pipeline_timeline("interleaved-1f1b", 4, 8, 2).title     # 3/16
+    assert "p-1 = 300.0%" in pipeline_timeline("naive", 4, 8).title
+    assert "t_I=1.5, t_W=0.5" in pipeline_timeline("zb-v", 4, 8, t_b=2, t_w=0.5).title
+
+
+def test_explorer_redraws_an_image_when_schedule_or_m_change():
+    import ipywidgets as w
+    from pplab.pipeline import explore
+    box = explore()
+    assert not any(isinstance(x, w.Output) for x in _tree(box))      # see the next test for why
+    first = box.image.value
+    assert first.startswith("<img") and 'alt="1f1b: p=4, m=8' in first and box.png[:8] == b"\x89PNG\r\n\x1a\n"
+    box.controls["m"].value = 4
+    assert box.image.value != first and box.timeline.title.startswith("1f1b: p=4, m=4")
+    second = box.image.value
+    box.controls["schedule"].value = "gpipe"
+    assert box.image.value != second and box.timeline.title.startswith("gpipe: p=4, m=4")
+    box.controls["schedule"].value = "interleaved-1f1b"
+    box.controls["m"].value = 6                                      # not a multiple of p: said, not raised
+    assert not _visible(box.image) and "m=6" in box.children[2].value
+
+
+def _shell_messages_sent(source):
+    """Run `source` as a notebook cell under nbclient (what nbconvert --execute uses) and
+    return the message types the client sent on the kernel's shell channel meanwhile."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source)])
+    client = NotebookClient(nb, timeout=300, kernel_name="python3")
+    sent = []
+    with client.setup_kernel():
+        send = client.kc.shell_channel.send
+        client.kc.shell_channel.send = lambda msg: (sent.append(msg["header"]["msg_type"]), send(msg))[1]
+        client.execute_cell(nb.cells[0], 0)
+    return sent
+
+
+def test_explorer_under_nbconvert_sends_nothing_back_while_the_cell_runs():
+    """Why 04_pipeline once hung under nbconvert at the explorer cell. nbclient mimics an
+    Output widget: every output captured by one is answered with a comm_msg on the shell
+    channel, sent while the client is awaiting that channel's execute_reply. When the
+    reply has just arrived (likelier on a loaded machine), the send drains the socket's
+    edge-triggered wake-up and the wait never ends. The explorer now shows its figure as
+    an Image widget, so the client has nothing to send."""
+    assert _shell_messages_sent("from pplab.pipeline import explore\nexplore(m=4)") == ["execute_request"]
+    # the mechanism, with an Output widget: the client does send while awaiting the reply
+    output = ("import ipywidgets as w\nfrom IPython.display import display\nout = w.Output()\n"
+              "with out:\n    display('a figure')\nout")
+    assert "comm_msg" in _shell_messages_sent(output)
