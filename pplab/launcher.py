@@ -29,9 +29,11 @@ import atexit
 import ctypes
 import datetime
 import inspect
+import io
 import multiprocessing as mp
 import multiprocessing.connection
 import os
+import pickle
 import signal
 import socket
 import subprocess
@@ -268,7 +270,8 @@ def _check_call(fn, args, kwargs) -> None:
 
 
 def launch(fn, *args, world_size: int = 4, backend: str = "auto", timeout: float = 120.0,
-           threads_per_rank: int = 1, start_method: str | None = None, **kwargs) -> LaunchResult:
+           threads_per_rank: int = 1, start_method: str | None = None, safe_results: bool = False,
+           **kwargs) -> LaunchResult:
     """Run `fn(*args, **kwargs)` on `world_size` processes; return their results by rank.
 
     backend: "auto" (NCCL with one GPU per rank when there are enough GPUs and CUDA is
@@ -276,6 +279,9 @@ def launch(fn, *args, world_size: int = 4, backend: str = "auto", timeout: float
     timeout: seconds before ranks still running are stopped and named in the error.
     threads_per_rank: torch threads per CPU rank (1 keeps N ranks from fighting over cores).
     start_method: None (fork when safe, else spawn), "fork" or "spawn".
+    safe_results: the ranks run code this process must not trust (a student's, when
+      grading): decode what they send back as plain data only (see _plain_loads), so
+      nothing they send can run code here. fn should then return bytes or plain data.
 
     The result list has `.timeline` (every rank's trace on one clock) and `.elapsed`.
     Raises LaunchError if any rank raises, dies or hangs; no child outlives the call.
@@ -301,7 +307,8 @@ def launch(fn, *args, world_size: int = 4, backend: str = "auto", timeout: float
         payload = (fn, args, kwargs)
     for attempt in range(3):
         try:
-            return _launch_once(payload, world_size, backend, method, float(timeout), threads_per_rank)
+            return _launch_once(payload, world_size, backend, method, float(timeout), threads_per_rank,
+                                safe_results)
         except LaunchError as err:
             port_taken = "address already in use" in str(err).lower() and "during start-up" in str(err)
             if not port_taken or attempt == 2:
@@ -359,7 +366,7 @@ def _spawned_main(argv):
     _rank_main(*args, payload, Connection(int(conn_fd)), Connection(int(out_fd)), Connection(int(err_fd)))
 
 
-def _launch_once(payload, world_size, backend, method, timeout, threads) -> LaunchResult:
+def _launch_once(payload, world_size, backend, method, timeout, threads, safe=False) -> LaunchResult:
     ctx = mp.get_context("fork" if method == "fork" else "spawn")
     port = _free_port()
     started = time.perf_counter()
@@ -384,7 +391,7 @@ def _launch_once(payload, world_size, backend, method, timeout, threads) -> Laun
             for c in (conn_w, out_w, err_w):       # the child has its copies; ours would hide EOF
                 c.close()
             ranks.append(_Rank(r, proc, conn_r, out_r, err_r))
-        return _collect(ranks, started, timeout, backend, method)
+        return _collect(ranks, started, timeout, backend, method, safe)
     finally:
         for rk in ranks:
             rk.kill()
@@ -394,15 +401,44 @@ def _launch_once(payload, world_size, backend, method, timeout, threads) -> Laun
             rk.close()
 
 
-def _receive(rk) -> None:
+def _receive(rk, safe=False) -> None:
     """Read the child's one message, if it sent one before its pipe closed."""
     try:
-        rk.message = cloudpickle.loads(rk.conn.recv_bytes())
+        data = rk.conn.recv_bytes()
     except (EOFError, OSError):
         rk.message = None
+        return
+    rk.message = _plain_loads(data) if safe else cloudpickle.loads(data)
 
 
-def _collect(ranks, started, timeout, backend, method) -> LaunchResult:
+class _PlainUnpickler(pickle.Unpickler):
+    """Builds numbers, strings, bytes, lists, tuples, dicts, sets and trace events, nothing else:
+    unpickling plain data needs no import, so refusing every import refuses any code."""
+
+    def find_class(self, module, name):
+        if (module, name) == ("pplab.trace", "Event"):
+            return trace.Event
+        raise pickle.UnpicklingError(f"{module}.{name} is not plain data")
+
+
+def _plain_loads(data: bytes):
+    """A rank's message decoded with _PlainUnpickler; one that is not plain data, or not
+    shaped like a rank's message, becomes that rank's error."""
+    try:
+        message = _PlainUnpickler(io.BytesIO(data)).load()
+        if isinstance(message, tuple) and len(message) == 3 and message[0] == "ok" and \
+                isinstance(message[2], list) and all(isinstance(e, trace.Event) for e in message[2]):
+            return message
+        if isinstance(message, tuple) and len(message) == 4 and message[0] == "err" and \
+                all(isinstance(m, str) for m in message[1:]):
+            return message
+        problem = "a message not shaped like a rank's result"
+    except Exception as exc:  # noqa: BLE001 - whatever the bytes were, they are refused
+        problem = f"{type(exc).__name__}: {exc}"
+    return ("err", "return", f"ResultError: its result is not plain data ({problem})", "")
+
+
+def _collect(ranks, started, timeout, backend, method, safe=False) -> LaunchResult:
     deadline = time.monotonic() + timeout
     pending = {rk.rank for rk in ranks}
     by_fd = {fd: rk for rk in ranks for fd in rk.pipes}
@@ -431,14 +467,14 @@ def _collect(ranks, started, timeout, backend, method) -> LaunchResult:
                 by_fd[obj].pump(obj)
             elif obj in by_conn:
                 rk = by_conn.pop(obj)
-                _receive(rk)
+                _receive(rk, safe)
                 settle(rk)
         for obj in ready:
             if obj in by_sentinel:                  # a child ended: did it answer first?
                 rk = by_sentinel.pop(obj)
                 if rk.conn in by_conn:
                     del by_conn[rk.conn]
-                    _receive(rk)
+                    _receive(rk, safe)
                     settle(rk)
                 if rk.message is None:
                     rk.proc.join(1)
