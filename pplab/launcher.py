@@ -404,7 +404,7 @@ def _launch_once(payload, world_size, backend, method, timeout, threads, safe=Fa
 def _receive(rk, safe=False) -> None:
     """Read the child's one message, if it sent one before its pipe closed."""
     try:
-        data = rk.conn.recv_bytes()
+        data = rk.conn.recv_bytes(64 << 20 if safe else None)   # untrusted: a bogus length is refused
     except (EOFError, OSError):
         rk.message = None
         return
