@@ -11,7 +11,7 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
-from pplab import checks, cli, grading
+from pplab import checks, cli, grading, submission
 
 REPO = Path(__file__).resolve().parents[1]
 PPLAB = [sys.executable, "-m", "pplab.cli"]
@@ -104,7 +104,7 @@ def test_definitions_keep_what_the_answer_needs_and_name_what_was_ignored():
                  "    return helper(tensor) + Box.size + LOOP + c.rank()"),
              (6, "def helper(t):\n    return t * 3        # the last definition counts"),
              (7, "x = setattr(pplab, 'grading', None)\nmy_other = x")]
-    found = grading.definitions(cells, {"my_answer", "my_other", "missing"})
+    found = submission.definitions(cells, {"my_answer", "my_other", "missing"})
     answer = found.answers["my_answer"]
     assert [(f, line) for f, line, _ in answer.statements] == \
         [("<cell 2>", 1), ("<cell 2>", 3), ("<cell 2>", 4), ("<cell 3>", 4), ("<cell 5>", 1), ("<cell 6>", 1)]
@@ -115,7 +115,7 @@ def test_definitions_keep_what_the_answer_needs_and_name_what_was_ignored():
     assert "ignored cell 4, line 1: `pplab.checks.run_check = ...`: the grader runs only definitions" in found.notes
     assert "ignored cell 7, line 1: `x = ...`: the grader runs only definitions" in found.notes
     assert any("my_answer uses `LOOP`, which no definition at the top level binds" in n for n in found.notes)
-    plain = grading.definitions([(1, "def f(a, b=1, *c, d, e=2, **g):\n    pass")], {"f"}).answers["f"]
+    plain = submission.definitions([(1, "def f(a, b=1, *c, d, e=2, **g):\n    pass")], {"f"}).answers["f"]
     assert str(__import__("inspect").signature(plain)) == "(a, b=Ellipsis, *c, d, e=Ellipsis, **g)"
 
 
@@ -127,6 +127,17 @@ def test_a_source_answer_runs_only_in_a_child():
     pid = checks.core.call_answer(answer)
     assert isinstance(pid, int) and pid != os.getpid()
     assert "f" not in globals() and "submission" not in sys.modules
+
+
+def test_a_source_answer_that_loops_or_raises_is_named_not_called_a_deadlock():
+    spin = checks.SourceAnswer("bubble_fraction", (("<cell 3>", 1, "def bubble_fraction(p, m, v):\n"
+                                                                   "    while True:\n        pass"),))
+    message = checks.run_check("bubble_fraction", spin, timeout=2).message
+    assert "bubble_fraction was still running after 2 s, busy on the CPU all along: a loop that never ends?" in message
+    assert "deadlock" not in message
+    bad = checks.SourceAnswer("bubble_fraction", (("<cell 3>", 1, "def bubble_fraction(p, m, v):\n    return 1 / 0"),))
+    assert "bubble_fraction raised ZeroDivisionError: division by zero (in bubble_fraction, line 2: `return 1 / 0`)" \
+        in checks.run_check("bubble_fraction", bad).message
 
 
 def test_results_from_a_rank_are_decoded_as_plain_data_only(tmp_path):

@@ -101,6 +101,21 @@ def broadcast_last_rank_scratch_buffer(tensor, src):
             comm.recv(target, (me - mask + src) % p)
 
 
+def broadcast_last_rank_spins(tensor, src):
+    """The last rank loops forever (a loop condition that never changes): not a deadlock."""
+    rank, p = comm.rank(), comm.world_size()
+    if rank == p - 1:
+        done = False
+        while not done:
+            pass
+    elif rank == src:
+        for r in range(p - 1):
+            if r != src:
+                comm.send(tensor, r)
+    else:
+        comm.recv(tensor, src)
+
+
 # Failures are reported for the first trial that went wrong, lowest rank first.
 TRIAL = r"^world_size=\d, src=\d, dtype=(float32|int64), shape=\([\d, ]*\): "
 WRONG = {
@@ -128,6 +143,9 @@ WRONG = {
          None),
         (broadcast_last_rank_scratch_buffer,
          [TRIAL, r"rank [1-3]'s result differs from the reference \(rank [0-2]'s tensor, the src\)"], None),
+        (broadcast_last_rank_spins,
+         [r"^world_size=2\b.*: rank 1 was still running after 3 s, busy on the CPU all along: a loop that never "
+          r"ends\? Check what ends each loop in broadcast_last_rank_spins"], 3.0),
         (broadcast_via_functional_collective,
          [TRIAL, r"rank \d ended with the right values but received no point-to-point message"], None),
     ],
