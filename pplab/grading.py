@@ -22,8 +22,9 @@
      pplab imported from a copy of its source read before any notebook ran), where no
      student code runs: the student's definitions run only in the ranks and child
      processes that call them, and what comes back is decoded as plain data. The check
-     process kills every process below it before it writes its verdict, as the last line
-     of its output, so a line forged by the answer always comes before it.
+     process kills every process below it, then sends its verdict over a Unix socket on
+     which the grader reads only the connection the kernel says (SO_PEERCRED) comes from
+     the check process itself: a verdict forged by the answer, anywhere, is ignored.
    A notebook that crashes, hangs or deadlocks loses nothing: its definitions are graded.
 
    The grader does not sandbox: student code runs with the grader's rights, so a notebook
@@ -33,6 +34,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import copy
 import csv
 import json
@@ -358,18 +360,29 @@ _check_main(job)
 def run_check_process(exercise_id: str, answer, sources: dict, check_timeout: float,
                       notes: list | None = None) -> tuple[bool, str]:
     """(passed, message) of one exercise's check of `answer` (a SourceAnswer), run in a fresh
-    process. Its verdict is the last line it writes to its stdout, after it has killed
-    every process below it: a line written by anything else comes before it (and is
-    named in `notes`)."""
-    notes = [] if notes is None else notes
+    process where no student code runs.
+
+    The verdict comes back over a Unix socket that the check process connects to once
+    every process below it has been killed, and the grader reads only the connection whose
+    peer the kernel reports (SO_PEERCRED) as the check process itself: whatever a rank
+    writes, to any file descriptor or to the socket, cannot stand in for it. Forged
+    verdicts seen on the way are named in `notes`."""
+    import socket
+    import struct
     import threading
 
+    notes = [] if notes is None else notes
     limit = 4 * check_timeout + 120                         # a few launches, each bounded by check_timeout
-    job = {"sources": sources, "exercise": exercise_id, "timeout": check_timeout, "name": answer.name,
-           "statements": [list(s) for s in answer.statements],
-           "params": None if answer.params is None else [list(p) for p in answer.params]}
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
-    with tempfile.TemporaryDirectory(prefix="pplab-check-") as cwd:
+    with tempfile.TemporaryDirectory(prefix="pplab-check-") as cwd, \
+            socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+        address = f"\0pplab-verdict-{os.getpid()}-{os.urandom(8).hex()}"      # abstract: no file to find
+        server.bind(address)
+        server.listen(16)
+        server.settimeout(0.2)
+        job = {"sources": sources, "exercise": exercise_id, "timeout": check_timeout, "name": answer.name,
+               "statements": [list(s) for s in answer.statements], "verdict": address,
+               "params": None if answer.params is None else [list(p) for p in answer.params]}
         proc = subprocess.Popen([sys.executable, "-I", "-c", _BOOT], cwd=cwd, env=env, stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         lines: list[bytes] = []
@@ -380,35 +393,53 @@ def run_check_process(exercise_id: str, answer, sources: dict, check_timeout: fl
             proc.stdin.close()
         except OSError:
             pass
-        try:
-            proc.wait(limit)
-        except subprocess.TimeoutExpired:
-            _kill_tree(proc.pid)
-            proc.wait()
-            return False, f"the check did not finish within {limit:g} s (the grader's limit for one check)"
-        _kill_tree(proc.pid)                                # nothing of it may write after its verdict
-        reader.join(10)
+        verdicts, forged, deadline = [], 0, time.monotonic() + limit
+        while time.monotonic() < deadline and (proc.poll() is None or not verdicts):
+            try:
+                conn, _ = server.accept()
+            except (socket.timeout, OSError):
+                if proc.poll() is not None:
+                    break
+                continue
+            with conn:
+                pid, _, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                struct.calcsize("3i")))
+                conn.settimeout(5)
+                data = b""
+                with contextlib.suppress(OSError):
+                    while chunk := conn.recv(65536):
+                        data += chunk
+            if pid == proc.pid:
+                verdicts.append(data)
+            else:
+                forged += 1
+        timed_out = proc.poll() is None
+        _kill_tree(proc.pid)
+        proc.wait()
+        reader.join(5)
     text = [line.decode(errors="replace").strip() for line in lines if line.strip()]
+    forged += sum(1 for line in text if '"passed"' in line)
+    if forged:
+        notes.append(f"{exercise_id}: ignored {forged} forged verdict(s) (from processes other than the check "
+                     f"itself)")
+    if timed_out and not verdicts:
+        return False, f"the check did not finish within {limit:g} s (the grader's limit for one check)"
     try:
-        verdict = json.loads(text[-1])
-        message = str(verdict["message"])
-        if len(text) > 1:                                   # written by the answer, from a rank
-            notes.append(f"{exercise_id}: ignored {len(text) - 1} line(s) written to the check's verdict channel "
-                         f"by the answer")
-        return verdict["passed"] is True, message
+        verdict = json.loads(verdicts[0])
+        return verdict["passed"] is True, str(verdict["message"])
     except (IndexError, ValueError, KeyError, TypeError):
         tail = text[-1][:200] if text else "no output"
-        return False, f"the check process failed (exit code {proc.returncode}): {tail}"
+        return False, f"the check process gave no verdict (exit code {proc.returncode}): {tail}"
 
 
 def _check_main(job: dict) -> None:
     """In the check process: check the answer, kill every process below this one, then
-    write the verdict as the last line of stdout."""
+    send the verdict to the grader's socket."""
+    import socket
+
     _become_subreaper()
-    out = os.dup(1)
-    devnull = os.open(os.devnull, os.O_RDWR)
-    for fd in (0, 1, 2):                                # ranks print here: not on the verdict's channel
-        os.dup2(devnull, fd)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
     started = time.monotonic()
     try:
         from .checks import SourceAnswer, run_check
@@ -421,5 +452,7 @@ def _check_main(job: dict) -> None:
         verdict = {"passed": False, "message": f"the check raised {type(exc).__name__}: {exc}"}
     verdict["seconds"] = round(time.monotonic() - started, 2)
     _kill_children()
-    os.write(out, ("\n" + json.dumps(verdict) + "\n").encode())
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as channel:
+        channel.connect(job["verdict"])
+        channel.sendall(json.dumps(verdict).encode())
     os._exit(0)

@@ -39,6 +39,34 @@ can be let through with `allow_type`); the launch itself uses `safe_results=True
 that is malformed or not plain data makes the check fail, never pass. A `Fail` raised
 inside a rank still fails the check, but a pass can only come from `check` here.
 
+A sketch (see collectives.py's broadcast for a whole one):
+
+    def _rank(fn, trials, seed, progress_dir):            # in every rank
+        for i, trial in enumerate(trials):
+            progress(progress_dir, i)
+            tensor = inputs(seed, i)[dist.get_rank()].clone()
+            fn(tensor)                                    # the student's code
+            observe(progress_dir, i, {"tensor": tensor})
+
+    def _check(name, trials, seed):
+        def check(p, i, observed):                        # here, after the ranks ran
+            for rank, seen in sorted(observed.items()):   # every rank, not only rank 0
+                if first_difference(seen["tensor"], reference(seed, i, p)) is not None:
+                    raise Fail(f"rank {rank}'s result differs ...")
+        return check
+
+    run_on_ranks(_rank, fn, trials, seed, world_size=p, timeout=timeout, answer=fn,
+                 describe=..., trials=len(trials), check=_check(fn.__name__, trials, seed))
+
+`check` gets only the ranks that recorded trial i when the launch failed (a rank hung
+or crashed), so loop over what it is given; when the launch succeeded, every rank must
+have recorded every trial (run_on_ranks fails it otherwise). Treat observed data as
+untrusted: anything that is not what your job records (a KeyError, a wrong type) makes
+the check fail with "could not be read". A SourceAnswer has `__name__` and, for a plain
+def, `__signature__` (so `require_function` and messages work), and `callable()` is
+true, but calling it here raises TypeError. The answer runs with a fresh temporary
+folder as its working directory.
+
 * a checker for a collective runs the answer on real ranks with `run_on_ranks`, compares
   every rank with a reference, and forbids the library collective the exercise replaces
   (`watch_comm` in the job, `forbidden_references` before the launch);
