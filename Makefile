@@ -40,7 +40,7 @@ exercises: $(STAMP)          # regenerate exercises/ from solutions/ (the one so
 	$(BIN)/pplab exercises
 
 benchmarks: $(STAMP)        # figures recorded in benchmarks/README.md (10-15 minutes)
-	for b in launch swimlane collectives ddp pipeline; do $(BIN)/python benchmarks/$$b.py || exit 1; done
+	for b in launch swimlane collectives ddp pipeline tensor_parallel zero; do $(BIN)/python benchmarks/$$b.py || exit 1; done
 
 clean:
 	rm -rf $(VENV) build *.egg-info

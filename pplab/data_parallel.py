@@ -93,6 +93,35 @@ def _finished(event: Event) -> None:
         event.end = now()
 
 
+def end_trace_when_done(handle: comm.Handle) -> None:
+    """An async collective's trace box ends when the backend has finished, not when we get round to wait()."""
+    try:
+        future = handle.work.get_future()
+    except (AttributeError, RuntimeError):   # some backends' ops have no future: the box ends at wait()
+        return
+    future.add_done_callback(lambda _, event=handle.event: _finished(event))
+
+
+def reverse_buckets(named_params, cap_bytes: int) -> list[list]:
+    """(name, parameter) pairs grouped into buckets of at most `cap_bytes`, last parameter first.
+
+    Backward produces the last layers' gradients first, so that is the order their
+    communication can start in. A parameter bigger than the cap gets a bucket of its own;
+    one bucket holds one dtype on one device (it becomes one flat buffer).
+    """
+    buckets, size = [], 0
+    for name, p in reversed(list(named_params)):
+        nbytes = p.numel() * p.element_size()
+        current = buckets[-1] if buckets else None
+        if current is None or size + nbytes > cap_bytes or p.dtype != current[0][1].dtype \
+                or p.device != current[0][1].device:
+            buckets.append([])
+            size = 0
+        buckets[-1].append((name, p))
+        size += nbytes
+    return buckets
+
+
 def _tensors(x):
     if isinstance(x, torch.Tensor):
         yield x
@@ -127,6 +156,11 @@ class DDP(nn.Module):
         if wrapped:
             raise RuntimeError(f"parameters {wrapped[:3]} already carry the hooks of another DDP: call "
                                f"old_ddp.remove_hooks() first, or wrap a fresh model (copy.deepcopy)")
+        zeroed = [n for n, p in params if getattr(p, "_pplab_zero", None)]
+        if zeroed:
+            raise RuntimeError(f"parameters {zeroed[:3]} belong to a pplab.zero optimizer or FullyShardedModule, "
+                               f"which averages the gradients itself (reduce-scatter): DDP's all-reduce on top "
+                               f"would average them twice and keep a full gradient copy. Drop the DDP wrapper")
         self._check_same_model_everywhere()
 
         # 1. The same start: rank 0's parameters and buffers everywhere.
@@ -135,18 +169,7 @@ class DDP(nn.Module):
                 comm.broadcast(t.detach(), src=0)
 
         # 2. Buckets: parameters in reverse order, a new bucket when the next would not fit.
-        cap = int(bucket_cap_mb * 2**20)
-        self._buckets: list[list[tuple[str, nn.Parameter]]] = []
-        size = 0
-        for name, p in reversed(params):
-            nbytes = p.numel() * p.element_size()
-            current = self._buckets[-1] if self._buckets else None
-            if current is None or size + nbytes > cap or p.dtype != current[0][1].dtype \
-                    or p.device != current[0][1].device:       # one flat buffer = one dtype, one device
-                self._buckets.append([])
-                size = 0
-            self._buckets[-1].append((name, p))
-            size += nbytes
+        self._buckets = reverse_buckets(params, int(bucket_cap_mb * 2**20))
         self._buffers = [torch.empty(sum(p.numel() for _, p in b), dtype=b[0][1].dtype, device=b[0][1].device)
                          for b in self._buckets]
 
@@ -236,9 +259,7 @@ class DDP(nn.Module):
             torch.cat([p.grad.reshape(-1) for _, p in self._buckets[i]], out=buf)
             handle = comm.all_reduce(buf, async_op=True)
             handle.event.label, handle.event.meta["bucket"] = f"AR{i}", i
-            # The trace box ends when the backend has finished, not when we get round to wait().
-            if hasattr(handle.work, "get_future"):
-                handle.work.get_future().add_done_callback(lambda _, event=handle.event: _finished(event))
+            end_trace_when_done(handle)
             self._handles.append((i, handle))
             self._next += 1
 

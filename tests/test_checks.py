@@ -11,6 +11,10 @@ from pplab import checks, comm
 from notebook_answers import solution, stub
 from wrong_solutions import WRONG
 from wrong_solutions_chapters import WRONG as WRONG_CHAPTERS
+from wrong_solutions_tensor_parallel import WRONG as WRONG_TENSOR_PARALLEL
+from wrong_solutions_zero import WRONG as WRONG_ZERO
+
+WRONG_CHAPTERS = {**WRONG_CHAPTERS, **WRONG_TENSOR_PARALLEL, **WRONG_ZERO}
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 

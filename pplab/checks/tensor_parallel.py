@@ -1,0 +1,449 @@
+"""Checks of chapter 3's exercises: tensor parallelism.
+
+    f_g                   f_and_g() -> (f, g), each called as f(x, group)
+    row_parallel_linear   row_parallel_from_dense(dense, group=None) -> module
+    vocab_parallel_ce     vocab_parallel_ce(logits_shard, targets, vocab_start, group=None) -> loss
+    linear_traffic        linear_traffic(strategy, B, c_in, c_out) -> numbers sent per step
+
+Every check runs the answer on real gloo ranks (2 and 3, and 4 ranks split into two
+sub-groups for f_g and the row layer), in float64, against the dense computation on one
+process (tolerance 1e-10). The ranks record every torch.distributed collective the answer
+makes (pplab.comm's included), with its size and whether it ran in forward or backward;
+the checker then compares values *and* that communication with Megatron's: f is the identity
+forward and one all-reduce backward, g the reverse; the row layer all-reduces once forward and
+never backward; the cross-entropy never moves a [tokens, vocab] tensor. linear_traffic needs no
+ranks: seed 002's table for random shapes (its notebook measures the same numbers from a trace).
+"""
+from __future__ import annotations
+
+import contextlib
+import random
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .core import (Fail, call_answer, check_number, exercise, first_difference, progress, refuse_library,
+                   require_function, run_on_ranks)
+from .core import _fmt
+
+TOL = 1e-10
+_COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
+                "gather", "scatter", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
+                "all_to_all", "all_to_all_single")
+_SHORT = {"all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather", "reduce_scatter_tensor":
+          "reduce_scatter", "reduce_scatter_single": "reduce_scatter", "all_to_all_single": "all_to_all"}
+
+
+def _input_numel(name, args, kwargs):
+    """Elements this rank puts into a collective: the input of (output, input) forms, else the tensor."""
+    args = list(args) + list(kwargs.values())
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    lists = [a for a in args if isinstance(a, (list, tuple))]
+    if len(tensors) >= 2:
+        return tensors[1].numel()
+    if name in ("reduce_scatter", "all_to_all") and lists:
+        return sum(t.numel() for t in lists[-1])
+    return tensors[0].numel() if tensors else 0
+
+
+@contextlib.contextmanager
+def _record(calls: list, phase: dict):
+    """Inside a rank: log (phase, collective, elements) for every torch.distributed collective
+    (pplab.comm's too: its tensor forms are bound to torch's at import, so they are wrapped there)."""
+    from .core import comm
+    owners = [(dist, n) for n in _COLLECTIVES if hasattr(dist, n)]
+    owners += [(comm, n) for n in ("_all_gather_single", "_reduce_scatter_single") if hasattr(comm, n)]
+    saved = [(o, n, getattr(o, n)) for o, n in owners]
+
+    def wrap(name, original):
+        short = _SHORT.get(name.strip("_"), name.strip("_"))
+
+        def collective(*args, **kwargs):
+            if _depth["n"] == 0:
+                calls.append((phase["now"], short, _input_numel(short, args, kwargs)))
+            with _quiet():
+                return original(*args, **kwargs)
+        return collective
+
+    try:
+        for owner, name, original in saved:
+            setattr(owner, name, wrap(name, original))
+        yield
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
+
+
+_depth = {"n": 0}
+
+
+@contextlib.contextmanager
+def _quiet():
+    """A collective that calls another (all_gather_into_tensor -> all_gather_single) is logged once."""
+    _depth["n"] += 1
+    try:
+        yield
+    finally:
+        _depth["n"] -= 1
+
+
+def _groups(members):
+    """Every rank creates every sub-group (torch requires it); returns this rank's (group, ranks)."""
+    if members is None:
+        return None, list(range(dist.get_world_size()))
+    groups = [dist.new_group(m) for m in members]
+    return next((g, m) for g, m in zip(groups, members) if dist.get_rank() in m)
+
+
+def _data(seed, *shape):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def _trials(seed, sizes, sub_groups=True):
+    rng = random.Random(seed)
+    trials = [(p, None, rng.randrange(2**31)) for p in sizes]
+    if sub_groups:
+        trials.append((4, [[0, 2], [1, 3]], rng.randrange(2**31)))
+    return trials
+
+
+def _where(t):
+    p, members, _ = t
+    return f"world_size={p}" + (f", sub-groups {members}" if members else "")
+
+
+def _run(job, fn, trials, timeout, *extra):
+    """Launch each trial; returns [(trial, [per-rank data])]."""
+    out = []
+    for t in trials:
+        res = run_on_ranks(job, fn, t, *extra, world_size=t[0], timeout=timeout, answer=fn,
+                           describe=lambda world_size, i, t=t: _where(t))
+        out.append((t, res))
+    return out
+
+
+def _close(got, want, what, where, hint=""):
+    if got is None:
+        raise Fail(f"{where}: {what} is None.{hint}")
+    if got.shape != want.shape:
+        raise Fail(f"{where}: {what} has shape {list(got.shape)}, expected {list(want.shape)}.")
+    diff = first_difference(got, want, atol=TOL, rtol=0)
+    if diff is not None:
+        index, g, w = diff
+        raise Fail(f"{where}: {what} differs from the single-process value at index {index} "
+                   f"(got {_fmt(g)}, expected {_fmt(w)}).{hint}")
+
+
+def _comm(calls, phase):
+    return [(name, n) for ph, name, n in calls if ph == phase]
+
+
+# ----------------------------------------------------------------------------------
+# Exercise "f_g"
+
+
+def _fg_rank(fn, trial, progress_dir):
+    p, members, seed = trial
+    progress(progress_dir, 0)
+    group, ranks = _groups(members)
+    pair = fn()
+    if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(callable(h) for h in pair)):
+        got = f"a tuple of {len(pair)}" if isinstance(pair, (tuple, list)) else type(pair).__name__
+        return {"error": f"f_and_g() must return (f, g), two functions called as f(x, group); got {got}"}
+    f, g = pair
+    r, calls, phase = dist.get_rank(), [], {"now": ""}
+    shape = (1 + seed % 3, 2 + seed % 5)
+    x = _data(seed, *shape).requires_grad_()                      # the same on every rank
+    w = _data(seed + 1 + r, *shape)                               # each rank's own upstream gradient
+    xg = _data(seed + 100 + r, *shape).requires_grad_()           # each rank's own partial result
+    with _record(calls, phase):
+        phase["now"] = "f forward"
+        y = f(x, group)
+        phase["now"] = "f backward"
+        (y * w).sum().backward()
+        phase["now"] = "g forward"
+        z = g(xg, group)
+        phase["now"] = "g backward"
+        (z * w).sum().backward()
+    return {"ranks": ranks, "x": x.detach(), "y": y.detach(), "x_grad": x.grad, "z": z.detach(),
+            "xg_grad": xg.grad, "calls": calls, "numel": x.numel()}
+
+
+@exercise("f_g", "Megatron's f and g: conjugate autograd operators", answer="f_and_g", notebook="03a_f_g")
+def check_f_g(fn, seed: int, timeout: float) -> str:
+    require_function(fn, "f_g", "")
+    trials = _trials(seed, (2, 3))
+    for t, results in _run(_fg_rank, fn, trials, timeout):
+        seed_t = t[2]
+        for r, res in enumerate(results):
+            if "error" in res:
+                raise Fail(res["error"] + ".", seed_matters=False)
+            where = f"{_where(t)}, rank {r}"
+            shape, ranks, n = tuple(res["x"].shape), res["ranks"], res["numel"]
+            w_sum = sum(_data(seed_t + 1 + s, *shape) for s in ranks)
+            world_sum = sum(_data(seed_t + 1 + s, *shape) for s in range(t[0]))
+            own = _data(seed_t + 1 + r, *shape)
+            # f: identity forward, no communication
+            if _comm(res["calls"], "f forward"):
+                raise Fail(f"{where}: f's forward communicated ({_comm(res['calls'], 'f forward')}): every rank "
+                           f"already holds the same X, so f's forward is the identity (return x.view_as(x)).")
+            _close(res["y"], res["x"], "f(x)", where, " f's forward must return x unchanged.")
+            hint = ""
+            if res["x_grad"] is not None and res["x_grad"].shape == own.shape:
+                if torch.allclose(res["x_grad"], own, atol=TOL) and len(ranks) > 1:
+                    hint = (" It is this rank's own gradient: X is used by every rank, so dL/dX is the sum of "
+                            "every rank's gradient; f's backward must all-reduce it (it is g's forward).")
+                elif torch.allclose(res["x_grad"], w_sum / len(ranks), atol=TOL):
+                    hint = " It is the mean over the ranks: f's backward sums (all-reduce), it does not average."
+                elif t[1] and torch.allclose(res["x_grad"], world_sum, atol=TOL):
+                    hint = (" It is the sum over all ranks of the world: all-reduce over `group` only "
+                            "(pass group=group).")
+            _close(res["x_grad"], w_sum, "x.grad after f's backward", where, hint)
+            if _comm(res["calls"], "f backward") != [("all_reduce", n)]:
+                raise Fail(f"{where}: f's backward should make exactly one all-reduce of the gradient ({n} "
+                           f"elements); yours made {_comm(res['calls'], 'f backward') or 'none'}.")
+            # g: all-reduce forward, identity backward
+            z_sum = sum(_data(seed_t + 100 + s, *shape) for s in ranks)
+            hint = (" all-reduce over `group` only (pass group=group)." if t[1] and torch.allclose(
+                res["z"], sum(_data(seed_t + 100 + s, *shape) for s in range(t[0])), atol=TOL) else
+                    " g's forward is the sum over the ranks of the partial results: an all-reduce.")
+            _close(res["z"], z_sum, "g(x)", where, hint)
+            if _comm(res["calls"], "g forward") != [("all_reduce", n)]:
+                raise Fail(f"{where}: g's forward should make exactly one all-reduce ({n} elements); yours made "
+                           f"{_comm(res['calls'], 'g forward') or 'none'}.")
+            if _comm(res["calls"], "g backward"):
+                raise Fail(f"{where}: g's backward communicated ({_comm(res['calls'], 'g backward')}): the summed "
+                           f"result is used whole on every rank, so each partial result's gradient is the "
+                           f"incoming gradient unchanged. g's backward is the identity (f's forward).")
+            _close(res["xg_grad"], own, "x.grad after g's backward", where,
+                   " g's backward must return the incoming gradient unchanged.")
+    return ("on world sizes 2 and 3 and on two sub-groups of 4 ranks (forward values, gradients, and one "
+            "all-reduce exactly where Megatron puts it: f backward, g forward)")
+
+
+# ----------------------------------------------------------------------------------
+# Exercise "row_parallel_linear"
+
+
+def _split(n, p, r):
+    sizes = [n // p + (k < n % p) for k in range(p)]
+    return sum(sizes[:r]), sum(sizes[:r + 1])
+
+
+def _row_shapes(seed, p):
+    """in, out, batch, bias. On 3 ranks in_features = 1 (mod 3): 3 ranks get k+1, k, k columns,
+    where chunks of ceil(n/p) would give k+1, k+1, k-1."""
+    rng = random.Random(seed)
+    c_in = 3 * rng.randint(2, 3) + 1 if p == 3 else rng.randint(5, 11)
+    return c_in, rng.randint(2, 6), rng.randint(1, 4), rng.random() < 0.75
+
+
+def _row_rank(fn, trial, progress_dir):
+    p, members, seed = trial
+    progress(progress_dir, 0)
+    group, ranks = _groups(members)
+    c_in, c_out, batch, bias = _row_shapes(seed, p)
+    r, q = ranks.index(dist.get_rank()), len(ranks)
+    torch.manual_seed(seed)
+    dense = nn.Linear(c_in, c_out, bias=bias).double()
+    module = fn(dense, group)
+    weight, b = getattr(module, "weight", None), getattr(module, "bias", None)
+    out = {"ranks": ranks, "r": r, "weight": None if weight is None else weight.detach().clone(),
+           "bias": None if b is None else b.detach().clone(), "is_module": isinstance(module, nn.Module)}
+    a, e = _split(c_in, q, r)
+    fits = torch.tensor([int(weight is not None and tuple(weight.shape) == (c_out, e - a) and out["is_module"])])
+    dist.all_reduce(fits, op=dist.ReduceOp.MIN)         # run forward only if every rank can (else: a hang)
+    if not fits.item():
+        return out                                                   # the checker says what is wrong
+    x = _data(seed + 1, batch, c_in)[:, a:e].clone().requires_grad_()
+    calls, phase = [], {"now": "forward"}
+    with _record(calls, phase):
+        y = module(x)
+        phase["now"] = "backward"
+        (y * _data(seed + 2, batch, c_out)).sum().backward()
+    out.update(y=y.detach(), x_grad=x.grad, w_grad=weight.grad, b_grad=None if b is None else b.grad, calls=calls)
+    return out
+
+
+@exercise("row_parallel_linear", "A row-parallel Linear layer from a dense one", answer="row_parallel_from_dense",
+          notebook="03b_row_parallel")
+def check_row_parallel(fn, seed: int, timeout: float) -> str:
+    require_function(fn, "row_parallel_linear", "dense, group", nn.Linear(1, 1), None)
+    from .. import tensor_parallel
+    refuse_library(fn, "row_parallel_linear", "the row-parallel layer",
+                   {"RowParallelLinear": tensor_parallel.RowParallelLinear}, "pplab.tensor_parallel.RowParallelLinear")
+    trials = _trials(seed, (2, 3))
+    for t, results in _run(_row_rank, fn, trials, timeout):
+        c_in, c_out, batch, bias = _row_shapes(t[2], t[0])
+        torch.manual_seed(t[2])
+        dense = nn.Linear(c_in, c_out, bias=bias).double()
+        x = _data(t[2] + 1, batch, c_in).requires_grad_()
+        y = dense(x)
+        (y * _data(t[2] + 2, batch, c_out)).sum().backward()
+
+        def where(g_rank):
+            return f"{_where(t)}, in_features={c_in}, out_features={c_out}, rank {g_rank}"
+        for g_rank, res in enumerate(results):                  # first the layout, on every rank
+            r, q = res["r"], len(res["ranks"])
+            a, e = _split(c_in, q, r)
+            if not res["is_module"]:
+                raise Fail(f"{where(g_rank)}: row_parallel_from_dense must return an nn.Module (so that its "
+                           f"parameters can be trained).")
+            if res["weight"] is None or tuple(res["weight"].shape) != (c_out, e - a):
+                got = "no .weight" if res["weight"] is None else f"a .weight of shape {list(res['weight'].shape)}"
+                raise Fail(f"{where(g_rank)}: the module has {got}; rank {r} of {q} should hold columns {a}..{e - 1}"
+                           f" of dense.weight, shape [{c_out}, {e - a}] (split in_features as torch.tensor_split "
+                           f"does: the first in_features % p ranks get one more).")
+        for g_rank, res in enumerate(results):
+            r, q = res["r"], len(res["ranks"])
+            a, e = _split(c_in, q, r)
+            where_ = where(g_rank)
+            _close(res["weight"], dense.weight.detach()[:, a:e], ".weight", where_)
+            if bias and res["bias"] is None:
+                raise Fail(f"{where_}: the dense layer has a bias; keep it as .bias (shape [{c_out}]) on every rank.")
+            hint = ""
+            if bias and torch.allclose(res["y"], y.detach() + (q - 1) * dense.bias.detach(), atol=TOL):
+                hint = (f" It is y plus {q - 1} extra biases: every rank added the bias before the sum; add it "
+                        f"once, after the all-reduce.")
+            _close(res["y"], y.detach(), "the output", where_, hint)
+            if _comm(res["calls"], "backward"):
+                raise Fail(f"{where_}: backward communicated ({_comm(res['calls'], 'backward')}): the output's "
+                           f"gradient is already whole on every rank, and each rank's input slice and weight "
+                           f"columns need only it. The all-reduce's backward is the identity (g).")
+            _close(res["x_grad"], x.grad[:, a:e], "the gradient of this rank's input slice", where_)
+            _close(res["w_grad"], dense.weight.grad[:, a:e], ".weight.grad", where_)
+            if bias:
+                _close(res["b_grad"], dense.bias.grad, ".bias.grad", where_,
+                       " Every rank keeps the whole bias and must get its whole gradient (add it after the "
+                       "all-reduce, on every rank).")
+            if _comm(res["calls"], "forward") != [("all_reduce", batch * c_out)]:
+                raise Fail(f"{where_}: forward should make exactly one all-reduce, of the partial outputs "
+                           f"({batch}x{c_out} = {batch * c_out} elements); yours made "
+                           f"{_comm(res['calls'], 'forward') or 'none'}.")
+    return ("on world sizes 2 and 3 and on two sub-groups of 4 ranks (uneven in_features; weights, output and "
+            "every gradient to 1e-10; one all-reduce forward, none backward)")
+
+
+# ----------------------------------------------------------------------------------
+# Exercise "vocab_parallel_ce"
+
+
+def _ce_shapes(seed, big):
+    rng = random.Random(seed)
+    return rng.randint(2, 9), rng.randint(7, 40), (800.0 if big else 0.0)       # tokens, vocab, logit offset
+
+
+def _ce_rank(fn, trial, progress_dir):
+    p, _, seed, big = trial
+    progress(progress_dir, 0)
+    n, vocab, offset = _ce_shapes(seed, big)
+    r = dist.get_rank()
+    a, e = _split(vocab, p, r)
+    logits = _data(seed, n, vocab) * 3 + offset
+    targets = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed + 1))
+    shard = logits[:, a:e].clone().requires_grad_()
+    calls, phase = [], {"now": "forward"}
+    with _record(calls, phase):
+        loss = fn(shard, targets, a, None)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            return {"error": f"vocab_parallel_ce must return the mean loss as a 1-element tensor, got "
+                             f"{type(loss).__name__} {getattr(loss, 'shape', '')}"}
+        phase["now"] = "backward"
+        if loss.requires_grad:
+            loss.backward()
+    return {"loss": loss.detach().reshape(()), "grad": shard.grad, "calls": calls, "shard": e - a}
+
+
+@exercise("vocab_parallel_ce", "Vocabulary-parallel cross-entropy that never gathers the logits",
+          answer="vocab_parallel_ce", notebook="03c_vocab_parallel_ce")
+def check_vocab_parallel_ce(fn, seed: int, timeout: float) -> str:
+    require_function(fn, "vocab_parallel_ce", "logits_shard, targets, vocab_start, group",
+                     torch.zeros(1, 1), torch.zeros(1, dtype=torch.long), 0, None)
+    from .. import tensor_parallel_transformer as tpt
+    refuse_library(fn, "vocab_parallel_ce", "the vocabulary-parallel loss",
+                   {"vocab_parallel_cross_entropy": tpt.vocab_parallel_cross_entropy},
+                   "pplab.tensor_parallel_transformer.vocab_parallel_cross_entropy")
+    rng = random.Random(seed)
+    trials = [(2, None, rng.randrange(2**31), False), (3, None, rng.randrange(2**31), False),
+              (3, None, rng.randrange(2**31), True)]
+    for t in trials:
+        n, vocab, offset = _ce_shapes(t[2], t[3])
+        results = run_on_ranks(_ce_rank, fn, t, world_size=t[0], timeout=timeout, answer=fn,
+                               describe=lambda world_size, i, t=t: f"world_size={t[0]}")
+        logits = (_data(t[2], n, vocab) * 3 + offset).requires_grad_()
+        targets = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(t[2] + 1))
+        loss = F.cross_entropy(logits, targets)
+        loss.backward()
+        for r, res in enumerate(results):
+            where = (f"world_size={t[0]}, {n} tokens, vocabulary {vocab}" + (f" (logits around {offset:g})"
+                     if offset else "") + f", rank {r}")
+            if "error" in res:
+                raise Fail(f"{where}: {res['error']}.")
+            for ph, name, numel in res["calls"]:
+                if name in ("all_gather", "gather", "all_to_all") and numel >= res["shard"] * n:
+                    raise Fail(f"{where}: you {name.replace('_', '-')}ed the logits ({numel} elements per rank, in "
+                               f"{ph}): the point of this loss is never to build [tokens, vocab] anywhere. All-reduce "
+                               f"a max, a sum of exps and the target's logit instead: a few numbers per token.")
+                if numel > 3 * n:
+                    raise Fail(f"{where}: your {name} of {numel} elements (in {ph}) moves as much as the logits "
+                               f"({n} tokens x {res['shard']} on this rank); every all-reduce here should hold at "
+                               f"most a few numbers per token.")
+            a, e = _split(vocab, t[0], r)
+            hint = ""
+            if not torch.isfinite(res["loss"]):
+                hint = (" It is not finite: exp() overflowed. Subtract the max over the *whole* vocabulary "
+                        "(an all-reduce with op=MAX) before exp.")
+            _close(res["loss"], loss.detach(), "the loss", where, hint or
+                   " Check the three pieces: the global max (all-reduce MAX), the global sum of exp(logit - max), "
+                   "and the target's logit, which only the rank whose slice holds it may contribute.")
+            _close(res["grad"], logits.grad[:, a:e], "the gradient of logits_shard", where,
+                   f" It must be (softmax - one_hot(target)) / tokens on this rank's columns {a}..{e - 1}; the "
+                   f"target's column is target - vocab_start on the rank that owns it.")
+    return ("on world sizes 2 and 3, uneven vocabularies, logits near 0 and near 800 (loss and gradient to "
+            "1e-10; no collective larger than 3 numbers per token)")
+
+
+# ----------------------------------------------------------------------------------
+# Exercise "linear_traffic"
+
+_STRATEGIES = ("data parallel", "column", "row")
+
+
+def _traffic(strategy, B, c_in, c_out):
+    """Seed 002's table (CMU 15-418, lecture 25), in numbers per step; an all-reduce of N counts 2N."""
+    return {"data parallel": 2 * c_out * c_in, "column": 2 * B * c_in, "row": 2 * B * c_out}[strategy]
+
+
+_TRAFFIC_MISTAKES = [      # (what a wrong answer computes, the hint)
+    (lambda s, B, i, o: _traffic(s, B, i, o) // 2,
+     "That is the size of the tensor that is all-reduced; the table counts an all-reduce of N numbers as 2N (a "
+     "reduce and a broadcast), and the column split moves B·C_in forward and again backward."),
+    (lambda s, B, i, o: {"data parallel": 2 * B * i * o, "column": 2 * B * i, "row": 2 * B * o}[s],
+     "Data parallelism synchronises the weight gradient, C_out x C_in numbers, whatever the batch."),
+    (lambda s, B, i, o: {"data parallel": 2 * o * i, "column": 2 * B * o, "row": 2 * B * i}[s],
+     "Column and row are swapped: the column split (each rank computes some outputs) needs all of X, B x C_in, "
+     "and its gradient; the row split (each rank a partial sum of the output) all-reduces B x C_out."),
+]
+
+
+@exercise("linear_traffic", "Seed 002's table: what each strategy sends for one Linear layer",
+          answer="linear_traffic", notebook="03d_linear_traffic")
+def check_linear_traffic(fn, seed: int, timeout: float) -> str:
+    require_function(fn, "linear_traffic", "strategy, B, c_in, c_out", "row", 1, 1, 1)
+    rng = random.Random(seed)
+    shapes = [(rng.randint(1, 64), rng.randint(1, 64) * 16, rng.randint(1, 64) * 8) for _ in range(3)]
+    shapes.append((4096, 64, 32))                             # a big batch: data parallelism wins
+    for B, c_in, c_out in shapes:
+        for strategy in _STRATEGIES:
+            where = f"B={B}, C_in={c_in}, C_out={c_out}, strategy {strategy!r}: "
+            got = call_answer(fn, strategy, B, c_in, c_out, where=where)
+            want = _traffic(strategy, B, c_in, c_out)
+            try:
+                check_number(got, want, what=f"{where}linear_traffic", rel_tol=1e-9, abs_tol=0.5)
+            except Fail as failure:
+                hint = next((h for wrong, h in _TRAFFIC_MISTAKES
+                             if isinstance(got, (int, float)) and got == wrong(strategy, B, c_in, c_out) != want), "")
+                raise Fail(f"{failure} {hint}".rstrip(), seed_matters=failure.seed_matters) from None
+    return f"({len(shapes)} shapes x 3 strategies, each equal to seed 002's table)"

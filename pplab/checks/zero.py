@@ -1,0 +1,396 @@
+"""Checks of chapter 6's exercises: ZeRO stage 1's step, its memory formula, stage 3's gathered layer.
+
+    zero1_step       make_zero1(flat_param, optimizer_class) -> step(flat_grad)
+    zero_bytes       zero_bytes(stage, psi, n, k) -> model-state bytes per rank
+    stage3_unit      sharded_linear(x, shard, out_features, in_features) -> y
+
+zero1_step runs on 2 and 3 real ranks: a random flat float64 parameter vector (the same on
+every rank, length a multiple of the world size), a different random gradient on every rank
+at each of 3 steps. After every step each rank's flat_param must equal single-process AdamW
+on the mean gradient (to 1e-9); the optimizer each rank creates must be given only its shard
+(n/p elements); and no all-reduce may run (ZeRO-1 reduce-scatters the gradient: an all-reduce
+would send twice the bytes and give every rank the full gradient it does not need).
+
+zero_bytes needs no ranks: random Ψ, N, K, every stage 0 (DDP) to 3.
+
+stage3_unit runs on 2 and 3 ranks: a Linear layer whose flat [weight, bias] (zero-padded to a
+multiple of p) is sharded over the ranks; each rank calls sharded_linear on its own input,
+then backward. Checked: the output (to 1e-9), that after forward nothing autograd keeps for
+backward holds the gathered full parameters (their storage must be freed or not referenced),
+the input's gradient, and that each rank's shard gradient is its piece of the global batch's
+gradient of [weight, bias] (the mean over ranks), to 1e-9.
+
+A rank job only records: what the answer returned, the optimizer sizes, the collectives it
+called, the bytes kept after forward. Every verdict is reached here, after the ranks return.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+import random
+
+import torch
+import torch.distributed as dist
+
+from .core import Fail, Forbidden, check_number, exercise, first_difference, progress, refuse_library
+from .core import call_answer, require_function, run_on_ranks
+from .core import _fmt
+
+TOL = 1e-9
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def _record_process_group_calls(names, record):
+    """Inside a rank: call record(name, args) before every ProcessGroup.<name> call (all collectives of
+    torch.distributed and pplab.comm end there, however they were imported). Restored on exit."""
+    saved = []
+    for name in names:
+        original = getattr(dist.ProcessGroup, name, None)
+        if original is None:
+            continue
+        saved.append((name, vars(dist.ProcessGroup).get(name, _MISSING)))
+
+        def wrapper(self, *args, _name=name, _original=original, **kwargs):
+            record(_name, args)
+            return _original(self, *args, **kwargs)
+        setattr(dist.ProcessGroup, name, wrapper)
+    try:
+        yield
+    finally:
+        for name, original in reversed(saved):
+            if original is _MISSING:
+                delattr(dist.ProcessGroup, name)
+            else:
+                setattr(dist.ProcessGroup, name, original)
+
+
+# ----------------------------------------------------------------------------------
+# Exercise "zero1_step"
+
+LR, WD = 0.05, 0.1
+
+
+def _zero1_trials(seed, p):
+    rng = random.Random(seed * 7 + p)
+    return [{"n": p * rng.randint(2, 40), "seed": rng.randrange(2**31)} for _ in range(2)]
+
+
+def _grad(trial, step, rank, n):
+    g = torch.Generator().manual_seed(trial["seed"] + 1000 * step + rank + 1)
+    return torch.randn(n, generator=g, dtype=torch.float64)
+
+
+def _start(trial):
+    g = torch.Generator().manual_seed(trial["seed"])
+    return torch.randn(trial["n"], generator=g, dtype=torch.float64)
+
+
+def _zero1_rank(fn, trials, steps, progress_dir):
+    rank = dist.get_rank()
+    out = []
+    for i, trial in enumerate(trials):
+        progress(progress_dir, i)
+        sizes, calls = [], []
+
+        class AdamWOfThisCheck(torch.optim.AdamW):     # records what each rank asks it to optimize
+            def __init__(self, params, *args, **kwargs):
+                params = list(params)
+                tensors = [q for g in params for q in g["params"]] if params and isinstance(params[0], dict) \
+                    else params
+                sizes.append(sum(t.numel() for t in tensors))
+                super().__init__(params, lr=LR, weight_decay=WD)
+
+        flat = _start(trial)
+        history = []
+        with _record_process_group_calls(("allreduce", "allreduce_coalesced"), lambda n, a: calls.append(n)):
+            step = fn(flat, AdamWOfThisCheck)
+            for s in range(steps):
+                step(_grad(trial, s, rank, trial["n"]))
+                history.append(flat.clone())
+        out.append({"history": history, "sizes": sizes, "all_reduces": len(calls)})
+    return out
+
+
+def _zero1_reference(trial, p, steps):
+    x = _start(trial).requires_grad_(False)
+    param = torch.nn.Parameter(x.clone())
+    opt = torch.optim.AdamW([param], lr=LR, weight_decay=WD)
+    history = []
+    for s in range(steps):
+        param.grad = sum(_grad(trial, s, r, trial["n"]) for r in range(p)) / p
+        opt.step()
+        history.append(param.detach().clone())
+    return history
+
+
+@exercise("zero1_step", "ZeRO stage 1: reduce-scatter, step my shard, all-gather", answer="make_zero1",
+          notebook="06a_zero1_step")
+def check_zero1_step(fn, seed: int, timeout: float) -> str:
+    """make_zero1(flat_param, optimizer_class) -> step(flat_grad): after each step, flat_param on
+    every rank = single-process AdamW on the mean gradient; each optimizer holds one shard."""
+    require_function(fn, "zero1_step", "flat_param, optimizer_class", torch.zeros(2), torch.optim.AdamW)
+    steps = 3
+    for p in (2, 3):
+        trials = _zero1_trials(seed, p)
+
+        def describe(world_size, i, trials=trials):
+            return f"world_size={world_size}, flat_param of {trials[i]['n']} elements"
+        results = run_on_ranks(_zero1_rank, fn, trials, steps, world_size=p, timeout=timeout, answer=fn,
+                               describe=describe)
+        for i, trial in enumerate(trials):
+            n, where = trial["n"], describe(p, i) + ": "
+            for rank in range(p):
+                got = results[rank][i]
+                if got["all_reduces"]:
+                    raise Forbidden(f"exercise 'zero1_step' asks for ZeRO stage 1 without an all-reduce: rank "
+                                    f"{rank} called one. Reduce-scatter the gradient instead "
+                                    f"(comm.reduce_scatter_tensor): each rank receives the sum of its own shard only, "
+                                    f"half the bytes of an all-reduce, and all it needs for its step.")
+                if got["sizes"] != [n // p]:
+                    raise Fail(f"{where}rank {rank} gave its optimizer {got['sizes'] or 'nothing'} element(s) "
+                               f"(per optimizer created); ZeRO-1 gives each rank's optimizer only its own shard, "
+                               f"{n // p} = {n}/{p} elements (flat_param[rank*{n // p}:(rank+1)*{n // p}]), so the "
+                               f"optimizer state is split over the ranks.")
+            want = _zero1_reference(trial, p, steps)
+            for rank in range(p):
+                for s, (mine, ref) in enumerate(zip(results[rank][i]["history"], want)):
+                    diff = first_difference(mine, ref, atol=TOL, rtol=TOL)
+                    if diff is None:
+                        continue
+                    j, a, b = diff
+                    owner = j // (n // p)
+                    hint = ""
+                    if owner != rank and any(first_difference(results[q][i]["history"][s], ref, atol=TOL,
+                                                              rtol=TOL) is None for q in range(p) if q != rank):
+                        hint = (f" Other ranks are right: rank {rank} did not receive the other ranks' updated "
+                                f"shards. All-gather the shards into flat_param on every rank.")
+                    elif owner == rank:
+                        hint = (" That is this rank's own shard: step it with the mean of the ranks' gradients "
+                                "(reduce-scatter sums them: divide by the world size).")
+                    raise Fail(f"{where}after step {s + 1}, rank {rank}'s flat_param[{j}] (in rank {owner}'s shard) "
+                               f"is {_fmt(a)}, expected {_fmt(b)} (single-process AdamW on the mean gradient)."
+                               f"{hint}")
+    return ("on world sizes 2 and 3 (4 random flat parameters, 3 steps each: flat_param = single-process AdamW on "
+            "the mean gradient to 1e-9, each optimizer given only its shard, no all-reduce)")
+
+
+# ----------------------------------------------------------------------------------
+# Exercise "zero_bytes"
+
+
+def _zero_bytes(stage, psi, n, k):
+    """Mixed precision: 2 bytes of parameter, 2 of gradient, k of optimizer state, per parameter."""
+    return 2 * psi / (n if stage >= 3 else 1) + 2 * psi / (n if stage >= 2 else 1) + k * psi / (n if stage >= 1 else 1)
+
+
+@exercise("zero_bytes", "ZeRO's model-state bytes per rank, stage by stage", answer="zero_bytes",
+          notebook="06b_zero_bytes")
+def check_zero_bytes(fn, seed: int, timeout: float) -> str:
+    """zero_bytes(stage, psi, n, k) = bytes of parameters + gradients + optimizer state per rank."""
+    require_function(fn, "zero_bytes", "stage, psi, n, k", 1, 10, 2, 12)
+    from ..zero import model_state_bytes              # loaded only when this check runs
+    refuse_library(fn, "zero_bytes", "the bytes per rank", {"model_state_bytes": model_state_bytes},
+                   "pplab.zero.model_state_bytes")
+    rng = random.Random(seed)
+    cases = [(s, 7.5e9, 64, 12) for s in range(4)]
+    cases += [(s, rng.choice([1e6, 3.3e8, 1.75e11]) * rng.randint(1, 9), rng.choice([2, 3, 8, 100, 1024]),
+               rng.choice([4, 8, 12, 16])) for s in range(4) for _ in range(3)]
+    cases += [(s, rng.randint(10, 1000) * 1e6, 1, 12) for s in range(4)]
+    for stage, psi, n, k in cases:
+        got = call_answer(fn, stage, psi, n, k, where=f"stage={stage}, Ψ={psi:.4g}, N={n}, K={k}: ")
+        want = _zero_bytes(stage, psi, n, k)
+        try:
+            check_number(got, want, what=f"stage={stage}, Ψ={psi:.4g}, N={n}, K={k}: bytes per rank")
+        except Fail as fail:
+            raise Fail(f"{fail}{_bytes_hint(got, stage, psi, n, k)}") from None
+    return f"on {len(cases)} cases (stages 0-3, Ψ up to 1.6e12, N from 1 to 1024, K from 4 to 16)"
+
+
+def _bytes_hint(got, stage, psi, n, k) -> str:
+    if isinstance(got, bool) or not isinstance(got, (int, float)):
+        return ""
+    close = lambda x: math.isclose(got, x, rel_tol=1e-6)  # noqa: E731
+    hints = {
+        (4 + 4 + k) * psi / (n if stage >= 1 else 1) if stage == 3 else None:
+            " Parameters and gradients are 2 bytes each (bf16/fp16); the fp32 copy is part of K.",
+        (2 + 2 + k) * psi: " That is every rank holding everything, DDP: stage s divides "
+                           "optimizer state (s >= 1), gradients (s >= 2) and parameters (s = 3) by N.",
+        (2 + 2 + k) * psi / n: " That divides everything by N: only stage 3 shards the parameters, and "
+                               "only stages 2 and 3 the gradients.",
+    }
+    for value, hint in hints.items():
+        if value is not None and close(value) and not close(_zero_bytes(stage, psi, n, k)):
+            return hint
+    if stage == 1 and close(2 * psi + 2 * psi / n + k * psi / n):
+        return " At stage 1 each rank still holds every gradient: only the optimizer state is split."
+    if stage == 2 and close(2 * psi / n + 2 * psi / n + k * psi / n):
+        return " At stage 2 each rank still holds every parameter: gradients and optimizer state are split."
+    return ""
+
+
+# ----------------------------------------------------------------------------------
+# Exercise "stage3_unit"
+
+
+def _unit_trials(seed, p):
+    rng = random.Random(seed * 13 + p)
+    trials = []
+    for _ in range(2):
+        out_f, in_f = rng.randint(2, 9), rng.randint(2, 9)
+        trials.append({"out": out_f, "in": in_f, "batch": rng.randint(1, 4), "seed": rng.randrange(2**31)})
+    return trials
+
+
+def _unit_data(trial, p):
+    """The layer's flat [weight, bias] padded to a multiple of p, and every rank's input."""
+    g = torch.Generator().manual_seed(trial["seed"])
+    numel = trial["out"] * trial["in"] + trial["out"]
+    padded = math.ceil(numel / p) * p
+    flat = torch.zeros(padded, dtype=torch.float64)
+    flat[:numel] = torch.randn(numel, generator=g, dtype=torch.float64)
+    xs = [torch.randn(trial["batch"], trial["in"], generator=g, dtype=torch.float64) for _ in range(p)]
+    return flat, xs
+
+
+def _saved_by_autograd(y):
+    """Every tensor autograd keeps for y's backward: saved tensors, and tensors a custom
+    Function put on its ctx (lists and tuples too)."""
+    found, seen, todo = [], set(), [y.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        values = []
+        for attr in dir(node):
+            if attr.startswith("_saved_") or attr in ("saved_tensors", "to_save"):
+                with contextlib.suppress(Exception):
+                    values.append(getattr(node, attr))
+        with contextlib.suppress(TypeError):
+            values += list(vars(node).values())
+        while values:
+            v = values.pop()
+            if isinstance(v, torch.Tensor):
+                found.append(v)
+            elif isinstance(v, (list, tuple)):
+                values += list(v)
+            elif isinstance(v, dict):
+                values += list(v.values())
+        todo += [f for f, _ in getattr(node, "next_functions", ())]
+    return found
+
+
+def _unit_rank(fn, trials, progress_dir):
+    rank, p = dist.get_rank(), dist.get_world_size()
+    out = []
+    for i, trial in enumerate(trials):
+        progress(progress_dir, i)
+        flat, xs = _unit_data(trial, p)
+        size = flat.numel() // p
+        shard = torch.nn.Parameter(flat[rank * size:(rank + 1) * size].clone())
+        x = xs[rank].clone().requires_grad_(True)
+        gathered = []                                   # (data_ptr, nbytes) of every all-gather's output
+
+        def record(name, args):
+            outs = args[0]
+            tensors = [outs] if isinstance(outs, torch.Tensor) else [t for group in outs for t in
+                                                                       (group if isinstance(group, list) else [group])]
+            gathered.extend((t.data_ptr(), t.numel() * t.element_size()) for t in tensors)
+        names = ("all_gather_single", "_allgather_base", "allgather", "allgather_into_tensor_coalesced")
+        with _record_process_group_calls(names, record):
+            y = fn(x, shard, trial["out"], trial["in"])
+            gathers_in_forward = len(gathered)
+            gc.collect()
+            kept = 0
+            if isinstance(y, torch.Tensor) and y.grad_fn is not None:
+                for t in _saved_by_autograd(y):
+                    s = t.untyped_storage()
+                    if s.nbytes() and any(ptr <= s.data_ptr() < ptr + n or s.data_ptr() <= ptr < s.data_ptr()
+                                          + s.nbytes() for ptr, n in gathered):
+                        kept = max(kept, s.nbytes())
+            result = {"y": y.detach().clone() if isinstance(y, torch.Tensor) else repr(type(y)),
+                      "requires_grad": isinstance(y, torch.Tensor) and y.requires_grad,
+                      "kept": kept, "gathers_in_forward": gathers_in_forward}
+            if result["requires_grad"]:
+                y.sum().backward()                      # this rank's loss; the shard's gradient = the mean over ranks
+                result["x_grad"] = None if x.grad is None else x.grad.clone()
+                result["shard_grad"] = None if shard.grad is None else shard.grad.clone()
+        out.append(result)
+    return out
+
+
+@exercise("stage3_unit", "ZeRO stage 3: gather, compute, free one layer; reduce-scatter its gradient",
+          answer="sharded_linear", notebook="06c_stage3_unit")
+def check_stage3_unit(fn, seed: int, timeout: float) -> str:
+    """sharded_linear(x, shard, out_features, in_features) -> x @ W.T + b, where [W, b] is gathered
+    from every rank's shard for the forward, not kept after it, and gathered again for backward."""
+    require_function(fn, "stage3_unit", "x, shard, out_features, in_features", torch.zeros(1, 1), torch.zeros(2), 1, 1)
+    for p in (2, 3):
+        trials = _unit_trials(seed, p)
+
+        def describe(world_size, i, trials=trials):
+            t = trials[i]
+            return f"world_size={world_size}, Linear({t['in']}, {t['out']}), local batch {t['batch']}"
+        results = run_on_ranks(_unit_rank, fn, trials, world_size=p, timeout=timeout, answer=fn, describe=describe)
+        for i, trial in enumerate(trials):
+            _check_unit_trial(fn, trial, p, [results[r][i] for r in range(p)], describe(p, i) + ": ")
+    return ("on world sizes 2 and 3 (4 random Linear layers: output and gradients to 1e-9, the gathered "
+            "parameters not kept for backward, each shard's gradient the mean over ranks)")
+
+
+def _check_unit_trial(fn, trial, p, got, where):
+    flat, xs = _unit_data(trial, p)
+    o, i = trial["out"], trial["in"]
+    W = flat[:o * i].view(o, i).clone().requires_grad_(True)
+    b = flat[o * i:o * i + o].clone().requires_grad_(True)
+    X = torch.cat([x.clone() for x in xs]).requires_grad_(True)
+    Y = X @ W.T + b
+    Y.sum().backward()                      # the sum of every rank's loss y.sum(): the mean over ranks is W.grad / p
+    size = flat.numel() // p
+    full_grad = torch.zeros_like(flat)
+    full_grad[:o * i], full_grad[o * i:o * i + o] = W.grad.flatten() / p, b.grad / p
+    for rank, r in enumerate(got):
+        if not isinstance(r["y"], torch.Tensor):
+            raise Fail(f"{where}{fn.__name__} must return a tensor (x @ W.T + b), got {r['y']}.", seed_matters=False)
+        want_y = Y[rank * trial["batch"]:(rank + 1) * trial["batch"]].detach()
+        if tuple(r["y"].shape) != tuple(want_y.shape):
+            raise Fail(f"{where}rank {rank}'s output has shape {tuple(r['y'].shape)}, expected "
+                       f"{tuple(want_y.shape)} = (batch, out_features).")
+        diff = first_difference(r["y"], want_y, atol=TOL, rtol=TOL)
+        if diff is not None:
+            j, a, w = diff
+            raise Fail(f"{where}rank {rank}'s output at {j} is {_fmt(a)}, expected {_fmt(w)} (x @ W.T + b with W, b "
+                       f"the first out*in and next out elements of the gathered flat buffer).")
+        if r["gathers_in_forward"] == 0:
+            raise Fail(f"{where}rank {rank} ran no all-gather in forward: gather the full [weight, bias] from "
+                       f"every rank's shard (comm.all_gather_into_tensor) before computing.")
+        if r["kept"]:
+            raise Fail(f"{where}rank {rank}: after forward, autograd still holds {r['kept']} bytes of the gathered "
+                       f"full parameters for backward. Stage 3 frees them after forward: save only x and the "
+                       f"shard (a torch.autograd.Function with ctx.save_for_backward(x, shard)) and all-gather "
+                       f"again in backward.")
+        if not r["requires_grad"]:
+            raise Fail(f"{where}rank {rank}'s output does not require grad: backward cannot reach the shard.")
+        for name, value, want in (("x.grad", r["x_grad"], X.grad[rank * trial["batch"]:(rank + 1) * trial["batch"]]),
+                                  ("shard.grad", r["shard_grad"], full_grad[rank * size:(rank + 1) * size])):
+            if value is None:
+                raise Fail(f"{where}rank {rank}'s {name} is None after backward: backward must return a gradient "
+                           f"for x and for shard.")
+            if tuple(value.shape) != tuple(want.shape):
+                raise Fail(f"{where}rank {rank}'s {name} has shape {tuple(value.shape)}, expected {tuple(want.shape)}.")
+            diff = first_difference(value, want, atol=TOL, rtol=TOL)
+            if diff is None:
+                continue
+            j, a, w = diff
+            hint = ""
+            if name == "shard.grad":
+                if torch.allclose(value, want * p, atol=TOL, rtol=TOL):
+                    hint = (f" It is {p} times that: the reduce-scatter sums the ranks' gradients; divide by the "
+                            f"world size for the mean.")
+                elif torch.allclose(value, full_grad[:size], atol=TOL, rtol=TOL) and rank:
+                    hint = " It is rank 0's piece: each rank keeps the piece of the gradient of its own shard."
+            raise Fail(f"{where}rank {rank}'s {name} at {j} is {_fmt(a)}, expected {_fmt(w)}"
+                       + (" (its piece of the mean over ranks of the [weight, bias] gradient, padding 0)"
+                          if name == "shard.grad" else "") + f".{hint}")

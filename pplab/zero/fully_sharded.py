@@ -1,0 +1,284 @@
+"""ZeRO stage 3: the parameters themselves are sharded, and gathered one unit at a time.
+
+    fsdp = FullyShardedModule(model)              # units: model's children that have parameters
+    opt = ZeroOptimizer(fsdp.parameters(), torch.optim.AdamW, stage=3, lr=1e-3)
+    loss_fn(fsdp(x), y).backward()                # x: this rank's share of the global batch
+    opt.step()                                    # each rank steps its shards; nothing to gather
+    opt.zero_grad()
+
+Each unit (by default each child of `model` with trainable parameters: a layer, a block) gets
+one FlatBucket. Between steps a rank keeps only its shard of every unit (`fsdp.parameters()`
+are these shards); the full flat buffer's memory is released, and the model's parameters stay
+views into it. Around each unit:
+
+* **before its forward**: all-gather the unit's full parameters from everyone's shards ("AG"),
+  and start the *next* unit's all-gather at once (prefetch), so that it travels while this
+  unit computes;
+* **after its forward**: free the full parameters (the storage shrinks to 0 bytes);
+* **before its backward** (a hook on the unit's output gradient): gather them again, and
+  prefetch the unit before it, which backward reaches next;
+* **after its backward** (all its parameters' gradients are final): flatten the gradients,
+  free them and the full parameters, and reduce-scatter ("RS"): each rank receives the sum of
+  its shard's gradient, divided by N at the end of backward into `shard.grad`.
+
+Traffic per rank: two all-gathers and one reduce-scatter of every parameter, 3Ψ where DDP and
+stages 1-2 move 2Ψ. Memory: Ψ/N of each of parameters, gradients and optimizer state, plus the
+full parameters of the one or two units gathered at a time. The trace holds "F<k>"/"B<k>"
+compute boxes per unit, "AG<k>"/"RS<k>" in the comm lane, and a memory event at every gather
+and free (`trace.hold`/`release`), so the swimlane's memory curve rises and falls unit by unit.
+
+A parameter used by two units (tied weights) or by no unit goes to a *root* unit, gathered at
+the start of forward and kept until its gradient is final. Frozen parameters
+(requires_grad=False) are not sharded: every rank keeps them whole, like buffers. Units are
+prefetched in the order they are listed, which should be the order forward runs them.
+`state_dict()` gives the full model state on rank 0; `load_state_dict` takes it on every rank.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import comm, trace
+from ..data_parallel import _tensors, end_trace_when_done
+from ..trace import Event, now
+from .flat import FlatBucket, reduce_scatter
+from .optimizer import root_rank
+
+
+class _Unit:
+    """One unit's flat buffer (released between uses), my shard of it, and where it stands."""
+
+    def __init__(self, index, name, named_params, world_size, rank):
+        self.index, self.name = index, name
+        self.bucket = FlatBucket([p for _, p in named_params], world_size, rank, [n for n, _ in named_params])
+        self.full = self.bucket.flatten([p.detach() for _, p in named_params])
+        self.shard = nn.Parameter(self.bucket.shard(self.full).clone())
+        self.shard._pplab_bucket, self.shard._pplab_zero = self.bucket, 3
+        self.bucket.point_params_into(self.full)
+        self.nbytes = self.bucket.padded * self.bucket.element_size
+        self.full.untyped_storage().resize_(0)        # free: the parameters' storage is now 0 bytes
+        self.state, self.handle = "free", None         # "free" | "gathering" | "full"
+        self.compute_start = None                      # when its forward / backward compute began
+
+
+class FullyShardedModule(nn.Module):
+    """Wrap `module` for ZeRO stage 3 on the ranks of `group` (None: every rank); see the module doc.
+
+    units: names of submodules to gather one at a time (default: the children with parameters).
+    prefetch: start the next unit's all-gather while this one computes (True) or only when needed.
+    Put the model on its device and in its dtype before wrapping it: the wrapper shards what it finds.
+    """
+
+    def __init__(self, module: nn.Module, units=None, prefetch: bool = True, group=None):
+        super().__init__()
+        if not dist.is_initialized():
+            raise RuntimeError("FullyShardedModule needs torch.distributed: create it inside a function run "
+                               "by pplab.launch(fn, world_size=...) or in a script started by torchrun")
+        if any(getattr(p, "_pplab_ddp_hook", None) is not None for p in module.parameters()):
+            raise RuntimeError("this model is wrapped in pplab DDP, which keeps full parameters and "
+                               "all-reduces full gradients: wrap the bare model in FullyShardedModule instead")
+        if any(getattr(p, "_pplab_zero", None) for p in module.parameters()):
+            raise RuntimeError("this model's parameters already belong to a ZeroOptimizer or "
+                               "FullyShardedModule: wrap a fresh model (copy.deepcopy)")
+        object.__setattr__(self, "module", module)     # not a registered child: parameters() = shards
+        self.group, self.prefetch = group, bool(prefetch)
+        self.world_size, self.rank = comm.world_size(group), comm.rank(group)
+        with torch.no_grad():                          # the same start: rank 0's values everywhere
+            for t in list(module.parameters()) + list(module.buffers()):
+                comm.broadcast(t.detach(), src=root_rank(group), group=group)
+
+        # Which unit owns each trainable parameter: the one unit that uses it, else the root.
+        submodules = dict(module.named_modules())
+        if units is None:
+            units = [n for n, c in module.named_children() if any(p.requires_grad for p in c.parameters())]
+        for n in units:
+            if n not in submodules or n == "":
+                raise ValueError(f"no submodule named {n!r} to make a unit of: use names from "
+                                 f"model.named_modules(), e.g. {list(submodules)[1:5]}")
+            nested = [m for m in units if m != n and m.startswith(n + ".")]
+            if nested:
+                raise ValueError(f"unit {n!r} contains unit(s) {nested}: units must not overlap")
+        users = {}
+        for k, n in enumerate(units):
+            for p in submodules[n].parameters():
+                users.setdefault(id(p), set()).add(k)
+        own = [[] for _ in units]
+        root = []
+        for name, p in module.named_parameters():      # a tied parameter once, under its first name
+            if p.requires_grad:
+                k = users.get(id(p), set())
+                (own[next(iter(k))] if len(k) == 1 else root).append((name, p))
+        self.units = []
+        if root:
+            self.units.append(_Unit(0, "root", root, self.world_size, self.rank))
+        for n, named in zip(units, own):
+            if named:
+                self.units.append(_Unit(len(self.units), n, named, self.world_size, self.rank))
+        if not self.units:
+            raise ValueError("the model has no parameter with requires_grad=True: nothing to shard")
+        self.root = self.units[0] if root else None
+        self.layers = [u for u in self.units if u is not self.root]     # gathered and freed per use
+        self.shards = nn.ParameterList([u.shard for u in self.units])
+
+        for u in self.units:
+            for p in u.bucket.params:
+                p._pplab_zero = 3                      # pplab's DDP refuses these parameters
+                p.register_post_accumulate_grad_hook(lambda param, u=u: self._grad_ready(u, param))
+        for u in self.layers:
+            submodules[u.name].register_forward_pre_hook(lambda mod, args, u=u: self._before_forward(u))
+            submodules[u.name].register_forward_hook(lambda mod, args, out, u=u: self._after_forward(u, out))
+        trace.hold(sum(u.shard.numel() * u.shard.element_size() for u in self.units), "shards")
+        self._in_backward, self._handles, self._waiting = False, [], {}
+
+    # ------------------------------------------------------------------------------
+    # Gather, wait, free
+
+    def _gather(self, u: _Unit) -> None:
+        """Start the all-gather of unit u's full parameters (nothing if they are there or coming)."""
+        if u.state != "free":
+            return
+        u.full.untyped_storage().resize_(u.nbytes)
+        trace.hold(u.nbytes, f"gather {u.name}")
+        u.handle = comm.all_gather_into_tensor(u.full, u.shard.detach(), group=self.group, async_op=True)
+        u.handle.event.label, u.handle.event.meta["unit"] = f"AG{u.index}", u.name
+        end_trace_when_done(u.handle)
+        u.state = "gathering"
+
+    def _wait(self, u: _Unit) -> None:
+        if u.state == "gathering":
+            u.handle.wait()
+        u.state = "full"
+
+    def _free(self, u: _Unit) -> None:
+        if u.state == "free":
+            return
+        self._wait(u)                                  # never free memory a collective writes into
+        u.full.untyped_storage().resize_(0)
+        trace.release(u.nbytes, f"free {u.name}")
+        u.state = "free"
+
+    def _neighbour(self, u: _Unit, step: int):
+        i = self.layers.index(u) + step
+        return self.layers[i] if 0 <= i < len(self.layers) else None
+
+    # ------------------------------------------------------------------------------
+    # Forward
+
+    def forward(self, *args, **kwargs):
+        if self.root is not None:
+            self._gather(self.root)
+            self._wait(self.root)
+        out = self.module(*args, **kwargs)
+        if not torch.is_grad_enabled():                # no backward coming: nothing stays gathered
+            for u in self.units:
+                self._free(u)
+        return out
+
+    def _before_forward(self, u: _Unit) -> None:
+        self._gather(u)
+        self._wait(u)
+        nxt = self._neighbour(u, +1)
+        if self.prefetch and nxt is not None:
+            self._gather(nxt)                          # travels while u computes
+        u.compute_start = now()
+
+    def _after_forward(self, u: _Unit, out) -> None:
+        trace.record(Event(comm.rank(), "F", "compute", u.compute_start, now(), f"F{u.index}",
+                           meta={"unit": u.name}))
+        self._free(u)
+        if torch.is_grad_enabled():
+            for t in _tensors(out):                    # its output's gradient = its backward starting
+                if t.requires_grad:
+                    t.register_hook(lambda grad, u=u: self._before_backward(u))
+
+    # ------------------------------------------------------------------------------
+    # Backward
+
+    def _start_backward(self) -> None:
+        if not self._in_backward:
+            self._in_backward, self._handles = True, []
+            self._waiting = {u.index: set(map(id, u.bucket.params)) for u in self.units}
+            self._started = set()
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _before_backward(self, u: _Unit) -> None:
+        self._start_backward()
+        if u.index in self._started:                   # once per backward, whichever output comes first
+            return
+        self._started.add(u.index)
+        self._gather(u)
+        self._wait(u)
+        prev = self._neighbour(u, -1)
+        if self.prefetch and prev is not None:
+            self._gather(prev)                         # backward reaches it next
+        u.compute_start = now()
+
+    def _grad_ready(self, u: _Unit, param) -> None:
+        self._start_backward()
+        self._waiting[u.index].discard(id(param))
+        if self._waiting[u.index]:
+            return
+        if u is not self.root:
+            trace.record(Event(comm.rank(), "B", "compute", u.compute_start or now(), now(), f"B{u.index}",
+                               meta={"unit": u.name}))
+        grads = u.bucket.flatten([p.grad for p in u.bucket.params])
+        for p in u.bucket.params:
+            p.grad = None                              # my shard of the sum is all I keep
+        self._free(u)
+        out = torch.empty_like(u.shard, memory_format=torch.contiguous_format).detach()
+        h = reduce_scatter(out, grads, group=self.group)
+        h.event.label, h.event.meta["unit"] = f"RS{u.index}", u.name
+        end_trace_when_done(h)
+        self._handles.append((u, h, out))
+
+    def _end_backward(self) -> None:
+        try:
+            for _, h, _ in self._handles:
+                h.wait()
+            for u, _, out in self._handles:
+                out.div_(self.world_size)              # the sum over ranks -> the mean
+                u.shard.grad = out if u.shard.grad is None else u.shard.grad.add_(out)
+            missing = [u.name for u in self.units if self._waiting[u.index]]
+            if missing:
+                raise RuntimeError(f"unit(s) {missing} got no gradient for some of their parameters in this "
+                                   f"backward, so their reduce-scatter never ran. Use every trainable "
+                                   f"parameter in forward, or set requires_grad=False before wrapping")
+        finally:
+            for u in self.units:
+                self._free(u)                          # e.g. a prefetch that backward never used
+            self._in_backward, self._handles = False, []
+
+    # ------------------------------------------------------------------------------
+    # Full state in, full state out
+
+    def train(self, mode: bool = True):
+        self.module.train(mode)
+        return super().train(mode)
+
+    def state_dict(self, *args, **kwargs):
+        """The full, unsharded state of the wrapped module on rank 0 ({} elsewhere); all ranks call it."""
+        for u in self.units:
+            self._gather(u)
+        for u in self.units:
+            self._wait(u)
+        full = {k: v.detach().clone() for k, v in self.module.state_dict().items()} if self.rank == 0 else {}
+        for u in self.units:
+            self._free(u)
+        return full
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load a full state (the same dict on every rank): each rank keeps its shard of it."""
+        expected = set(self.module.state_dict().keys())
+        missing, unexpected = expected - set(state_dict), set(state_dict) - expected
+        if strict and (missing or unexpected):
+            raise KeyError(f"state_dict does not fit the model: missing {sorted(missing)[:5]}, "
+                           f"unexpected {sorted(unexpected)[:5]}")
+        sharded = {id(p) for u in self.units for p in u.bucket.params}
+        with torch.no_grad():
+            for u in self.units:
+                full = u.bucket.flatten([state_dict[n] for n in u.bucket.names])
+                u.shard.copy_(u.bucket.shard(full))
+            for name, t in list(self.module.named_parameters()) + list(self.module.named_buffers()):
+                if id(t) not in sharded and name in state_dict:
+                    t.copy_(state_dict[name])

@@ -1,0 +1,110 @@
+"""The exercises of chapter 6 (ZeRO): each solution notebook checks its own exercise, other
+correct answers pass too (the checks ask for a result, not one way of writing it), and the
+checks reach their verdicts from what the ranks observed. Every solution passing, every stub
+failing as not implemented and every wrong answer in wrong_solutions_zero.py failing with its
+message are run by tests/test_checks.py, for all exercises."""
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pplab import checks, comm
+from notebook_answers import solution_notebook
+from wrong_solutions_zero import WRONG
+
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")
+
+IDS = sorted(i for i, ex in checks.EXERCISES.items() if ex.checker.__module__ == "pplab.checks.zero")
+
+
+def test_chapter_6_registers_its_exercises():
+    assert IDS == ["stage3_unit", "zero1_step", "zero_bytes"]
+    assert set(WRONG) == set(IDS)
+    for cases in WRONG.values():                         # a wrong answer right on rank 0 only, where ranks run
+        assert len(cases) >= 4
+
+
+@pytest.mark.parametrize("exercise_id", IDS)
+def test_solution_notebook_checks_its_own_exercise(exercise_id):
+    ex = checks.get_exercise(exercise_id)
+    sources = [c.source for c in solution_notebook(exercise_id).cells if c.cell_type == "code"]
+    assert any(f'pplab.check("{exercise_id}", {ex.answer})' in s for s in sources)
+    assert any("### BEGIN SOLUTION" in s and re.search(rf"^def {ex.answer}\(", s, re.M) for s in sources) or \
+        any("### BEGIN SOLUTION" in s for s in sources) and any(re.search(rf"^def {ex.answer}\(", s, re.M)
+                                                               for s in sources)
+
+
+# -- other correct answers pass -------------------------------------------------------
+
+def zero1_with_torch_distributed_and_lists(flat_param, optimizer_class):
+    """torch.distributed directly, list-form collectives, the mean taken before the reduce-scatter."""
+    rank, p = dist.get_rank(), dist.get_world_size()
+    pieces = list(flat_param.chunk(p))
+    opt = optimizer_class([{"params": [pieces[rank]]}])
+
+    def step(flat_grad):
+        grads = [g / p for g in flat_grad.chunk(p)]
+        mine = torch.empty_like(pieces[rank])
+        dist.reduce_scatter(mine, grads)
+        pieces[rank].grad = mine
+        opt.step()
+        gathered = [torch.empty_like(x) for x in pieces]
+        dist.all_gather(gathered, pieces[rank].clone())
+        flat_param.copy_(torch.cat(gathered))
+    return step
+
+
+def zero_bytes_as_a_table(stage, psi, n, k):
+    split = {0: (1, 1, 1), 1: (1, 1, n), 2: (1, n, n), 3: (n, n, n)}[stage]
+    return sum(b * psi / s for b, s in zip((2, 2, k), split))
+
+
+class _ResizeToZero(torch.autograd.Function):
+    """FSDP's way: keep the buffer object, free its storage after forward, re-allocate in backward."""
+
+    @staticmethod
+    def forward(ctx, x, shard, o, i):
+        p = comm.world_size()
+        full = torch.empty(shard.numel() * p, dtype=shard.dtype)
+        dist.all_gather_into_tensor(full, shard.detach())
+        y = torch.addmm(full[o * i:o * i + o], x, full[:o * i].view(o, i).t())
+        full.untyped_storage().resize_(0)
+        ctx.save_for_backward(x, shard)
+        ctx.full, ctx.dims = full, (o, i)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, shard = ctx.saved_tensors
+        (o, i), full, p = ctx.dims, ctx.full, comm.world_size()
+        full.untyped_storage().resize_(full.numel() * full.element_size())
+        dist.all_gather_into_tensor(full, shard.detach())
+        g = torch.cat([(grad_y.t() @ x).flatten(), grad_y.sum(0), torch.zeros(full.numel() - o * i - o,
+                                                                                dtype=full.dtype)])
+        mine = torch.empty_like(shard)
+        dist.all_reduce(g)                              # allowed here: more bytes, same gradient
+        mine.copy_(g.chunk(p)[comm.rank()])
+        return grad_y @ full[:o * i].view(o, i), mine / p, None, None
+
+
+def stage3_resizing_storage(x, shard, out_features, in_features):
+    return _ResizeToZero.apply(x, shard, out_features, in_features)
+
+
+@pytest.mark.parametrize("exercise_id, fn", [
+    ("zero1_step", zero1_with_torch_distributed_and_lists),
+    ("zero_bytes", zero_bytes_as_a_table),
+    ("stage3_unit", stage3_resizing_storage),
+])
+def test_other_correct_answers_pass(exercise_id, fn):
+    result = checks.run_check(exercise_id, fn)
+    assert result, result.message
+
+
+def test_a_failure_is_reproduced_by_its_seed():
+    import wrong_solutions_zero
+
+    first, again = (checks.run_check("zero_bytes", wrong_solutions_zero.bytes_stage1_splits_gradients, seed=7)
+                    for _ in range(2))
+    assert "Re-run with seed=7 to reproduce." in first.message and first.message == again.message

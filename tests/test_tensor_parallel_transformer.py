@@ -1,0 +1,172 @@
+"""pplab.tensor_parallel_transformer: MLP, attention, block, vocabulary and a tiny GPT on 1-4 ranks
+against the same dense modules on one process.
+
+float64 throughout; "equal" means max |difference| <= TOL = 1e-10. Gradients are compared
+shard by shard: the dense gradients are put into a copy of the dense module and split by the
+same from_dense whose forward the test has just shown equal to the dense one.
+"""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pplab
+from pplab import tensor_parallel_transformer as tpt
+
+TOL = 1e-10
+S, B, H, HEADS, FFN, VOCAB = 6, 2, 24, 12, 10, 50        # 12 heads: TP 1, 2, 3, 4; ffn 10: uneven over 3, 4
+
+
+def data(*shape, seed=1):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def dense_model(kind, seed=0):
+    torch.manual_seed(seed)
+    m = {"mlp": lambda: tpt.MLP(H, FFN), "attn": lambda: tpt.SelfAttention(H, HEADS),
+         "block": lambda: tpt.TransformerBlock(H, HEADS, FFN)}[kind]()
+    return m.double()
+
+
+PARALLEL = {"mlp": tpt.ParallelMLP, "attn": tpt.ParallelSelfAttention, "block": tpt.ParallelTransformerBlock}
+
+
+def grads_as_model(model):
+    """A copy of the dense model whose weights are its gradients."""
+    g = copy.deepcopy(model)
+    with torch.no_grad():
+        for p, q in zip(g.parameters(), model.parameters()):
+            p.copy_(q.grad)
+    return g
+
+
+def comm_log(events):
+    return [(e.kind, e.meta.get("payload")) for e in events if e.category == "comm"]
+
+
+def modules_job(kind):
+    dense = dense_model(kind)
+    x, up = data(S, B, H, seed=2).requires_grad_(), data(S, B, H, seed=3)
+    (dense(x) * up).sum().backward()
+    par = PARALLEL[kind].from_dense(dense).double()
+    xp = x.detach().clone().requires_grad_()
+    n = len(pplab.trace.events())
+    y = par(xp)
+    n2 = len(pplab.trace.events())
+    (y * up).sum().backward()
+    events = pplab.trace.events()
+    expect = PARALLEL[kind].from_dense(grads_as_model(dense))
+    grad_diff = max((p.grad - q).abs().max().item() for p, q in zip(par.parameters(), expect.parameters()))
+    return ((y - dense(x)).abs().max().item(), (xp.grad - x.grad).abs().max().item(), grad_diff,
+            comm_log(events[n:n2]), comm_log(events[n2:]))
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+def test_mlp_attention_and_block_equal_the_dense_modules(p):
+    for kind in ("mlp", "attn", "block"):
+        for out_diff, x_diff, grad_diff, fwd, bwd in pplab.launch(modules_job, kind, world_size=p):
+            assert out_diff < TOL and x_diff < TOL and grad_diff < TOL, (kind, out_diff, x_diff, grad_diff)
+            # Megatron: one all-reduce of [s, b, h] forward and one backward per MLP or attention
+            n = {"mlp": 1, "attn": 1, "block": 2}[kind] if p > 1 else 0
+            assert fwd == [("all_reduce", S * B * H * 8)] * n and bwd == [("all_reduce", S * B * H * 8)] * n
+
+
+def heads_job():
+    try:
+        tpt.ParallelSelfAttention(60, 12)
+    except ValueError as e:
+        return str(e)
+
+
+def test_heads_that_do_not_divide_get_a_clear_error():
+    assert "12 heads cannot be split over 5 ranks" in pplab.launch(heads_job, world_size=5)[0]
+
+
+# ----------------------------------------------------------------------------------
+# The vocabulary
+
+
+def vocab_job(vocab, n_tok, with_size):
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(vocab, 4).double()
+    ids = torch.randint(0, vocab, (n_tok,), generator=torch.Generator().manual_seed(5))
+    pemb = tpt.VocabParallelEmbedding.from_dense(emb)
+    (pemb(ids) * data(n_tok, 4, seed=6)).sum().backward()
+    (emb(ids) * data(n_tok, 4, seed=6)).sum().backward()
+    emb_diff = (pemb.weight.grad - emb.weight.grad[pemb.start:pemb.end]).abs().max().item()
+    out_diff = (pemb(ids) - emb(ids)).abs().max().item()
+
+    logits = data(n_tok, vocab, seed=7).requires_grad_()
+    F.cross_entropy(logits, ids).backward()
+    shard = logits.detach()[:, pemb.start:pemb.end].clone().requires_grad_()   # the same split as the embedding
+    n = len(pplab.trace.events())
+    loss = tpt.vocab_parallel_cross_entropy(shard, ids, vocab_size=vocab if with_size else None)
+    fwd = comm_log(pplab.trace.events()[n:])
+    n = len(pplab.trace.events())
+    loss.backward()
+    return (out_diff, emb_diff, (loss - F.cross_entropy(logits, ids)).abs().item(),
+            (shard.grad - logits.grad[:, pemb.start:pemb.end]).abs().max().item(),
+            fwd, comm_log(pplab.trace.events()[n:]))
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+def test_vocab_parallel_embedding_and_cross_entropy_never_gather_the_logits(p):
+    n_tok = 6
+    for with_size in (True, False):
+        for out_diff, emb_diff, loss_diff, grad_diff, fwd, bwd in \
+                pplab.launch(vocab_job, 1000, n_tok, with_size, world_size=p):      # 1000 over 3: uneven
+            assert max(out_diff, emb_diff, loss_diff, grad_diff) < TOL
+            assert bwd == []                                 # the gradient softmax - onehot is local
+            if p == 1:
+                assert fwd == []
+                continue
+            # a max and the two sums, one number per token each: never [tokens, vocab]
+            expect = [("all_reduce", n_tok * 8), ("all_reduce", 2 * n_tok * 8)]
+            assert fwd == (expect if with_size else [("all_gather", 8)] + expect)
+
+
+# ----------------------------------------------------------------------------------
+# Training: a tiny GPT, step by step
+
+
+def train(model, steps, ids, targets):
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    losses = []
+    for _ in range(steps):
+        loss = model.loss(ids, targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def tiny_gpt(seed=0):
+    torch.manual_seed(seed)
+    return tpt.TinyGPT(VOCAB, H, HEADS, FFN, layers=2).double()
+
+
+def tokens():
+    g = torch.Generator().manual_seed(9)
+    return torch.randint(0, VOCAB, (S, B), generator=g), torch.randint(0, VOCAB, (S, B), generator=g)
+
+
+def train_job(steps, trained_dense):
+    model = tpt.ParallelTinyGPT.from_dense(tiny_gpt())
+    losses = train(model, steps, *tokens())
+    expect = tpt.ParallelTinyGPT.from_dense(trained_dense)  # one process's trained weights, split as ours
+    return losses, max((a - b).abs().max().item() for a, b in zip(model.parameters(), expect.parameters()))
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+def test_training_a_tiny_gpt_matches_one_process_step_by_step(p):
+    """Adam, 4 steps: losses within 1e-10, every parameter shard within 1e-8 (Adam's division by
+    sqrt(v) amplifies the summation-order differences of small gradients)."""
+    steps = 4
+    dense = tiny_gpt()
+    ref_losses = train(dense, steps, *tokens())
+    assert ref_losses[-1] < ref_losses[0]                   # it does learn
+    for losses, param_diff in pplab.launch(train_job, steps, dense, world_size=p):
+        assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < TOL
+        assert param_diff < 1e-8

@@ -1,0 +1,248 @@
+"""Plausible wrong answers to chapter 6's exercises (ZeRO), each a mistake a student could make.
+
+WRONG[exercise_id] lists (function, regular expressions the check's message must match,
+timeout for the check or None for the default), as in wrong_solutions.py:
+tests/test_checks.py checks that every one of them fails with that message.
+"""
+import torch
+
+from pplab import comm
+
+# ----------------------------------------------------------------------------------
+# 6a: ZeRO-1's sharded step
+
+
+def _shard(flat_param):
+    rank, p = comm.rank(), comm.world_size()
+    size = flat_param.numel() // p
+    return rank, p, flat_param[rank * size:(rank + 1) * size]
+
+
+def zero1_all_reduce_then_slice(flat_param, optimizer_class):
+    """Right numbers, but an all-reduce of the whole gradient: twice the bytes of a reduce-scatter."""
+    rank, p, shard = _shard(flat_param)
+    opt = optimizer_class([shard])
+
+    def step(flat_grad):
+        g = flat_grad.clone()
+        comm.all_reduce(g)
+        shard.grad = g.tensor_split(p)[rank] / p
+        opt.step()
+        comm.all_gather_into_tensor(flat_param, shard.clone())
+    return step
+
+
+def zero1_optimizer_over_everything(flat_param, optimizer_class):
+    """No all-reduce (RS + AG rebuild the mean gradient), but the optimizer holds all of flat_param."""
+    rank, p, shard = _shard(flat_param)
+    opt = optimizer_class([flat_param])
+
+    def step(flat_grad):
+        mine = torch.empty_like(shard)
+        comm.reduce_scatter_tensor(mine, flat_grad)
+        full = torch.empty_like(flat_param)
+        comm.all_gather_into_tensor(full, mine / p)
+        flat_param.grad = full
+        opt.step()
+    return step
+
+
+def zero1_forgets_the_mean(flat_param, optimizer_class):
+    rank, p, shard = _shard(flat_param)
+    opt = optimizer_class([shard])
+
+    def step(flat_grad):
+        mine = torch.empty_like(shard)
+        comm.reduce_scatter_tensor(mine, flat_grad)
+        shard.grad = mine                                   # the sum over ranks, not the mean
+        opt.step()
+        comm.all_gather_into_tensor(flat_param, shard.clone())
+    return step
+
+
+def zero1_only_rank0_copies_back(flat_param, optimizer_class):
+    """Right on rank 0; the other ranks never take in the other shards."""
+    rank, p, shard = _shard(flat_param)
+    opt = optimizer_class([shard])
+
+    def step(flat_grad):
+        mine = torch.empty_like(shard)
+        comm.reduce_scatter_tensor(mine, flat_grad)
+        shard.grad = mine / p
+        opt.step()
+        gathered = torch.empty_like(flat_param)
+        comm.all_gather_into_tensor(gathered, shard.clone())
+        if rank == 0:
+            flat_param.copy_(gathered)
+    return step
+
+
+def zero1_steps_a_copy(flat_param, optimizer_class):
+    """The optimizer steps a copy of the shard, and the copy never goes back into flat_param."""
+    rank, p, view = _shard(flat_param)
+    shard = view.clone()
+    opt = optimizer_class([shard])
+
+    def step(flat_grad):
+        mine = torch.empty_like(shard)
+        comm.reduce_scatter_tensor(mine, flat_grad)
+        shard.grad = mine / p
+        opt.step()
+        comm.all_gather_into_tensor(flat_param, view.clone())
+    return step
+
+
+# ----------------------------------------------------------------------------------
+# 6b: bytes per rank
+
+
+def bytes_divides_everything(stage, psi, n, k):
+    return (2 + 2 + k) * psi / (n if stage else 1)
+
+
+def bytes_stage1_splits_gradients(stage, psi, n, k):
+    return 2 * psi / (n if stage >= 3 else 1) + 2 * psi / (n if stage >= 1 else 1) + k * psi / (n if stage >= 1 else 1)
+
+
+def bytes_ignores_stage(stage, psi, n, k):
+    return (2 + 2 + k) * psi
+
+
+def bytes_fp32_parameters(stage, psi, n, k):
+    return 4 * psi / (n if stage >= 3 else 1) + 4 * psi / (n if stage >= 2 else 1) + k * psi / (n if stage >= 1 else 1)
+
+
+def bytes_from_the_library(stage, psi, n, k):
+    import pplab
+    return pplab.zero.model_state_bytes(stage, psi, n, 2, 2, k)
+
+
+# ----------------------------------------------------------------------------------
+# 6c: stage 3's gathered layer
+
+
+def _gather(shard):
+    full = torch.empty(shard.numel() * comm.world_size(), dtype=shard.dtype)
+    comm.all_gather_into_tensor(full, shard.detach())
+    return full
+
+
+def _grad_pieces(grad_y, x, full, o, i):
+    flat = torch.zeros_like(full)
+    flat[:o * i] = (grad_y.T @ x).flatten()
+    flat[o * i:o * i + o] = grad_y.sum(0)
+    return flat
+
+
+class _KeepsFull(torch.autograd.Function):
+    """Saves the gathered buffer for backward instead of gathering again."""
+
+    @staticmethod
+    def forward(ctx, x, shard, o, i):
+        full = _gather(shard)
+        ctx.save_for_backward(x, shard, full)
+        ctx.dims = (o, i)
+        return x @ full[:o * i].view(o, i).T + full[o * i:o * i + o]
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, shard, full = ctx.saved_tensors
+        o, i = ctx.dims
+        out = torch.empty_like(shard)
+        comm.reduce_scatter_tensor(out, _grad_pieces(grad_y, x, full, o, i))
+        return grad_y @ full[:o * i].view(o, i), out / comm.world_size(), None, None
+
+
+def linear_keeps_full_parameters(x, shard, out_features, in_features):
+    return _KeepsFull.apply(x, shard, out_features, in_features)
+
+
+def linear_plain_autograd(x, shard, out_features, in_features):
+    """Ordinary differentiable ops on the gathered buffer: autograd keeps W for backward."""
+    full = _gather(shard).requires_grad_(True)
+    o, i = out_features, in_features
+    return x @ full[:o * i].view(o, i).T + full[o * i:o * i + o] + 0 * shard.sum()
+
+
+def _make_backward(divide=True, own_piece=True):
+    class Layer(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, shard, o, i):
+            full = _gather(shard)
+            ctx.save_for_backward(x, shard)
+            ctx.dims = (o, i)
+            return x @ full[:o * i].view(o, i).T + full[o * i:o * i + o]
+
+        @staticmethod
+        def backward(ctx, grad_y):
+            x, shard = ctx.saved_tensors
+            o, i = ctx.dims
+            p = comm.world_size()
+            full = _gather(shard)
+            flat = _grad_pieces(grad_y, x, full, o, i)
+            if own_piece:
+                out = torch.empty_like(shard)
+                comm.reduce_scatter_tensor(out, flat)
+            else:                               # the sum over ranks, then always piece 0
+                comm.all_reduce(flat)
+                out = flat[:shard.numel()].clone()
+            return grad_y @ full[:o * i].view(o, i), out / p if divide else out, None, None
+    return Layer
+
+
+_NO_DIVIDE, _PIECE_ZERO = _make_backward(divide=False), _make_backward(own_piece=False)
+
+
+def linear_forgets_the_mean(x, shard, out_features, in_features):
+    return _NO_DIVIDE.apply(x, shard, out_features, in_features)
+
+
+def linear_keeps_piece_zero(x, shard, out_features, in_features):
+    """Right on rank 0, wrong on every other rank."""
+    return _PIECE_ZERO.apply(x, shard, out_features, in_features)
+
+
+def linear_without_gather(x, shard, out_features, in_features):
+    """Uses its own shard as if it were the whole layer."""
+    o, i = out_features, in_features
+    full = torch.zeros(o * i + o, dtype=shard.dtype)
+    n = min(shard.numel(), full.numel())
+    full = torch.cat([shard[:n], full[n:]])
+    return x @ full[:o * i].view(o, i).T + full[o * i:o * i + o]
+
+
+SHAPE = r"^world_size=[23], Linear\(\d, \d\), local batch \d: "
+WRONG = {
+    "zero1_step": [
+        (zero1_all_reduce_then_slice,
+         [r"^exercise 'zero1_step' asks for ZeRO stage 1 without an all-reduce: rank \d called one\. "
+          r"Reduce-scatter the gradient instead"], None),
+        (zero1_optimizer_over_everything,
+         [r"^world_size=2, flat_param of \d+ elements: rank 0 gave its optimizer \[\d+\] element\(s\)",
+          r"ZeRO-1 gives each rank's optimizer only its own shard"], None),
+        (zero1_forgets_the_mean,
+         [r"rank 0's flat_param\[\d+\] \(in rank 0's shard\)", r"divide by the world size"], None),
+        (zero1_only_rank0_copies_back,
+         [r"^world_size=2, .*rank 1's flat_param\[\d+\] \(in rank 0's shard\)",
+          r"Other ranks are right: rank 1 did not receive the other ranks' updated shards"], None),
+        (zero1_steps_a_copy, [r"after step 1, rank 0's flat_param\[\d+\] \(in rank 0's shard\) is"], None),
+    ],
+    "zero_bytes": [
+        (bytes_divides_everything, [r"^stage=1, Ψ=7\.5e\+09, N=64, K=12: bytes per rank is",
+                                    r"only stage 3 shards the parameters"], None),
+        (bytes_stage1_splits_gradients, [r"^stage=1, ", r"At stage 1 each rank still holds every gradient"], None),
+        (bytes_ignores_stage, [r"^stage=1, ", r"That is every rank holding everything, DDP"], None),
+        (bytes_fp32_parameters, [r"^stage=0, ", r"expected 1\.2e\+11"], None),
+        (bytes_from_the_library, [r"asks you to work out the bytes per rank yourself; you use "
+                                  r"pplab\.zero\.model_state_bytes"], None),
+    ],
+    "stage3_unit": [
+        (linear_keeps_full_parameters,
+         [SHAPE + r"rank 0: after forward, autograd still holds \d+ bytes of the gathered full parameters"], None),
+        (linear_plain_autograd, [SHAPE + r"rank 0: after forward, autograd still holds"], None),
+        (linear_forgets_the_mean, [SHAPE + r"rank 0's shard.grad at \d+ is", r"It is [23] times that"], None),
+        (linear_keeps_piece_zero,
+         [SHAPE + r"rank 1's shard.grad at \d+ is", r"It is rank 0's piece"], None),
+        (linear_without_gather, [SHAPE + r"rank 0's output at \(\d, \d\) is"], None),
+    ],
+}
