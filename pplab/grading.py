@@ -7,24 +7,39 @@
    "_Your answer here._", and outputs are cleared. `pplab exercises --check` names
    the exercise notebooks that are out of date (a test runs it).
 
-2. Grading. `pplab grade SUBMISSIONS --out grades.csv` runs every submitted notebook
-   in a fresh kernel, in its own process with a time limit. It does not trust what
-   the notebook printed: after every cell that defines an exercise's answer at top
-   level (`def my_broadcast(...)`), it runs a cell of its own that checks that answer
-   with fresh random inputs, and keeps the result. A notebook that crashes, hangs or
-   deadlocks keeps what it passed before; it never stops the others.
+2. Grading. `pplab grade SUBMISSIONS --out grades.csv` gives marks that nothing in a
+   student's notebook can decide:
+   - it runs each notebook top to bottom in a fresh kernel, in a scratch folder holding
+     only a copy of it, with a time limit, only to note what went wrong (cells that
+     raised, timed out or killed the kernel). Nothing the kernel prints or writes is read
+     as a result;
+   - it takes the answers from the notebook's *source* (`definitions`): for each exercise,
+     the last top-level definition of its answer and, transitively, of every global name
+     that code reads (def, class, import, assignment to a plain name). Nothing else at
+     the top level is run; statements that look like tampering (assigning to a module's
+     attributes, setattr, exec, writing files...) are named in the notes;
+   - it checks each answer in a fresh process of its own (`python -I`, a clean folder,
+     pplab imported from a copy of its source read before any notebook ran), where no
+     student code runs: the student's definitions run only in the ranks and child
+     processes that call them, and what comes back is decoded as plain data. The check
+     process kills every process below it, then sends its verdict over a Unix socket on
+     which the grader reads only the connection the kernel says (SO_PEERCRED) comes from
+     the check process itself: a verdict forged by the answer, anywhere, is ignored.
+   A notebook that crashes, hangs or deadlocks loses nothing: its definitions are graded.
 
-   The grader does not sandbox: student code runs with the grader's rights. Run it in
-   a container or a throwaway account if that matters.
+   The grader does not sandbox: student code runs with the grader's rights, so a notebook
+   can still damage the machine or (deliberately, through the operating system) other
+   processes of the same user. Grade in a container or a throwaway account if that matters.
 """
 from __future__ import annotations
 
-import ast
 import concurrent.futures
+import contextlib
 import copy
 import csv
 import json
-import secrets
+import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -33,6 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import nbformat
+
+from .runner import _become_subreaper, _kill_children, _kill_tree
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 CODE_STUB = 'raise NotImplementedError("write your solution here")'
@@ -114,14 +131,14 @@ def sync_exercises(solutions: str | Path, exercises: str | Path, check: bool = F
 
 
 # ----------------------------------------------------------------------------------
-# 2. Grading: the grader process, one runner process per notebook, and the kernel
+# 2. Grading: run each notebook for its notes, then check its definitions elsewhere
 
 
 @dataclass
 class NotebookGrade:
-    passed: dict = field(default_factory=dict)      # exercise id -> True/False (last check in the notebook)
+    passed: dict = field(default_factory=dict)      # exercise id -> True/False
     messages: dict = field(default_factory=dict)    # exercise id -> the check's message
-    notes: list = field(default_factory=list)       # "cell 4 timed out after 120 s", "kernel died in cell 6"
+    notes: list = field(default_factory=list)       # "cell 4 raised ValueError: ...", "ignored cell 2, line 1: ..."
 
 
 def find_submissions(directory: str | Path) -> dict[str, list[Path]]:
@@ -144,25 +161,26 @@ def grade(submissions: str | Path, out: str | Path, *, timeout: float = 600.0, c
           check_timeout: float = 30.0, jobs: int = 1, log=None) -> list[dict]:
     """Grade every submission and write one CSV row per student; return the rows.
 
-    timeout: seconds for each notebook, after which it and everything it started are
-      killed; cell_timeout: seconds for each cell, after which the kernel is interrupted
-      and the next cell runs; check_timeout: seconds per launch of ranks in the grader's
-      checks; jobs: notebooks graded at the same time.
+    timeout: seconds for running each notebook, after which it and everything it started
+      are killed; cell_timeout: seconds for each cell, after which the kernel is
+      interrupted and the next cell runs; check_timeout: seconds per launch of ranks (and
+      per call of an answer) in the grader's checks; jobs: notebooks graded at the same time.
 
     Columns: student, one per exercise of the registry (1 passed, 0 not), total, notes.
-    An exercise found in several notebooks of a student counts if any passed; within a
-    notebook the last check of it counts. Notes number cells from 1, markdown included.
+    An exercise found in several notebooks of a student counts if any passed. Notes
+    number cells from 1, markdown included.
     """
     from .checks import EXERCISES
 
     if not cell_timeout > check_timeout:
         raise ValueError(f"cell_timeout ({cell_timeout:g} s) must be longer than check_timeout "
                          f"({check_timeout:g} s), or a hung check would look like a hung cell")
+    sources = pplab_sources()                 # before any notebook runs: what the checks will import
     students = find_submissions(submissions)
     tasks = [(student, nb) for student, notebooks in students.items() for nb in notebooks]
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         futures = {task: pool.submit(grade_notebook, task[1], timeout=timeout, cell_timeout=cell_timeout,
-                                     check_timeout=check_timeout) for task in tasks}
+                                     check_timeout=check_timeout, sources=sources) for task in tasks}
         grades = {task: future.result() for task, future in futures.items()}
     ids = list(EXERCISES)
     rows = []
@@ -194,230 +212,247 @@ def _short(message: str, limit: int = 200) -> str:
 
 
 def grade_notebook(path: str | Path, *, timeout: float = 600.0, cell_timeout: float = 120.0,
-                   check_timeout: float = 30.0) -> NotebookGrade:
-    """Run one notebook in its own process (and session) with a time limit; what its
-    grader cells recorded before a crash, a hang or the limit still counts."""
+                   check_timeout: float = 30.0, sources: dict | None = None) -> NotebookGrade:
+    """Run one notebook for its notes (which cells raised, timed out, killed the kernel),
+    then check the answers it defines (its source, whatever the run did), each in a fresh
+    process of the grader's."""
+    from .checks import EXERCISES
+    from .submission import definitions
+
+    sources = sources or pplab_sources()
     path = Path(path).resolve()
     grade = NotebookGrade()
+    try:
+        nb = nbformat.read(path, as_version=4)
+    except Exception as exc:  # noqa: BLE001 - not a notebook
+        grade.notes.append(f"could not run the notebook: {type(exc).__name__}: {str(exc)[:200]}")
+        return grade
+    before = pplab_sources()
+    run_notebook(path, grade.notes, timeout=timeout, cell_timeout=cell_timeout)
+    after = pplab_sources()
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    if changed:
+        grade.notes.append(f"pplab's files on disk changed while the notebook ran ({', '.join(changed)[:200]}): "
+                           f"the checks use the copy the grader read before grading began")
+    cells = [(n, c.source) for n, c in enumerate(nb.cells, 1) if c.cell_type == "code"]
+    found = definitions(cells, {ex.answer for ex in EXERCISES.values()})          # pplab/submission.py
+    grade.notes += found.notes
+    for ex in EXERCISES.values():
+        if ex.answer in found.answers:
+            grade.passed[ex.id], grade.messages[ex.id] = run_check_process(
+                ex.id, found.answers[ex.answer], sources, check_timeout, grade.notes)
+    return grade
+
+
+# -- running the notebook, for its notes only ----------------------------------------
+
+def run_notebook(path: Path, notes: list, *, timeout: float, cell_timeout: float) -> None:
+    """Run the notebook top to bottom in a fresh kernel, in a scratch folder holding only a
+    copy of it, in a process of its own with a time limit, and append what went wrong to
+    `notes`. Nothing it prints or writes decides a mark: marks come from run_check_process."""
     with tempfile.TemporaryDirectory(prefix="pplab-grade-") as tmp:
-        results, log = Path(tmp, "results.jsonl"), Path(tmp, "runner.log")
-        results.touch()
-        # The runner loads this file on its own, without the pplab package (and torch):
-        # it only drives a kernel. It runs in the temporary folder, so that nothing in
-        # the student's folder can shadow a module it imports.
-        code = "import runpy, sys; runpy.run_path(sys.argv[1])['_runner_main'](sys.argv[2:])"
-        argv = [sys.executable, "-c", code, __file__, str(path), str(results), str(cell_timeout),
-                str(check_timeout), json.dumps(_answers())]
+        scratch = Path(tmp, "scratch")
+        scratch.mkdir()
+        shutil.copy(path, scratch / path.name)
+        records, log = Path(tmp, "runner.jsonl"), Path(tmp, "runner.log")
+        records.touch()
+        # The runner loads pplab/runner.py on its own, without the pplab package (and torch):
+        # it only drives a kernel.
+        code = "import runpy, sys; runpy.run_path(sys.argv[1])['main'](sys.argv[2:])"
+        argv = [sys.executable, "-c", code, str(Path(__file__).with_name("runner.py")), str(scratch / path.name),
+                str(records), str(cell_timeout)]
         with open(log, "wb") as log_file:
-            runner = subprocess.Popen(argv, cwd=tmp, stdin=subprocess.DEVNULL, stdout=log_file,
+            runner = subprocess.Popen(argv, cwd=scratch, stdin=subprocess.DEVNULL, stdout=log_file,
                                       stderr=subprocess.STDOUT, start_new_session=True)
             try:
                 runner.wait(timeout)
                 stopped = False
             except subprocess.TimeoutExpired:
-                _kill_tree(runner.pid)
-                runner.wait()
                 stopped = True
-        for line in results.read_text().splitlines():
+            _kill_tree(runner.pid)                      # the kernel, and anything it left running
+            runner.wait()
+        told, foreign = [], 0
+        for line in records.read_text(errors="replace").splitlines():
             try:
                 record = json.loads(line)
-            except ValueError:
-                continue                                    # a line cut short by the kill
-            if "note" in record:
-                grade.notes.append(record["note"])
-            else:
-                grade.passed[record["exercise"]] = bool(record["passed"])
-                grade.messages[record["exercise"]] = record["message"]
+                if set(record) == {"note"}:
+                    told.append(str(record["note"]))
+                else:
+                    foreign += 1
+            except (ValueError, TypeError, AttributeError):
+                foreign += 1                            # a line cut short by the kill, or not ours
+        notes += told
+        if foreign > 1 or (foreign and not stopped):
+            notes.append(f"ignored {foreign} line(s) in the grader's notes file that the grader did not write "
+                         f"(written by the notebook?): marks never come from there")
         if stopped:
-            grade.notes.append(f"stopped after {timeout:g} s (the notebook's time limit)")
-        elif runner.returncode != 0 and not grade.notes:
+            notes.append(f"stopped after {timeout:g} s (the notebook's time limit)")
+        elif runner.returncode != 0 and not told:
             tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
-            grade.notes.append(f"grader error (exit code {runner.returncode}): {tail[0]}")
-    return grade
-
-
-def _kill_tree(pid: int) -> None:
-    """Kill a process and every process below it: freeze them all first, so none can
-    start another or be orphaned out of reach while we go."""
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-    except psutil.NoSuchProcess:
-        return
-    frozen: dict[int, psutil.Process] = {}
-    for _ in range(3):                                  # catch what was forked while we froze
-        for proc in [root] + root.children(recursive=True):
-            if proc.pid not in frozen:
-                try:
-                    proc.suspend()
-                    frozen[proc.pid] = proc
-                except psutil.NoSuchProcess:
-                    pass
-    for proc in frozen.values():
-        try:
-            proc.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(list(frozen.values()), timeout=10)
-
-
-# -- the runner: a process of its own for one notebook ------------------------------
-
-def _answers() -> dict[str, list[str]]:
-    """{name the student defines: [exercise ids]} from the registry."""
-    from .checks import EXERCISES
-
-    names: dict[str, list[str]] = {}
-    for ex in EXERCISES.values():
-        names.setdefault(ex.answer, []).append(ex.id)
-    return names
+            notes.append(f"grader error (exit code {runner.returncode}): {tail[0]}")
 
 
 def defined_names(source: str) -> list[str]:
     """Names a cell defines at top level (def, class, assignment), in order."""
-    try:
-        from IPython.core.inputtransformer2 import TransformerManager
-        source = TransformerManager().transform_cell(source)   # %magics and !shell become Python
-    except Exception:                                          # noqa: BLE001 - keep the raw source
-        pass
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:
-        return []
-    names = []
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.append(node.name)
-        elif isinstance(node, ast.Assign):
-            names += [t.id for t in node.targets if isinstance(t, ast.Name)]
-        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            names.append(node.target.id)
-    return names
+    from .submission import defined_names
+    return defined_names(source)
 
 
-def _runner_main(argv) -> None:
-    path, results, cell_timeout, check_timeout = Path(argv[0]), Path(argv[1]), float(argv[2]), float(argv[3])
-    try:
-        run_notebook(path, results, cell_timeout, check_timeout, answers=json.loads(argv[4]))
-    finally:
-        _kill_children()
+# ----------------------------------------------------------------------------------
+# 3. The check, in a fresh process of the grader's where no student code runs
+
+def pplab_sources() -> dict:
+    """{module name: [file, source, is a package]} of the pplab package, read now. The check
+    processes import pplab from this copy, so a notebook that rewrites (or adds to) pplab's
+    files, or leaves a module named like one anywhere, changes nothing in them."""
+    root = Path(__file__).resolve().parent
+    found = {}
+    for file in sorted(root.rglob("*.py")):
+        parts = list(file.relative_to(root.parent).with_suffix("").parts)
+        package = parts[-1] == "__init__"
+        name = ".".join(parts[:-1] if package else parts)
+        found[name] = [str(file), file.read_text(), package]
+    return found
 
 
-def _kill_children() -> None:
-    import os
+# Runs first in a check process (python -I: no current folder, no PYTHONPATH, no user site
+# on sys.path): serve pplab from the copy sent on stdin, then run one check.
+_BOOT = r'''
+import importlib.abc, importlib.machinery, importlib.util, json, sys
+job = json.loads(sys.stdin.buffer.read())
+sources, MARK = job.pop("sources"), "<pplab copy>/"
 
-    import psutil
+class Copy(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self, path=None):
+        if path is not None and not path.startswith(MARK):
+            raise ImportError(path)
+        self.package = path[len(MARK):] if path else None
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] != "pplab":
+            return None
+        if name not in sources:
+            raise ModuleNotFoundError(f"no module named {name!r} in pplab")
+        file, _, package = sources[name]
+        spec = importlib.util.spec_from_loader(name, self, origin=file, is_package=package)
+        if package:
+            spec.submodule_search_locations = [MARK + name]
+        return spec
+    def iter_modules(self, prefix=""):
+        for name, (_, _, package) in sorted(sources.items()):
+            head, _, tail = name.rpartition(".")
+            if head == self.package:
+                yield prefix + tail, package
+    def create_module(self, spec):
+        return None
+    def exec_module(self, module):
+        file, text, _ = sources[module.__name__]
+        module.__file__ = file
+        exec(compile(text, file, "exec"), module.__dict__)
 
-    for child in psutil.Process(os.getpid()).children():
-        _kill_tree(child.pid)
+sys.meta_path.insert(0, Copy())
+sys.path_hooks.insert(0, Copy)
+sys.path_importer_cache.clear()
+from pplab.grading import _check_main
+_check_main(job)
+'''
 
 
-def instrument(source: nbformat.NotebookNode, answers: dict[str, list[str]], check_timeout: float):
-    """The student's code cells, each followed by a grader cell per answer it defines
-    (answers: {name: [exercise ids]}). Returns (notebook, plan) with plan[i] =
-    (the student's cell number, exercise id or None, the grader cell's nonce)."""
-    cells, plan = [], []
-    for number, cell in enumerate(source.cells, 1):
-        if cell.cell_type != "code":
-            continue
-        cells.append(nbformat.v4.new_code_cell(cell.source))
-        plan.append((number, None, None))
-        for name in defined_names(cell.source):
-            for exercise_id in answers.get(name, ()):
-                nonce = secrets.token_hex(16)       # only this cell knows it: later cells cannot forge it
-                cells.append(nbformat.v4.new_code_cell(
-                    f'__import__("pplab.grading").grading.grade_in_kernel('
-                    f'{exercise_id!r}, globals(), {name!r}, {nonce!r}, {check_timeout!r})'))
-                plan.append((number, exercise_id, nonce))
-    return nbformat.v4.new_notebook(cells=cells, metadata=source.metadata), plan
+def run_check_process(exercise_id: str, answer, sources: dict, check_timeout: float,
+                      notes: list | None = None) -> tuple[bool, str]:
+    """(passed, message) of one exercise's check of `answer` (a SourceAnswer), run in a fresh
+    process where no student code runs.
 
+    The verdict comes back over a Unix socket that the check process connects to once
+    every process below it has been killed, and the grader reads only the connection whose
+    peer the kernel reports (SO_PEERCRED) as the check process itself: whatever a rank
+    writes, to any file descriptor or to the socket, cannot stand in for it. Forged
+    verdicts seen on the way are named in `notes`."""
+    import socket
+    import struct
+    import threading
 
-def run_notebook(path: Path, results: Path, cell_timeout: float, check_timeout: float,
-                 answers: dict[str, list[str]]) -> None:
-    """Run the instrumented notebook cell by cell in a fresh kernel; append each check's
-    result, and notes on what went wrong, to `results` as soon as they are known."""
-    from jupyter_core.utils import run_sync
-    from nbclient import NotebookClient
-    from nbclient.exceptions import CellTimeoutError, DeadKernelError
-
-    def record(**item):
-        with open(results, "a") as f:
-            f.write(json.dumps(item) + "\n")
-
-    try:
-        nb, plan = instrument(nbformat.read(path, as_version=4), answers, check_timeout)
-        # A kernel that imports torch can take a minute to start on a busy machine; the whole
-        # notebook's time limit (enforced around this process) still bounds it.
-        client = NotebookClient(nb, timeout=int(cell_timeout), kernel_name="python3", allow_errors=True,
-                                startup_timeout=600, shutdown_kernel="immediate",
-                                resources={"metadata": {"path": str(path.parent)}})
-        with client.setup_kernel():
-            for index, cell in enumerate(nb.cells):
-                number, exercise_id, nonce = plan[index]
-                what = f"the grader's check of {exercise_id} after cell {number}" if exercise_id else \
-                    f"cell {number}"
-                try:
-                    client.execute_cell(cell, index)
-                except CellTimeoutError:
-                    late = f"{what} timed out after {cell_timeout:g} s"
-                    record(**({"exercise": exercise_id, "passed": False, "message": late} if exercise_id
-                              else {"note": late}))
-                    run_sync(client.km.interrupt_kernel)()      # Ctrl-C: a launch stops its ranks
-                    if not _responds(client, index):
-                        record(note="the kernel did not respond to an interrupt: the rest was not run")
-                        break
-                    continue
-                except DeadKernelError:
-                    record(note=f"kernel died in {what}")
-                    if exercise_id:
-                        record(exercise=exercise_id, passed=False, message="")    # the note says why
+    notes = [] if notes is None else notes
+    limit = 4 * check_timeout + 120                         # a few launches, each bounded by check_timeout
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    with tempfile.TemporaryDirectory(prefix="pplab-check-") as cwd, \
+            socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+        address = f"\0pplab-verdict-{os.getpid()}-{os.urandom(8).hex()}"      # abstract: no file to find
+        server.bind(address)
+        server.listen(16)
+        server.settimeout(0.2)
+        job = {"sources": sources, "exercise": exercise_id, "timeout": check_timeout, "name": answer.name,
+               "statements": [list(s) for s in answer.statements], "verdict": address,
+               "params": None if answer.params is None else [list(p) for p in answer.params]}
+        proc = subprocess.Popen([sys.executable, "-I", "-c", _BOOT], cwd=cwd, env=env, stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        lines: list[bytes] = []
+        reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+        reader.start()
+        try:
+            proc.stdin.write(json.dumps(job).encode())
+            proc.stdin.close()
+        except OSError:
+            pass
+        verdicts, forged, deadline = [], 0, time.monotonic() + limit
+        while time.monotonic() < deadline and (proc.poll() is None or not verdicts):
+            try:
+                conn, _ = server.accept()
+            except (socket.timeout, OSError):
+                if proc.poll() is not None:
                     break
-                if exercise_id:
-                    result = _result_in_output(cell, nonce)
-                    record(exercise=exercise_id, **(result or {"passed": False,
-                                                               "message": f"{what} printed no result"}))
-    except Exception as exc:  # noqa: BLE001 - not a notebook, or the kernel would not start
-        record(note=f"could not run the notebook: {type(exc).__name__}: {str(exc)[:200]}")
-
-
-def _responds(client, index, seconds: float = 30.0) -> bool:
-    """After an interrupt: does the kernel run a trivial cell again?"""
-    from nbclient.exceptions import CellTimeoutError, DeadKernelError
-
-    saved, client.timeout = client.timeout, int(seconds)
+                continue
+            with conn:
+                pid, _, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                struct.calcsize("3i")))
+                conn.settimeout(5)
+                data = b""
+                with contextlib.suppress(OSError):
+                    while chunk := conn.recv(65536):
+                        data += chunk
+            if pid == proc.pid:
+                verdicts.append(data)
+            else:
+                forged += 1
+        timed_out = proc.poll() is None
+        _kill_tree(proc.pid)
+        proc.wait()
+        reader.join(5)
+    text = [line.decode(errors="replace").strip() for line in lines if line.strip()]
+    forged += sum(1 for line in text if '"passed"' in line)
+    if forged:
+        notes.append(f"{exercise_id}: ignored {forged} forged verdict(s) (from processes other than the check "
+                     f"itself)")
+    if timed_out and not verdicts:
+        return False, f"the check did not finish within {limit:g} s (the grader's limit for one check)"
     try:
-        client.execute_cell(nbformat.v4.new_code_cell("pass"), index)
-        return True
-    except (CellTimeoutError, DeadKernelError):
-        return False
-    finally:
-        client.timeout = saved
+        verdict = json.loads(verdicts[0])
+        return verdict["passed"] is True, str(verdict["message"])
+    except (IndexError, ValueError, KeyError, TypeError):
+        tail = text[-1][:200] if text else "no output"
+        return False, f"the check process gave no verdict (exit code {proc.returncode}): {tail}"
 
 
-def _result_in_output(cell, nonce: str):
-    text = "".join(o.get("text", "") for o in cell.outputs if o.get("output_type") == "stream")
-    for line in text.splitlines():
-        if line.startswith(nonce + " "):
-            return json.loads(line[len(nonce) + 1:])
-    return None
+def _check_main(job: dict) -> None:
+    """In the check process: check the answer, kill every process below this one, then
+    send the verdict to the grader's socket."""
+    import socket
 
-
-# -- inside the student's kernel ----------------------------------------------------
-
-def grade_in_kernel(exercise_id: str, namespace: dict, name: str, nonce: str, timeout: float) -> None:
-    """The grader's cell: check the student's `name` with fresh random inputs, print the
-    result tagged with this cell's nonce. Never raises: a broken answer is a failed check."""
-    from .checks import run_check
-
+    _become_subreaper()
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
     started = time.monotonic()
     try:
-        if name not in namespace:
-            result = {"passed": False, "message": f"{name} was not defined (its cell raised an error?)"}
-        else:
-            r = run_check(exercise_id, namespace[name], timeout=timeout)
-            result = {"passed": r.passed, "message": r.message}
-    except BaseException as exc:  # noqa: BLE001 - the student's code may raise anything
-        result = {"passed": False, "message": f"the check raised {type(exc).__name__}: {exc}"}
-    result["seconds"] = round(time.monotonic() - started, 2)
-    print(f"{nonce} {json.dumps(result)}", flush=True)
+        from .checks import SourceAnswer, run_check
+
+        answer = SourceAnswer(job["name"], tuple(tuple(s) for s in job["statements"]),
+                              None if job["params"] is None else tuple(tuple(p) for p in job["params"]))
+        result = run_check(job["exercise"], answer, timeout=float(job["timeout"]))
+        verdict = {"passed": result.passed, "message": result.message}
+    except BaseException as exc:  # noqa: BLE001 - a bug of ours must still give a verdict
+        verdict = {"passed": False, "message": f"the check raised {type(exc).__name__}: {exc}"}
+    verdict["seconds"] = round(time.monotonic() - started, 2)
+    _kill_children()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as channel:
+        channel.connect(job["verdict"])
+        channel.sendall(json.dumps(verdict).encode())
+    os._exit(0)

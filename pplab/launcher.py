@@ -172,7 +172,8 @@ def _check_world_size(world_size: int) -> None:
 
 
 def launch(fn, *args, world_size: int = 4, backend: str = "auto", timeout: float | None = None,
-           threads_per_rank: int = 1, start_method: str | None = None, **kwargs) -> LaunchResult:
+           threads_per_rank: int = 1, start_method: str | None = None, safe_results: bool = False,
+           **kwargs) -> LaunchResult:
     """Run `fn(*args, **kwargs)` on `world_size` processes; return their results by rank.
 
     backend: "auto" (NCCL with one GPU per rank when there are enough GPUs and CUDA is
@@ -181,6 +182,9 @@ def launch(fn, *args, world_size: int = 4, backend: str = "auto", timeout: float
       (default: the environment variable PPLAB_LAUNCH_TIMEOUT, else 120).
     threads_per_rank: torch threads per CPU rank (1 keeps N ranks from fighting over cores).
     start_method: None (fork when safe, else spawn), "fork" or "spawn".
+    safe_results: the ranks run code this process must not trust (a student's, when
+      grading): decode what they send back as plain data only (watch.plain_loads), so
+      nothing they send can run code here. fn should then return plain data.
 
     The result list has `.timeline` (every rank's trace on one clock) and `.elapsed`.
     Raises LaunchError if any rank raises, dies, hangs, or sits in a collective its peers
@@ -209,7 +213,7 @@ def launch(fn, *args, world_size: int = 4, backend: str = "auto", timeout: float
                             f"could not serialise them: {exc}") from exc
     else:
         payload = (fn, args, kwargs)
-    return _launch_once(payload, world_size, backend, method, float(timeout), threads_per_rank)
+    return _launch_once(payload, world_size, backend, method, float(timeout), threads_per_rank, safe_results)
 
 
 class _Spawned:
@@ -259,7 +263,7 @@ def _launch_folder() -> str:
     return tempfile.mkdtemp(prefix="pplab-launch-", dir=where)
 
 
-def _launch_once(payload, world_size, backend, method, timeout, threads) -> LaunchResult:
+def _launch_once(payload, world_size, backend, method, timeout, threads, safe=False) -> LaunchResult:
     ctx = mp.get_context("fork" if method == "fork" else "spawn")
     folder = _launch_folder()
     callboard.create(os.path.join(folder, "board"), world_size)
@@ -284,7 +288,7 @@ def _launch_once(payload, world_size, backend, method, timeout, threads) -> Laun
                 proc = _Spawned(args, payload, [c.fileno() for c in (conn_w, out_w, err_w)])
             for c in (conn_w, out_w, err_w):       # the child has its copies; ours would hide EOF
                 c.close()
-            ranks.append(Rank(r, proc, conn_r, out_r, err_r))
+            ranks.append(Rank(r, proc, conn_r, out_r, err_r, safe))
         messages = collect(ranks, folder, timeout)
     finally:
         for rk in ranks:

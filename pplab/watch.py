@@ -9,8 +9,10 @@ becomes one LaunchError whose message says what each rank did, once per distinct
 """
 from __future__ import annotations
 
+import io
 import multiprocessing.connection
 import os
+import pickle
 import re
 import signal
 import sys
@@ -18,7 +20,7 @@ import time
 
 import cloudpickle
 
-from . import callboard
+from . import callboard, trace
 
 BOARD_EVERY = 0.2          # seconds between reads of the call board
 
@@ -62,8 +64,9 @@ def ranks_text(ranks) -> str:
 class Rank:
     """The caller's handle on one child: its process, result pipe and output pipes."""
 
-    def __init__(self, rank, proc, conn, out_conn, err_conn):
+    def __init__(self, rank, proc, conn, out_conn, err_conn, safe=False):
         self.rank, self.proc, self.conn = rank, proc, conn
+        self.safe = safe                # its code is not trusted: decode its message as plain data
         self.pipes = {out_conn.fileno(): (out_conn, sys.stdout), err_conn.fileno(): (err_conn, sys.stderr)}
         self.partial = {fd: b"" for fd in self.pipes}
         self.tail: list[str] = []       # last lines printed, for error messages
@@ -91,9 +94,11 @@ class Rank:
     def receive(self) -> None:
         """Read the child's one message, if it sent one before its pipe closed."""
         try:
-            self.message = cloudpickle.loads(self.conn.recv_bytes())
+            data = self.conn.recv_bytes(64 << 20 if self.safe else None)   # untrusted: a bogus length is refused
         except (EOFError, OSError):
             self.message = None
+            return
+        self.message = plain_loads(data) if self.safe else cloudpickle.loads(data)
 
     def kill(self) -> None:
         """Kill the rank and anything it started (its process group), dead or alive:
@@ -114,6 +119,33 @@ class Rank:
         self.proc.close()               # releases the sentinel's file descriptor
         for c in [self.conn] + [c for c, _ in self.pipes.values()]:
             c.close()
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Builds numbers, strings, bytes, lists, tuples, dicts, sets and trace events, nothing else:
+    unpickling plain data needs no import, so refusing every import refuses any code."""
+
+    def find_class(self, module, name):
+        if (module, name) == ("pplab.trace", "Event"):
+            return trace.Event
+        raise pickle.UnpicklingError(f"{module}.{name} is not plain data")
+
+
+def plain_loads(data: bytes):
+    """A rank's message decoded with _PlainUnpickler; one that is not plain data, or not
+    shaped like a rank's message, becomes that rank's error."""
+    try:
+        message = _PlainUnpickler(io.BytesIO(data)).load()
+        if isinstance(message, tuple) and len(message) == 3 and message[0] == "ok" and \
+                isinstance(message[2], list) and all(isinstance(e, trace.Event) for e in message[2]):
+            return message
+        if isinstance(message, tuple) and len(message) == 4 and message[0] == "err" and \
+                all(isinstance(m, str) for m in message[1:]):
+            return message
+        problem = "a message not shaped like a rank's result"
+    except Exception as exc:  # noqa: BLE001 - whatever the bytes were, they are refused
+        problem = f"{type(exc).__name__}: {exc}"
+    return ("err", "return", f"ResultError: its result is not plain data ({problem})", "")
 
 
 def collect(ranks, folder, timeout):

@@ -1,6 +1,7 @@
 """exercises/ generated from solutions/ (and never stale), and `pplab grade`."""
 import csv
-import json
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
-from pplab import checks, cli, grading
+from pplab import checks, cli, grading, submission
 
 REPO = Path(__file__).resolve().parents[1]
 PPLAB = [sys.executable, "-m", "pplab.cli"]
@@ -96,14 +97,71 @@ def test_timeouts_must_leave_room_for_a_check(tmp_path):
         grading.grade(tmp_path, tmp_path / "g.csv", cell_timeout=10, check_timeout=30)
 
 
-def test_the_grader_cell_prints_one_tagged_result(capsys):
-    grading.grade_in_kernel("broadcast", {"my_broadcast": None}, "my_broadcast", "n0nce", 5.0)
-    grading.grade_in_kernel("broadcast", {}, "my_broadcast", "n0nce", 5.0)
-    lines = capsys.readouterr().out.splitlines()
-    results = [json.loads(line.removeprefix("n0nce ")) for line in lines if line.startswith("n0nce ")]
-    assert [r["passed"] for r in results] == [False, False]
-    assert results[0]["message"] == "my_broadcast has no answer yet."
-    assert results[1]["message"] == "my_broadcast was not defined (its cell raised an error?)"
+def test_definitions_keep_what_the_answer_needs_and_name_what_was_ignored():
+    cells = [(2, "import torch\nimport pplab\nfrom pplab import comm as c\nSCALE = 2\nUNUSED = 3"),
+             (3, "def helper(t):\n    return t * SCALE\n\nclass Box:\n    size = SCALE"),
+             (4, "pplab.checks.run_check = lambda *a, **k: None\nprint('hi')\nfor i in range(3):\n    LOOP = i"),
+             (5, "@torch.no_grad()\ndef my_answer(tensor, src=0, *rest, key=None, **more):\n"
+                 "    return helper(tensor) + Box.size + LOOP + c.rank()"),
+             (6, "def helper(t):\n    return t * 3        # the last definition counts"),
+             (7, "x = setattr(pplab, 'grading', None)\nmy_other = x")]
+    found = submission.definitions(cells, {"my_answer", "my_other", "missing"})
+    answer = found.answers["my_answer"]
+    assert [(f, line) for f, line, _ in answer.statements] == \
+        [("<cell 2>", 1), ("<cell 2>", 3), ("<cell 2>", 4), ("<cell 3>", 4), ("<cell 5>", 1), ("<cell 6>", 1)]
+    assert answer.statements[-2][2].startswith("@torch.no_grad()\ndef my_answer")
+    assert answer.params is None                         # decorated: its signature is the decorator's
+    assert set(found.answers) == {"my_answer", "my_other"}
+    assert found.answers["my_other"].statements == (("<cell 7>", 2, "my_other = x"),)    # x = setattr(...): left out
+    assert "ignored cell 4, line 1: `pplab.checks.run_check = ...`: the grader runs only definitions" in found.notes
+    assert "ignored cell 7, line 1: `x = ...`: the grader runs only definitions" in found.notes
+    assert any("my_answer uses `LOOP`, which no definition at the top level binds" in n for n in found.notes)
+    plain = submission.definitions([(1, "def f(a, b=1, *c, d, e=2, **g):\n    pass")], {"f"}).answers["f"]
+    assert str(__import__("inspect").signature(plain)) == "(a, b=Ellipsis, *c, d, e=Ellipsis, **g)"
+
+
+def test_a_source_answer_runs_only_in_a_child():
+    answer = checks.SourceAnswer("f", (("<cell 1>", 1, "import os\nPID = os.getpid()\ndef f():\n    return PID"),))
+    with pytest.raises(TypeError, match="runs only in a child process"):
+        answer()
+    import os
+    pid = checks.core.call_answer(answer)
+    assert isinstance(pid, int) and pid != os.getpid()
+    assert "f" not in globals() and "submission" not in sys.modules
+
+
+def test_a_source_answer_that_loops_or_raises_is_named_not_called_a_deadlock():
+    spin = checks.SourceAnswer("bubble_fraction", (("<cell 3>", 1, "def bubble_fraction(p, m, v):\n"
+                                                                   "    while True:\n        pass"),))
+    message = checks.run_check("bubble_fraction", spin, timeout=2).message
+    assert "bubble_fraction was still running after 2 s, busy on the CPU all along: a loop that never ends?" in message
+    assert "deadlock" not in message
+    bad = checks.SourceAnswer("bubble_fraction", (("<cell 3>", 1, "def bubble_fraction(p, m, v):\n    return 1 / 0"),))
+    assert "bubble_fraction raised ZeroDivisionError: division by zero (in bubble_fraction, line 2: `return 1 / 0`)" \
+        in checks.run_check("bubble_fraction", bad).message
+
+
+def test_results_from_a_rank_are_decoded_as_plain_data_only(tmp_path):
+    """Whatever a rank sends back cannot run code in the caller: no pickle of an object."""
+    import pplab
+
+    marker = tmp_path / "ran"
+
+    class Evil:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    def job():
+        return Evil()
+
+    with pytest.raises(pplab.LaunchError, match="not plain data"):
+        pplab.launch(job, world_size=1, safe_results=True)
+    assert not marker.exists()
+    assert pplab.launch(lambda: {"a": (1, 2.5, "s", None, b"x")}, world_size=1, safe_results=True) == \
+        [{"a": (1, 2.5, "s", None, b"x")}]
+    with pytest.raises(Exception):
+        checks.core.decode(__import__("pickle").dumps(Evil()))
+    assert not marker.exists()
 
 
 # -- grading a folder of submissions -------------------------------------------------
@@ -136,9 +194,9 @@ def test_grade_a_folder_of_good_and_bad_submissions(tmp_path):
     # the solution notebook as handed in by a student who did everything right
     (subs / "cyd").mkdir()
     shutil.copy(REPO / "solutions" / "00_broadcast.ipynb", subs / "cyd" / "00_broadcast.ipynb")
-    # crashes the kernel after a correct answer; the later wrong answer never runs
-    _write(subs / "dan.ipynb", "from pplab import comm", _solution_cell(), "import os\nos._exit(1)",
-           "def my_broadcast(tensor, src):\n    pass")
+    # crashes the kernel before its correct answer: definitions are graded from the source,
+    # whatever the run did
+    _write(subs / "dan.ipynb", "from pplab import comm", "import os\nos._exit(1)", _solution_cell())
     # not a notebook at all
     (subs / "hal.ipynb").write_text("not json")
     # deadlocks: every rank receives before it sends
@@ -161,7 +219,7 @@ def test_grade_a_folder_of_good_and_bad_submissions(tmp_path):
     assert rows["ada"]["notes"] == "cell 3 timed out after 20 s"
     assert "is not implemented yet" in rows["bob"]["notes"]
     assert rows["cyd"]["notes"] == ""
-    assert "kernel died in cell 3" in rows["dan"]["notes"]
+    assert "kernel died in cell 2" in rows["dan"]["notes"]
     assert "still waiting after 6 s: a deadlock?" in rows["eve"]["notes"]
     assert rows["hal"]["notes"].startswith("could not run the notebook: NotJSONError")
 
@@ -175,5 +233,57 @@ def test_a_notebook_that_ignores_interrupts_is_killed_with_everything_it_started
            "def stuck():\n    time.sleep(10**6)\n\npplab.launch(stuck, world_size=2, timeout=10**6)")
     started = time.monotonic()
     grade = grading.grade_notebook(path, timeout=15, cell_timeout=10, check_timeout=5)
-    assert grade.notes[-1] == "stopped after 15 s (the notebook's time limit)"
+    assert "stopped after 15 s (the notebook's time limit)" in grade.notes
     assert grade.passed == {} and time.monotonic() - started < 60
+
+
+# -- attacks on the grader ---------------------------------------------------------
+
+FIXTURES = Path(__file__).parent / "fixtures" / "grading"
+
+
+@pytest.mark.usefixtures("no_leftover_processes")
+def test_attacks_on_the_grader_get_no_marks_and_a_note(tmp_path):
+    """Each attack notebook (tests/fixtures/grading, with a wrong my_broadcast) gets 0 and a
+    note on what was ignored; correct answers graded in the same run, before and after the
+    attacks wrote their files, still pass. The grader runs from a copy of pplab, so that the
+    notebook that writes into pplab's folder and onto sys.path writes only into the copy."""
+    copy, site, subs = tmp_path / "pplab-copy", tmp_path / "pplab-site", tmp_path / "submissions"
+    shutil.copytree(REPO / "pplab", copy / "pplab", ignore=shutil.ignore_patterns("__pycache__"))
+    site.mkdir()
+    subs.mkdir()
+    for notebook in FIXTURES.glob("*.ipynb"):
+        shutil.copy(notebook, subs / notebook.name)
+    shutil.copy(REPO / "solutions" / "00_broadcast.ipynb", subs / "aa_good.ipynb")
+    shutil.copy(REPO / "solutions" / "00_broadcast.ipynb", subs / "zz_good.ipynb")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(copy)]))
+    out = tmp_path / "grades.csv"
+    run = subprocess.run(PPLAB + ["grade", str(subs), "--out", str(out), "--timeout", "150", "--cell-timeout",
+                                  "60", "--check-timeout", "20", "--jobs", "3"],
+                         capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    with open(out, newline="") as f:
+        rows = {row["student"]: row for row in csv.DictReader(f)}
+    scores = {s: int(r["broadcast"]) for s, r in rows.items()}
+    assert scores == {"aa_good": 1, "zz_good": 1, "helpers": 1, "attack_run_check": 0,
+                      "attack_grader_functions": 0, "attack_results_file": 0, "attack_monkeypatch": 0,
+                      "attack_files": 0, "attack_call_time": 0, "attack_kills_checker": 0}, rows
+    notes = {s: r["notes"] for s, r in rows.items()}
+    assert "ignored cell 4, line 4: `pplab.checks.run_check = ...`: the grader runs only definitions" in \
+        notes["attack_run_check"]
+    assert "ignored cell 5, line 7: `pplab.grading.grade_in_kernel = ...`" in notes["attack_grader_functions"]
+    assert "ignored cell 5, line 8: `pplab.grading.run_check_process = ...`" in notes["attack_grader_functions"]
+    assert "ignored cell 5, line 1: `for pid in (os.getppid(), os.getpid()):`" in notes["attack_results_file"]
+    assert "line(s) in the grader's notes file that the grader did not write" in notes["attack_results_file"]
+    assert "ignored cell 3, line 2: `comm.send = ...`" in notes["attack_monkeypatch"]
+    assert "ignored cell 3, line 3: `dist.ProcessGroup.broadcast = ...`" in notes["attack_monkeypatch"]
+    assert "ignored cell 4, line 1: `class Quiet:" in notes["attack_monkeypatch"]
+    assert "pplab's files on disk changed while the notebook ran (pplab.checks.core, pplab.checks.zz_forged)" \
+        in notes["attack_files"]
+    assert "`(here.parent / 'results.jsonl').write_text(json.dumps(FORGED) + '\\n')`" in notes["attack_files"]
+    assert re.search(r"broadcast: ignored [1-9]\d* forged verdict\(s\) \(from processes other than the check",
+                     notes["attack_call_time"])
+    assert re.search(r"broadcast: ignored [1-9]\d* forged verdict\(s\)", notes["attack_kills_checker"])
+    assert "broadcast: the check process gave no verdict (exit code -9)" in notes["attack_kills_checker"]
+    assert "cell 8 raised ValueError: a cell that raises" in notes["helpers"]
+    assert (copy / "pplab" / "checks" / "zz_forged.py").exists() and (site / "pplab" / "__init__.py").exists()

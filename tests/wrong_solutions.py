@@ -88,7 +88,35 @@ def broadcast_via_functional_collective(tensor, src):
     tensor.copy_(out.wait() if hasattr(out, "wait") else out)
 
 
-# Which rank reports first when several fail at once is a race: patterns allow either.
+def broadcast_last_rank_scratch_buffer(tensor, src):
+    """A right binomial tree, except that the last rank receives into a scratch buffer and
+    never copies it back: right on rank 0 (and every other rank), wrong on rank p-1."""
+    rank, p = comm.rank(), comm.world_size()
+    me = (rank - src) % p
+    target = tensor.clone() if rank == p - 1 else tensor
+    for mask in _rounds(p):
+        if me < mask and me + mask < p:
+            comm.send(target, (me + mask + src) % p)
+        elif mask <= me < 2 * mask:
+            comm.recv(target, (me - mask + src) % p)
+
+
+def broadcast_last_rank_spins(tensor, src):
+    """The last rank loops forever (a loop condition that never changes): not a deadlock."""
+    rank, p = comm.rank(), comm.world_size()
+    if rank == p - 1:
+        done = False
+        while not done:
+            pass
+    elif rank == src:
+        for r in range(p - 1):
+            if r != src:
+                comm.send(tensor, r)
+    else:
+        comm.recv(tensor, src)
+
+
+# Failures are reported for the first trial that went wrong, lowest rank first.
 TRIAL = r"^world_size=\d, src=\d, dtype=(float32|int64), shape=\([\d, ]*\): "
 WRONG = {
     "broadcast": [
@@ -113,6 +141,11 @@ WRONG = {
          [TRIAL, r"rank \d raised ValueError: dst=\d is not a rank",
           r"\(in broadcast_forgets_wraparound, line \d+: `comm\.send\(tensor, relative \+ mask \+ src\)`\)"],
          None),
+        (broadcast_last_rank_scratch_buffer,
+         [TRIAL, r"rank [1-3]'s result differs from the reference \(rank [0-2]'s tensor, the src\)"], None),
+        (broadcast_last_rank_spins,
+         [r"^world_size=2\b.*: rank 1 was still running after 3 s, busy on the CPU all along: a loop that never "
+          r"ends\? Check what ends each loop in broadcast_last_rank_spins"], 3.0),
         (broadcast_via_functional_collective,
          [TRIAL, r"rank \d ended with the right values but received no point-to-point message"], None),
     ],

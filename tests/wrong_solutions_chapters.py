@@ -73,6 +73,23 @@ def all_reduce_forgets_all_gather(tensor):
         add.add_(incoming)
 
 
+def all_reduce_last_rank_skips_final_step(tensor):
+    """A right ring, except that rank p-1 drops what the last all-gather step brings it (it
+    receives into a scratch buffer): right on rank 0, one chunk wrong on rank p-1."""
+    rank, p, right, left = _ring()
+    chunks = tensor.view(-1).tensor_split(p)
+    for s in range(p - 1):
+        send, add = chunks[(rank - s) % p], chunks[(rank - s - 1) % p]
+        incoming = torch.empty_like(add)
+        comm.exchange(send, right, incoming, left)
+        add.add_(incoming)
+    for s in range(p - 1):
+        into = chunks[(rank - s) % p]
+        if rank == p - 1 and s == p - 2:
+            into = torch.empty_like(into)
+        comm.exchange(chunks[(rank - s + 1) % p], right, into, left)
+
+
 def all_reduce_with_library(tensor):
     dist.all_reduce(tensor)
 
@@ -123,6 +140,22 @@ def reduce_scatter_in_input(output, input):
         comm.exchange(chunks[(rank - s - 1) % p], right, incoming, left)
         chunks[(rank - s - 2) % p].add_(incoming)
     output.copy_(chunks[rank])
+
+
+def reduce_scatter_last_rank_keeps_own_chunk(output, input):
+    """A right ring, but rank p-1 copies its own chunk into output instead of the sum."""
+    rank, p, right, left = _ring()
+    chunks = input.clone().view(-1).split(output.numel())
+    incoming = torch.empty_like(chunks[0])
+    for s in range(p - 1):
+        comm.exchange(chunks[(rank - s - 1) % p], right, incoming, left)
+        chunks[(rank - s - 2) % p].add_(incoming)
+    output.copy_(input.view(-1).split(output.numel())[rank] if rank == p - 1 else chunks[rank])
+
+
+def predict_bandwidth_term_halved(alpha, beta, p, n_bytes):
+    """Right when beta = 0 (latency only), wrong whenever bandwidth counts."""
+    return 2 * (p - 1) * alpha + (p - 1) / p * n_bytes * beta
 
 
 def predict_forgets_factor_two(alpha, beta, p, n_bytes):
@@ -228,6 +261,22 @@ def ddp_one_all_reduce_per_parameter(model, cap_bytes):
     return buckets, finish
 
 
+def ddp_averages_only_on_rank_zero(model, cap_bytes):
+    """Right buckets and hooks, but only rank 0 divides by the world size."""
+    buckets, finish = _ddp(model, _buckets(model.parameters(), cap_bytes), divide=comm.rank() == 0)
+    return buckets, finish
+
+
+def topk_forgets_memory_when_sending_all(grad, memory, k):
+    """Right for k < d; when k = d (everything is sent) it keeps grad + memory as the memory."""
+    a = grad + memory
+    indices = a.abs().topk(k).indices
+    new_memory = a.clone()
+    if k < grad.numel():
+        new_memory[indices] = 0
+    return a[indices], indices, new_memory
+
+
 def topk_by_value(grad, memory, k):
     a = grad + memory
     indices = a.topk(k).indices
@@ -300,6 +349,12 @@ def gpipe_last_rank_backwards_reversed(num_stages, num_microbatches):
     return order
 
 
+def gpipe_drops_last_when_few_microbatches(num_stages, num_microbatches):
+    """Right when m >= p; with fewer micro-batches than stages it forgets the last one."""
+    m = num_microbatches - (num_microbatches < num_stages)
+    return [[("F", i) for i in range(m)] + [("B", i) for i in range(m)] for _ in range(num_stages)]
+
+
 def _one_f_one_b(p, m, warmup):
     order = []
     for r in range(p):
@@ -340,6 +395,16 @@ def one_f_one_b_warmup_ignores_m(num_stages, num_microbatches):
     return order
 
 
+def one_f_one_b_last_rank_warms_up(num_stages, num_microbatches):
+    """Right on every rank but the last, which runs one forward ahead (it needs none)."""
+    return _one_f_one_b(num_stages, num_microbatches, lambda p, r: p - 1 - r if r < p - 1 else 1)
+
+
+def bubble_wrong_when_chunked(p, m, v):
+    """Right for v = 1; with v > 1 it adds v - 1 to m instead of multiplying."""
+    return (p - 1) / (m + v - 1)
+
+
 def bubble_ignores_v(p, m, v):
     return (p - 1) / m
 
@@ -376,6 +441,10 @@ WRONG = {
          [AR_TRIAL, r"^world_size=2\b", r"rank \d's result differs from the sum over all ranks",
           r"Only chunk \d of tensor.tensor_split\(2\) is right: that is what a reduce-scatter leaves\. "
           r"The all-gather must then pass"], None),
+        (all_reduce_last_rank_skips_final_step,
+         [AR_TRIAL, r"rank [1-3]'s result differs from the sum over all ranks",
+          r"(Chunk \d of tensor.tensor_split\([34]\) is wrong on this rank: every rank must take part in all \d "
+          r"steps of the all-gather|Only chunk \d of tensor.tensor_split\(2\) is right)"], None),
         (all_reduce_with_library,
          [r"^exercise 'ring_all_reduce' asks you to build all_reduce from point-to-point sends",
           r"you called torch\.distributed\.all_reduce, the library collective it replaces\.$"], None),
@@ -386,6 +455,9 @@ WRONG = {
           r"It holds the sum of chunk \d instead: rank r must end with chunk r"], None),
         (reduce_scatter_copies_instead_of_adding,
          [RS_TRIAL, r"It holds rank \d's chunk \d alone: add what each step receives"], None),
+        (reduce_scatter_last_rank_keeps_own_chunk,
+         [RS_TRIAL, r"rank [1-3]'s output differs from the sum over ranks of chunk [1-3]",
+          r"It holds rank [1-3]'s chunk [1-3] alone"], None),
         (reduce_scatter_direct,
          [r"^world_size=[34], ", r"rank \d sent to ranks? [\d, ]+: in a ring each rank sends only to its right "
           r"neighbour"], None),
@@ -398,6 +470,8 @@ WRONG = {
          None),
         (predict_p_instead_of_p_minus_one, [PREDICT, r"That is (p where p-1 belongs|2p·α)"], None),
         (predict_whole_tensor_each_step, [r"That is (2\(p-1\)\(α \+ Nβ\)|2N·β)", r"one chunk of N/p bytes"], None),
+        (predict_bandwidth_term_halved,
+         [PREDICT, r"(A ring all-reduce takes 2\(p-1\)·α \+ 2\(p-1\)/p·N·β\.|That is half the right time)"], None),
         (predict_with_costmodel,
          [r"^exercise 'predict_time' asks you to work out the time yourself; you use pplab\.costmodel"], None),
     ],
@@ -417,11 +491,17 @@ WRONG = {
         (ddp_cap_checked_too_late,
          [DDP_TRIAL, r"with cap_bytes=\d+, bucket \d should hold \[.*\] \(\d+ bytes\), yours holds \[.*\] \(\d+ bytes\)",
           r"Add parameters to a bucket while its total stays <= cap_bytes"], None),
+        (ddp_averages_only_on_rank_zero,
+         [DDP_TRIAL, r"step 0: rank [12]'s [\d.]+(weight|bias)\.grad differs from the single-process gradient",
+          r"It is [23] times that: the all-reduce sums the ranks' gradients; divide by the world size\."], None),
         (ddp_one_all_reduce_per_parameter,
          [DDP_TRIAL, r"step 0: expected \d all-reduce\(s\), one per bucket in bucket order, of \[[\d, ]+\] elements; "
           r"saw 6, of \[[\d, ]+\] elements"], None),
     ],
     "topk_error_feedback": [
+        (topk_forgets_memory_when_sending_all,
+         [r"^d=(\d+), k=\1, step \d of a run that starts from memory = 0: what was sent so far \+ new_memory"],
+         None),
         (topk_by_value, [TOPK, r"which is larger in magnitude", r"You picked the k largest \*values\*: pick by magnitude"],
          None),
         (topk_selects_before_adding_memory,
@@ -449,6 +529,8 @@ WRONG = {
         (gpipe_last_rank_backwards_reversed,
          [PIPE, r"your schedule takes \d+ time units \(t_f = 1, t_b = 2\), GPipe takes \(m \+ p - 1\)\(t_f \+ t_b\) "
           r"= \d+\. Rank \d sits idle for \d+ of them \(GPipe: \d+\)"], None),
+        (gpipe_drops_last_when_few_microbatches,
+         [r"^p=(\d) stages, m=\d+ micro-batch(es)?: ", r"F\d+ of stage 0 appears 0 times, not once"], None),
         (gpipe_as_1f1b,
          [PIPE, r"rank \d holds \d micro-batches' activations at its peak, fewer than GPipe's \d+: GPipe runs all "
           r"m = \d+ forwards before any backward"], None),
@@ -457,6 +539,9 @@ WRONG = {
         (one_f_one_b_as_gpipe,
          [PIPE, r"rank \d holds \d+ micro-batches' activations at its peak, more than 1F1B's \d: rank \d runs "
           r"min\(p - 1 - r, m\) = \d forwards ahead \(the warm-up\)"], None),
+        (one_f_one_b_last_rank_warms_up,
+         [PIPE, r"rank [1-4] holds 2 micro-batches' activations at its peak, more than 1F1B's 1: rank [1-4] runs "
+          r"min\(p - 1 - r, m\) = 0 forwards ahead"], None),
         (one_f_one_b_warmup_one_too_many, [PIPE, r"at its peak, more than 1F1B's \d"], None),
         (one_f_one_b_warmup_one_too_few,
          [PIPE, r"your schedule takes \d+ time units \(t_f = 1, t_b = 2\), 1F1B takes \(m \+ p - 1\)\(t_f \+ t_b\)"],
@@ -466,6 +551,8 @@ WRONG = {
           r"micro-batch \d out of range 0\.\.\d"], None),
     ],
     "bubble_fraction": [
+        (bubble_wrong_when_chunked, [r"^p=\d+, m=\d+, v=[2-8]: bubble_wrong_when_chunked\(\d+, \d+, \d\) is ",
+                                     r"The fill and the drain cost \(p-1\)\(t_f\+t_b\)/v"], None),
         (bubble_ignores_v, [r"^p=\d+, m=\d+, v=[2-8]: bubble_ignores_v\(\d+, \d+, \d\) is [\d.e+-]+, expected ",
                             r"That is \(p-1\)/m, which leaves out v"], None),
         (bubble_p_over_m, [r"^p=\d+, m=\d+, v=1: ", r"That is p/\(v·m\): filling a pipeline of p stages takes p-1 "

@@ -4,19 +4,20 @@
     ✔ broadcast: passed on world sizes 2, 3, 4 (18 trials with random data, ...)
 
 `core` holds the registry (`@exercise`), `check`/`run_check` and the helpers every checker
-uses; each other module of this package holds one chapter's checkers and imports only
+uses, `answers` where the student's answer runs and what may come back from it (both
+described in core's docstring); each other module of this package holds one chapter's checkers and imports only
 from `core`. Every module here is imported when the package is, so a new chapter adds one
 file and touches nothing else.
 """
 import importlib
 import pkgutil
 
-from .core import (EXERCISES, CheckResult, Exercise, Fail, Forbidden, check, check_number, exercise,
+from .core import (EXERCISES, CheckResult, Exercise, Fail, Forbidden, SourceAnswer, check, check_number, exercise,
                    first_difference, get_exercise, run_check)
 
-__all__ = ["EXERCISES", "CheckResult", "Exercise", "Fail", "Forbidden", "check", "check_number", "exercise",
-           "first_difference", "get_exercise", "run_check"]
+__all__ = ["EXERCISES", "CheckResult", "Exercise", "Fail", "Forbidden", "SourceAnswer", "check", "check_number",
+           "exercise", "first_difference", "get_exercise", "run_check"]
 
 for _module in pkgutil.iter_modules(__path__):
-    if _module.name != "core":
+    if _module.name not in ("core", "answers"):
         importlib.import_module(f"{__name__}.{_module.name}")

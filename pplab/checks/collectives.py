@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from .. import costmodel
-from .core import (Fail, Forbidden, check_number, call_answer, exercise, first_difference, forbidden_references,
-                     progress, require_function, run_on_ranks, watch_comm)
+from .core import (Fail, Forbidden, call_answer, check_number, exercise, first_difference, forbidden_references,
+                   observe, progress, require_function, run_on_ranks, watch_comm)
 from .core import _fmt, refuse_library
 
 # ----------------------------------------------------------------------------------
@@ -68,27 +68,42 @@ def _describe_broadcast(trials):
     return describe
 
 
+def _returned_copy(returned, tensor):
+    """What the answer returned, if that is a tensor other than the one it was given."""
+    return returned.detach().clone() if isinstance(returned, torch.Tensor) and returned is not tensor else None
+
+
 def _broadcast_rank(fn, trials, seed, progress_dir):
-    """Run on every rank: call the student's fn on each trial and check this rank's tensor."""
+    """Run on every rank: call the student's fn on each trial, record what it left in the tensor."""
     rank, p = dist.get_rank(), dist.get_world_size()
-    name = getattr(fn, "__name__", "your function")
     with watch_comm("broadcast", "broadcast") as watch:
         for i, trial in enumerate(trials):
             progress(progress_dir, i)
-            inputs = _broadcast_inputs(seed, p, i, trial)
-            tensor = inputs[rank].clone()
+            tensor = _broadcast_inputs(seed, p, i, trial)[rank].clone()
             received = watch.receives
             returned = fn(tensor, trial.src)
             watch.raise_if_forbidden()
-            expected = inputs[trial.src]
+            observe(progress_dir, i, {"tensor": tensor, "returned": _returned_copy(returned, tensor),
+                                      "received": watch.receives - received, "forbidden": watch.forbidden})
+
+
+def _check_broadcast(name, trials, seed):
+    """check(world_size, trial, observed), in the checker's process: every rank's tensor is src's."""
+    def check(p, i, observed):
+        trial = trials[p][i]
+        expected = _broadcast_inputs(seed, p, i, trial)[trial.src]
+        for rank, seen in sorted(observed.items()):
+            if seen["forbidden"]:
+                raise Forbidden(seen["forbidden"][0])
+            tensor, returned = seen["tensor"], seen["returned"]
             if tensor.dtype != expected.dtype or tensor.shape != expected.shape:
                 raise Fail(f"rank {rank}'s tensor changed from {expected.dtype}{tuple(expected.shape)} to "
                            f"{tensor.dtype}{tuple(tensor.shape)}: write the values into it, keep its dtype "
                            f"and shape.")
             diff = first_difference(tensor, expected)
             if diff is not None:
-                new = isinstance(returned, torch.Tensor) and returned is not tensor
-                if new and returned.shape == expected.shape and torch.equal(returned, expected.to(returned.dtype)):
+                if returned is not None and returned.shape == expected.shape and \
+                        torch.equal(returned, expected.to(returned.dtype)):
                     raise Fail(f"{name} returned the result as a new tensor on rank {rank} but left `tensor` "
                                f"unchanged: write into `tensor` itself, in place, as torch.distributed.broadcast "
                                f"does (recv into it, or tensor.copy_(result)).")
@@ -98,11 +113,11 @@ def _broadcast_rank(fn, trials, seed, progress_dir):
                                f"index {index} (got {_fmt(got)}, expected {_fmt(want)}).")
                 raise Fail(f"rank {rank}'s result differs from the reference (rank {trial.src}'s tensor, the src) "
                            f"at index {index} (got {_fmt(got)}, expected {_fmt(want)}).")
-            if rank != trial.src and watch.receives == received:
+            if rank != trial.src and not seen["received"]:
                 raise Fail(f"rank {rank} ended with the right values but received no point-to-point message: "
                            f"the data must travel with send/recv (pplab.comm or torch.distributed), not another "
                            f"way.")
-    return True
+    return check
 
 
 @exercise("broadcast", "Broadcast built from point-to-point messages", answer="my_broadcast",
@@ -126,8 +141,9 @@ def check_broadcast(fn, seed: int, timeout: float) -> str:
     sizes = (2, 3, 4)                                    # 3: not a power of two
     trials = {p: _broadcast_trials(seed, p) for p in sizes}
     for p in sizes:
-        run_on_ranks(_broadcast_rank, fn, trials[p], seed, world_size=p, timeout=timeout,
-                     answer=fn, describe=_describe_broadcast(trials))
+        run_on_ranks(_broadcast_rank, fn, trials[p], seed, world_size=p, timeout=timeout, answer=fn,
+                     describe=_describe_broadcast(trials), trials=len(trials[p]),
+                     check=_check_broadcast(fn.__name__, trials, seed))
     n = sum(len(t) for t in trials.values())
     return (f"on world sizes {', '.join(map(str, sizes))} ({n} trials with random data: every src, "
             f"float32 and int64, 1 to 1000 elements, exact match)")
@@ -185,8 +201,9 @@ def _check_ring_traffic(rank, p, sends, received_any, limit, n_bytes, what, not_
                    f"the data must travel with send/recv (pplab.comm or torch.distributed).")
 
 
-def _returned_new(name, rank, returned, tensor, expected, what="tensor"):
-    if isinstance(returned, torch.Tensor) and returned is not tensor and returned.shape == expected.shape \
+def _returned_new(name, rank, returned, expected, what="tensor"):
+    """Fail if the answer returned the right result as a new tensor (`returned`: None if not)."""
+    if returned is not None and returned.shape == expected.shape \
             and first_difference(returned.to(expected.dtype), expected, **_tolerance(expected.dtype)) is None:
         raise Fail(f"{name} returned the result as a new tensor on rank {rank} but left `{what}` unchanged: write "
                    f"into `{what}` itself, in place, as torch.distributed does (recv into it, or "
@@ -206,14 +223,14 @@ def _describe(trials, what="shape"):
     return describe
 
 
-def _run(fn, exercise_id, builds, job, cases, seed, timeout, what="shape"):
+def _run(fn, exercise_id, builds, job, check, cases, seed, timeout, what="shape"):
     reference = forbidden_references(fn, exercise_id, builds)
     if reference:
         raise Forbidden(reference)
     trials = {p: _trials(seed, p, cases) for p in (2, 3, 4)}   # 3: not a power of two
     for p in trials:
         run_on_ranks(job, fn, trials[p], seed, world_size=p, timeout=timeout, answer=fn,
-                     describe=_describe(trials, what))
+                     describe=_describe(trials, what), trials=len(trials[p]), check=check(fn.__name__, trials, seed))
     return sum(map(len, trials.values()))
 
 
@@ -224,23 +241,35 @@ _RS_CASES = ([("float32", 7), ("int64", 5), ("float32", 250)], [("float32", 1), 
 
 
 def _reduce_scatter_rank(fn, trials, seed, progress_dir):
+    """Run on every rank: call the student's fn on each trial, record output, input and traffic."""
     rank, p = dist.get_rank(), dist.get_world_size()
-    name = getattr(fn, "__name__", "your function")
     with watch_comm("reduce_scatter", "reduce_scatter") as watch:
         for i, (dtype, n) in enumerate(trials):
             progress(progress_dir, i)
-            inputs = _inputs(seed, p, i, dtype, (p * n,))
-            chunk_sums = torch.stack(inputs).double().sum(0).to(inputs[0].dtype).view(p, n)
-            expected = chunk_sums[rank]
-            output = torch.full((n,), -7777, dtype=inputs[0].dtype)
-            input, received, sent = inputs[rank].clone(), watch.receives, len(watch.sends)
+            input = _inputs(seed, p, i, dtype, (p * n,))[rank].clone()
+            output = torch.full((n,), -7777, dtype=input.dtype)
+            received, sent = watch.receives, len(watch.sends)
             returned = fn(output, input)
             watch.raise_if_forbidden()
+            observe(progress_dir, i, {"output": output, "input": input, "returned": _returned_copy(returned, output),
+                                      "received": watch.receives - received, "sends": watch.sends[sent:],
+                                      "forbidden": watch.forbidden})
+
+
+def _check_reduce_scatter(name, trials, seed):
+    def check(p, i, observed):
+        dtype, n = trials[p][i]
+        inputs = _inputs(seed, p, i, dtype, (p * n,))
+        chunk_sums = torch.stack(inputs).double().sum(0).to(inputs[0].dtype).view(p, n)
+        for rank, seen in sorted(observed.items()):
+            if seen["forbidden"]:
+                raise Forbidden(seen["forbidden"][0])
+            output, input, expected = seen["output"], seen["input"], chunk_sums[rank]
             _same_kind(rank, output, expected, "output")
             tol = _tolerance(expected.dtype)
             diff = first_difference(output, expected, **tol)
             if diff is not None:
-                _returned_new(name, rank, returned, output, expected, "output")
+                _returned_new(name, rank, seen["returned"], expected, "output")
                 index, got, want = diff
                 message = (f"rank {rank}'s output differs from the sum over ranks of chunk {rank} (input elements "
                            f"{rank * n}..{rank * n + n - 1}) at index {index} (got {_fmt(got)}, expected "
@@ -256,16 +285,17 @@ def _reduce_scatter_rank(fn, trials, seed, progress_dir):
                     message += (f" It holds rank {alone[0]}'s chunk {rank} alone: add what each step receives "
                                 f"to your partial sum, so that every rank's part gets in.")
                 raise Fail(message)
+            _same_kind(rank, input, inputs[rank], "input")
             if first_difference(input, inputs[rank]) is not None:
                 raise Fail(f"rank {rank}'s input changed at index {first_difference(input, inputs[rank])[0]}: like "
                            f"torch.distributed.reduce_scatter_tensor, leave input as it was (add up partial sums "
                            f"in a copy, input.clone()).")
             n_bytes = input.numel() * input.element_size()
-            _check_ring_traffic(rank, p, watch.sends[sent:], watch.receives != received,
+            _check_ring_traffic(rank, p, seen["sends"], seen["received"] > 0,
                                 (p - 1) * n * input.element_size(), n_bytes,
                                 "a ring reduce-scatter (p-1 steps of one chunk)",
                                 "sending each chunk straight to the rank that owns it is not a ring")
-    return True
+    return check
 
 
 @exercise("reduce_scatter", "Ring reduce-scatter from point-to-point messages", answer="my_reduce_scatter",
@@ -274,8 +304,8 @@ def check_reduce_scatter(fn, seed: int, timeout: float) -> str:
     """my_reduce_scatter(output, input), on every rank: output <- the sum over ranks of chunk
     `rank` of input (p equal chunks), by a ring of send/recv; input unchanged."""
     require_function(fn, "reduce_scatter", "output, input", torch.zeros(1), torch.zeros(2))
-    n = _run(fn, "reduce_scatter", "reduce_scatter", _reduce_scatter_rank, _RS_CASES, seed, timeout,
-             what="elements per rank")
+    n = _run(fn, "reduce_scatter", "reduce_scatter", _reduce_scatter_rank, _check_reduce_scatter, _RS_CASES, seed,
+             timeout, what="elements per rank")
     return (f"on world sizes 2, 3, 4 ({n} trials with random float32 and int64 inputs of 1 to 250 elements per "
             f"rank; sums exact for int64, to 1e-5 for float32; every rank sent only to its right neighbour, "
             f"p-1 chunks)")
@@ -286,21 +316,33 @@ def check_reduce_scatter(fn, seed: int, timeout: float) -> str:
 
 
 def _all_reduce_rank(fn, trials, seed, progress_dir):
+    """Run on every rank: call the student's fn on each trial, record the tensor and the traffic."""
     rank, p = dist.get_rank(), dist.get_world_size()
-    name = getattr(fn, "__name__", "your function")
     with watch_comm("ring_all_reduce", "all_reduce") as watch:
         for i, (dtype, shape) in enumerate(trials):
             progress(progress_dir, i)
-            inputs = _inputs(seed, p, i, dtype, shape)
-            expected = torch.stack(inputs).sum(0) if dtype == "int64" else \
-                torch.stack(inputs).double().sum(0).float()
-            tensor, received, sent = inputs[rank].clone(), watch.receives, len(watch.sends)
+            tensor = _inputs(seed, p, i, dtype, shape)[rank].clone()
+            received, sent = watch.receives, len(watch.sends)
             returned = fn(tensor)
             watch.raise_if_forbidden()
+            observe(progress_dir, i, {"tensor": tensor, "returned": _returned_copy(returned, tensor),
+                                      "received": watch.receives - received, "sends": watch.sends[sent:],
+                                      "forbidden": watch.forbidden})
+
+
+def _check_all_reduce(name, trials, seed):
+    def check(p, i, observed):
+        dtype, shape = trials[p][i]
+        inputs = _inputs(seed, p, i, dtype, shape)
+        expected = torch.stack(inputs).sum(0) if dtype == "int64" else torch.stack(inputs).double().sum(0).float()
+        for rank, seen in sorted(observed.items()):
+            if seen["forbidden"]:
+                raise Forbidden(seen["forbidden"][0])
+            tensor = seen["tensor"]
             _same_kind(rank, tensor, expected)
             diff = first_difference(tensor, expected, **_tolerance(expected.dtype))
             if diff is not None:
-                _returned_new(name, rank, returned, tensor, expected)
+                _returned_new(name, rank, seen["returned"], expected)
                 index, got, want = diff
                 message = (f"rank {rank}'s result differs from the sum over all ranks at index {index} "
                            f"(got {_fmt(got)}, expected {_fmt(want)}).")
@@ -314,13 +356,18 @@ def _all_reduce_rank(fn, trials, seed, progress_dir):
                                 f"reduce-scatter leaves. The all-gather must then pass each complete chunk "
                                 f"round the ring ({p - 1} more step{'s' if p > 2 else ''}) so that every rank gets "
                                 f"all of them.")
+                elif right and len(right) < sum(a.numel() > 0 for a, _ in pieces):
+                    wrong = [j for j, (a, _) in enumerate(pieces) if a.numel() and j not in right]
+                    message += (f" Chunk{'s' if len(wrong) > 1 else ''} {', '.join(map(str, wrong))} of "
+                                f"tensor.tensor_split({p}) {'are' if len(wrong) > 1 else 'is'} wrong on this rank: "
+                                f"every rank must take part in all {p - 1} steps of the all-gather.")
                 raise Fail(message)
             n_bytes = tensor.numel() * tensor.element_size()
             limit = 2 * (p - 1) * math.ceil(tensor.numel() / p) * tensor.element_size()
-            _check_ring_traffic(rank, p, watch.sends[sent:], watch.receives != received, limit, n_bytes,
+            _check_ring_traffic(rank, p, seen["sends"], seen["received"] > 0, limit, n_bytes,
                                 "a ring all-reduce (2(p-1) steps of one chunk of at most ceil(numel/p) elements)",
                                 "sending everything to one rank and back is a parameter server, not a ring")
-    return True
+    return check
 
 
 @exercise("ring_all_reduce", "Ring all-reduce from point-to-point messages", answer="my_ring_all_reduce",
@@ -329,7 +376,7 @@ def check_ring_all_reduce(fn, seed: int, timeout: float) -> str:
     """my_ring_all_reduce(tensor), on every rank: tensor <- the sum of every rank's tensor, in
     place, by a reduce-scatter then an all-gather round a ring of send/recv."""
     require_function(fn, "ring_all_reduce", "tensor", torch.zeros(1))
-    n = _run(fn, "ring_all_reduce", "all_reduce", _all_reduce_rank, _CASES, seed, timeout)
+    n = _run(fn, "ring_all_reduce", "all_reduce", _all_reduce_rank, _check_all_reduce, _CASES, seed, timeout)
     return (f"on world sizes 2, 3, 4 ({n} trials with random float32 and int64 tensors of 1 to 1001 elements; "
             f"sums exact for int64, to 1e-5 for float32; every rank sent only to its right neighbour, "
             f"at most 2(p-1) chunks)")

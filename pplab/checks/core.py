@@ -9,23 +9,75 @@ from this module). `answer` is the name the student defines (the grader looks fo
 the notebook). A checker is a plain function `checker(answer, seed, timeout)` that
 returns a short summary of what it tried, or raises `Fail("what was wrong")`.
 
-The contract that keeps a mark honest: the student's code runs only inside
-`run_on_ranks(job, ...)` jobs (on real ranks) or `call_answer(answer, ...)`. A rank job
-*returns* plain data (tensors, numbers, strings, lists, tuples, dicts) of what the
-student's code produced and what the rank observed (e.g. a `CommWatch`'s counts); the
-checker compares it with the reference and raises every `Fail` about correctness itself,
-after the ranks return, in its own process. The student's code therefore never decides
-its own mark: the grader runs the checkers in a process where no student code ran.
+The contract that keeps a mark honest
+-------------------------------------
+`answer` is either the student's function itself (pplab.check in a notebook) or, when
+`pplab grade` runs the checker, a `SourceAnswer`: the student's definitions as source
+text, which must never run in the checker's process (the grader runs checkers in a
+fresh process where no student code runs, and believes only what that process says).
+So a checker never calls the answer itself; it goes through one of these (answers.py):
+
+* `run_on_ranks(job, answer, *args, world_size=, timeout=, describe=, trials=, check=)`
+  launches `job(answer, *args, PROGRESS)` on real ranks (a SourceAnswer among the args
+  arrives in the job as the function it defines, run in that rank). The job, in each
+  rank, calls the answer and, per trial, `progress(PROGRESS, i)` (which trial it is on,
+  for messages about hangs and crashes) and `observe(PROGRESS, i, data)`: plain data
+  (tensors, numbers, strings, None, lists, tuples, dicts) of what the student's code
+  produced and what the rank observed (e.g. a `CommWatch`'s counts, copied out). The
+  job decides nothing: `check(world_size, i, {rank: data})` runs afterwards in the
+  checker's process, recomputes the reference from the seed, compares every rank and
+  raises each `Fail` (run_on_ranks puts `describe(world_size, i)` in front of it).
+* `call_answer(answer, *args, where=)` returns what the answer returned (in a child
+  process for a SourceAnswer, with a time limit); the checker compares it.
+* `inspect_answer(answer, probe, *args)` runs `probe(function, *args)` where the
+  function exists (a child for a SourceAnswer) and returns its plain-data result;
+  `forbidden_references` and `refuse_library` use it to look inside the answer's code.
+
+Whatever comes back from a process where student code ran is decoded with
+`torch.load(weights_only=True)`, never plain pickle (`decode`; a small pplab dataclass
+can be let through with `allow_type`); the launch itself uses `safe_results=True`. Data
+that is malformed or not plain data makes the check fail, never pass. A `Fail` raised
+inside a rank still fails the check, but a pass can only come from `check` here.
+
+A sketch (see collectives.py's broadcast for a whole one):
+
+    def _rank(fn, trials, seed, progress_dir):            # in every rank
+        for i, trial in enumerate(trials):
+            progress(progress_dir, i)
+            tensor = inputs(seed, i)[dist.get_rank()].clone()
+            fn(tensor)                                    # the student's code
+            observe(progress_dir, i, {"tensor": tensor})
+
+    def _check(name, trials, seed):
+        def check(p, i, observed):                        # here, after the ranks ran
+            for rank, seen in sorted(observed.items()):   # every rank, not only rank 0
+                if first_difference(seen["tensor"], reference(seed, i, p)) is not None:
+                    raise Fail(f"rank {rank}'s result differs ...")
+        return check
+
+    run_on_ranks(_rank, fn, trials, seed, world_size=p, timeout=timeout, answer=fn,
+                 describe=..., trials=len(trials), check=_check(fn.__name__, trials, seed))
+
+`check` gets only the ranks that recorded trial i when the launch failed (a rank hung
+or crashed), so loop over what it is given; when the launch succeeded, every rank must
+have recorded every trial (run_on_ranks fails it otherwise). Treat observed data as
+untrusted: anything that is not what your job records (a KeyError, a wrong type) makes
+the check fail with "could not be read". A SourceAnswer has `__name__` and, for a plain
+def, `__signature__` (so `require_function` and messages work), and `callable()` is
+true, but calling it here raises TypeError. The answer runs with a fresh temporary
+folder as its working directory.
 
 * a checker for a collective runs the answer on real ranks with `run_on_ranks`, compares
   every rank with a reference, and forbids the library collective the exercise replaces
-  (`watch_comm`, `forbidden_references`);
+  (`watch_comm` in the job, `forbidden_references` before the launch);
 * a checker for a numeric answer (a bubble fraction, a byte count) compares a number
   (`check_number`); one for a pure function calls it with `call_answer`.
 
 Inputs are random, from a seed drawn fresh on every call (os.urandom) unless you
 pass seed=, so an answer cannot be tuned to them; a failure says which seed
-reproduces it.
+reproduces it. What a rank observes is measured in the process where the student's
+code runs: the values are checked against a reference here, but counts such as
+"received something" can be hidden by code that sets out to subvert the watch.
 """
 from __future__ import annotations
 
@@ -35,11 +87,6 @@ import importlib
 import inspect
 import math
 import os
-import random
-import re
-import shutil
-import tempfile
-import traceback
 from dataclasses import dataclass
 from typing import Callable
 
@@ -47,7 +94,6 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
-from ..launcher import LaunchError, launch
 
 # ----------------------------------------------------------------------------------
 # The registry
@@ -125,6 +171,7 @@ def run_check(exercise_id: str, answer, *, seed: int | None = None, timeout: flo
     reported as hung (a check launches once per world size).
     """
     ex = get_exercise(exercise_id)
+    _SETTINGS["timeout"] = timeout                      # call_answer's limit in a child, by default
     if seed is None:
         seed = int.from_bytes(os.urandom(4), "little")
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
@@ -242,8 +289,11 @@ def forbidden_references(fn, exercise_id: str, builds: str) -> str | None:
     collective imported by name (e.g. `from pplab.collectives import broadcast`), else None.
 
     Calls through a module (`dist.broadcast(...)`) are caught when they run (watch_comm);
-    a name bound before the check would slip past that, so look for it here.
+    a name bound before the check would slip past that, so look for it here. A
+    SourceAnswer is looked at in a child process, where its definitions run.
     """
+    if isinstance(fn, SourceAnswer):
+        return inspect_answer(fn, forbidden_references, exercise_id, builds)
     forbidden = {id(getattr(owner, n)): shown for owner, shown, n in _forbidden_targets()
                  if owner is not dist.ProcessGroup}
     seen, todo = set(), [fn]
@@ -340,81 +390,6 @@ def watch_comm(exercise_id: str, builds: str):
                 setattr(owner, name, original)
 
 
-def _last_exception(traceback_text: str) -> tuple[str, str]:
-    """('ExceptionType', 'message') of the last exception in a formatted traceback."""
-    block = traceback_text.rstrip().split("Traceback (most recent call last):")[-1]
-    lines = block.splitlines()
-    start = next((i for i in range(1, len(lines)) if lines[i] and not lines[i].startswith(" ")), len(lines) - 1)
-    text = "\n".join(lines[start:]).strip()
-    kind, _, message = text.partition(": ")
-    return kind.rsplit(".", 1)[-1], message.strip()
-
-
-def _student_frame(traceback_text: str, filename: str) -> str:
-    """' (in f, line 9: `comm.send(x, 3)`)' for the deepest frame in the student's file."""
-    frames = re.findall(r'File "(.*?)", line (\d+), in (\S+)\n(?: {4}(.*)\n)?', traceback_text + "\n")
-    mine = [f for f in frames if f[0] == filename]
-    if not mine:
-        return ""
-    _, line, func, code = mine[-1]
-    return f" (in {func}, line {line}" + (f": `{code.strip()}`)" if code else ")")
-
-
-def run_on_ranks(job, *args, world_size: int, timeout: float, answer=None, describe=None):
-    """launch(job, *args) on `world_size` ranks, turning every way it can fail into a Fail.
-
-    `job` gets a progress directory as its last argument and writes the number of the
-    trial it is on to PROGRESS/<rank> (`progress(...)`), so a failure or a hang can say
-    which trial it was: `describe(world_size, trial)` words it, and every message starts
-    with it ("world_size=3, src=1, ...: rank 2's result differs ...").
-    """
-    directory = tempfile.mkdtemp(prefix="pplab-check-")
-    try:
-        return launch(job, *args, directory, world_size=world_size, timeout=timeout, backend="gloo")
-    except LaunchError as err:
-        def trial_of(rank):
-            with contextlib.suppress(OSError, ValueError):
-                with open(os.path.join(directory, str(rank))) as f:
-                    return int(f.read())
-            return None
-
-        def where(rank):
-            trial = trial_of(rank)
-            if describe is None or trial is None:
-                return f"world_size={world_size}: "
-            return f"{describe(world_size, trial)}: "
-
-        name = getattr(answer, "__name__", "your function")
-        if err.running:                                      # a hang
-            ranks = ", ".join(map(str, err.running))
-            several = len(err.running) > 1
-            raise Fail(f"{where(err.running[0])}rank{'s' if several else ''} {ranks} "
-                       f"{'were' if several else 'was'} still waiting after {timeout:g} s: a deadlock? Every "
-                       f"recv needs a matching send from the rank it names, and a rank that waits to receive "
-                       f"before it sends waits forever if its sender is waiting too.") from None
-        if err.rank in err.tracebacks:                       # a rank raised
-            text = err.tracebacks[err.rank]
-            kind, message = _last_exception(text)
-            if kind == "Forbidden":                          # the same whatever the trial
-                raise Forbidden(message) from None
-            if kind == "Fail":                               # a check inside the rank failed
-                raise Fail(where(err.rank) + message) from None
-            if kind == "NotImplementedError":
-                raise Fail(_not_implemented(name), seed_matters=False) from None
-            filename = getattr(getattr(answer, "__code__", None), "co_filename", None)
-            frame = _student_frame(text, filename) if filename else ""
-            raise Fail(f"{where(err.rank)}rank {err.rank} raised {kind}: {message}{frame}.") from None
-        first_line = str(err).split("\n")[0]                 # a rank died
-        raise Fail(where(err.rank if err.rank is not None else 0) + first_line) from None
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
-
-
-def _not_implemented(name: str) -> str:
-    return (f"{name} is not implemented yet (it raises NotImplementedError): write your "
-            f"solution in its cell, run that cell, then run the check again.")
-
-
 def require_function(fn, exercise_id: str, params: str, *sample_args) -> None:
     """Fail unless `fn` is a function that can be called with `sample_args` (named `params`)."""
     if not callable(fn):
@@ -430,29 +405,14 @@ def require_function(fn, exercise_id: str, params: str, *sample_args) -> None:
         pass                                             # no signature to inspect (a builtin)
 
 
-def call_answer(fn, *args, where: str = ""):
-    """Call the student's `fn` in this process (numeric exercises, schedules); anything it
-    raises becomes a Fail that says what and where ("where" starts the message)."""
-    name = getattr(fn, "__name__", "your function")
-    try:
-        return fn(*args)
-    except NotImplementedError:
-        raise Fail(_not_implemented(name), seed_matters=False) from None
-    except Exception as exc:  # noqa: BLE001 - the student's code may raise anything
-        filename = getattr(getattr(fn, "__code__", None), "co_filename", None)
-        frame = _student_frame(traceback.format_exc(), filename) if filename else ""
-        raise Fail(f"{where}{name} raised {type(exc).__name__}: {exc}{frame}.") from None
-
-
-def progress(directory: str, trial: int) -> None:
-    """Inside a rank: note the trial this rank is on (see run_on_ranks)."""
-    with open(os.path.join(directory, str(dist.get_rank())), "w") as f:
-        f.write(str(trial))
-
-
 def refuse_library(fn, exercise_id: str, what: str, library: dict, shown: str) -> None:
     """Fail if `fn` (nested functions included) uses the library's own answer: an attribute
     of that name (`pipeline.bubble_fraction(...)`), or the object under any name."""
+    if isinstance(fn, SourceAnswer):
+        message = inspect_answer(fn, _refused, exercise_id, what, library, shown)
+        if message:
+            raise Forbidden(str(message))
+        return
     names = getattr(fn, "__globals__", {})
     cells = [c.cell_contents for c in getattr(fn, "__closure__", None) or () if _filled(c)]
     codes, found = [getattr(fn, "__code__", None)], False
@@ -472,9 +432,22 @@ def refuse_library(fn, exercise_id: str, what: str, library: dict, shown: str) -
                         f"the library's answer.")
 
 
+def _refused(fn, *args):
+    try:
+        refuse_library(fn, *args)
+    except Forbidden as refused:
+        return str(refused)
+    return None
+
+
 def _filled(cell) -> bool:
     try:
         cell.cell_contents
         return True
     except ValueError:
         return False
+
+
+# The student's answer: where it runs and what comes back (imported last: it uses Fail).
+from .answers import (SourceAnswer, _SETTINGS, _not_implemented, _student_frame, allow_type,  # noqa: E402
+                      call_answer, decode, encode, inspect_answer, observe, progress, run_on_ranks)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .core import Fail, call_answer, exercise, first_difference, progress, require_function, run_on_ranks
+from .core import Fail, call_answer, exercise, first_difference, observe, progress, require_function, run_on_ranks
 from .core import _fmt
 
 # ----------------------------------------------------------------------------------
@@ -66,21 +66,28 @@ def _reference_buckets(model, cap) -> list[list[str]]:
     return buckets
 
 
-def _check_buckets(name, model, cap, returned):
-    """(the expected buckets, as names; finish), or a Fail saying how the buckets are wrong."""
+def _bucket_names(model, returned):
+    """In a rank: (the buckets as parameter names, None), or (None, what is wrong with their shape)."""
     names = {id(p): n for n, p in model.named_parameters()}
-    shape = (f"{name} must return (buckets, finish): buckets a list of lists of the model's parameters "
-             f"(in the order they are all-reduced), finish a function to call after loss.backward()")
     if not (isinstance(returned, tuple) and len(returned) == 2 and callable(returned[1])):
-        raise Fail(f"{shape}; got {type(returned).__name__}.")
+        return None, f"got {type(returned).__name__}"
     buckets = returned[0]
     if not isinstance(buckets, (list, tuple)) or not all(isinstance(b, (list, tuple)) for b in buckets) or \
             not all(id(p) in names for b in buckets for p in b):
-        raise Fail(f"{shape}; buckets is not a list of lists of model.parameters().")
-    got = [[names[id(p)] for p in b] for b in buckets]
+        return None, "buckets is not a list of lists of model.parameters()"
+    return [[names[id(p)] for p in b] for b in buckets], None
+
+
+def _check_buckets(name, model, cap, got, problem):
+    """In the checker's process: the expected buckets (as names), or a Fail saying how the
+    rank's buckets (`got`, names) are wrong."""
+    if problem is not None:
+        raise Fail(f"{name} must return (buckets, finish): buckets a list of lists of the model's parameters "
+                   f"(in the order they are all-reduced), finish a function to call after loss.backward(); "
+                   f"{problem}.")
     want = _reference_buckets(model, cap)
     if [set(b) for b in got] == [set(b) for b in want]:
-        return want, returned[1]
+        return want
     flat = [n for b in got for n in b]
     order = [n for n, _ in model.named_parameters()]
     nbytes = dict((n, p.numel() * p.element_size()) for n, p in model.named_parameters())
@@ -102,9 +109,15 @@ def _check_buckets(name, model, cap, returned):
                f"would not fit (a parameter larger than the cap gets a bucket of its own).")
 
 
+def _batch(seed, i, step, p, trial):
+    g = torch.Generator().manual_seed(seed * 100 + i * 10 + step)
+    return torch.randn(2 * p, trial["widths"][0], generator=g), torch.randn(2 * p, trial["widths"][-1], generator=g)
+
+
 def _ddp_rank(fn, trials, seed, progress_dir):
+    """Run on every rank: two training steps per trial with the student's hooks; record the
+    buckets, every all-reduce call (size, async, during backward) and every .grad."""
     rank, p = dist.get_rank(), dist.get_world_size()
-    name = getattr(fn, "__name__", "your function")
     original, state, calls = dist.all_reduce, {"backward": False}, []
 
     def all_reduce(tensor, *args, **kwargs):            # record each call, then do it
@@ -115,16 +128,15 @@ def _ddp_rank(fn, trials, seed, progress_dir):
     for i, trial in enumerate(trials):
         progress(progress_dir, i)
         model = _mlp(trial["widths"], trial["seed"])
-        single, local = copy.deepcopy(model), copy.deepcopy(model)
-        buckets, finish = _check_buckets(name, model, trial["cap"], fn(model, trial["cap"]))
-        sizes = [sum(dict(model.named_parameters())[n].numel() for n in b) for b in buckets]
+        returned = fn(model, trial["cap"])
+        names, problem = _bucket_names(model, returned)
+        seen = {"buckets": names, "problem": problem, "steps": []}
+        if problem is not None or [set(b) for b in names] != [set(b) for b in _reference_buckets(model, trial["cap"])]:
+            observe(progress_dir, i, seen)              # the checker says what is wrong; nothing more to run
+            return
+        finish = returned[1]
         for step in range(2):
-            g = torch.Generator().manual_seed(seed * 100 + i * 10 + step)
-            X = torch.randn(2 * p, trial["widths"][0], generator=g)
-            Y = torch.randn(2 * p, trial["widths"][-1], generator=g)
-            for m, x, y in ((single, X, Y), (local, X[2 * rank:2 * rank + 2], Y[2 * rank:2 * rank + 2])):
-                m.zero_grad()
-                F.mse_loss(m(x), y).backward()
+            X, Y = _batch(seed, i, step, p, trial)
             model.zero_grad()
             loss = F.mse_loss(model(X[2 * rank:2 * rank + 2]), Y[2 * rank:2 * rank + 2])
             del calls[:]
@@ -135,9 +147,9 @@ def _ddp_rank(fn, trials, seed, progress_dir):
                 finish()
             finally:
                 dist.all_reduce, state["backward"] = original, False
-            _check_launches(step, buckets, sizes, calls)
-            _check_grads(step, rank, p, model, single, local)
-    return True
+            seen["steps"].append({"calls": list(calls), "grads": {n: None if q.grad is None else q.grad.clone()
+                                                                  for n, q in model.named_parameters()}})
+        observe(progress_dir, i, seen)
 
 
 def _check_launches(step, buckets, sizes, calls):
@@ -156,22 +168,49 @@ def _check_launches(step, buckets, sizes, calls):
                        f"pass async_op=True, keep the handle and wait for it in finish().")
 
 
-def _check_grads(step, rank, p, model, single, local):
-    for (pname, prm), ref, mine in zip(model.named_parameters(), single.parameters(), local.parameters()):
+def _references(model, trial, seed, i, step, rank, p):
+    """The single-process gradients of the global batch, and of this rank's part alone."""
+    X, Y = _batch(seed, i, step, p, trial)
+    single, local = copy.deepcopy(model), copy.deepcopy(model)
+    for m, x, y in ((single, X, Y), (local, X[2 * rank:2 * rank + 2], Y[2 * rank:2 * rank + 2])):
+        m.zero_grad()
+        F.mse_loss(m(x), y).backward()
+    return single, local
+
+
+def _check_grads(step, rank, p, grads, single, local):
+    for (pname, ref), mine in zip(single.named_parameters(), local.parameters()):
         where = f"step {step}: rank {rank}'s {pname}.grad"
-        if prm.grad is None:
+        grad = grads[pname]
+        if grad is None:
             raise Fail(f"{where} is None after finish(): copy the averaged bucket back into each .grad.")
-        diff = first_difference(prm.grad, ref.grad, atol=1e-5, rtol=1e-4)
+        diff = first_difference(grad, ref.grad, atol=1e-5, rtol=1e-4)
         if diff is None:
             continue
         index, got, want = diff
         hint = ""
-        if torch.allclose(prm.grad, p * ref.grad, atol=1e-5, rtol=1e-4):
+        if torch.allclose(grad, p * ref.grad, atol=1e-5, rtol=1e-4):
             hint = f" It is {p} times that: the all-reduce sums the ranks' gradients; divide by the world size."
-        elif torch.allclose(prm.grad, mine.grad, atol=1e-6, rtol=1e-5):
+        elif torch.allclose(grad, mine.grad, atol=1e-6, rtol=1e-5):
             hint = " It is this rank's own gradient: the averaged bucket never made it back into .grad."
         raise Fail(f"{where} differs from the single-process gradient of the whole global batch at index "
                    f"{index} (got {_fmt(got)}, expected {_fmt(want)}).{hint}")
+
+
+def _check_ddp(name, trials, seed):
+    def check(p, i, observed):
+        trial = trials[p][i]
+        model = _mlp(trial["widths"], trial["seed"])
+        for rank, seen in sorted(observed.items()):
+            buckets = _check_buckets(name, model, trial["cap"], seen["buckets"], seen["problem"])
+            params = dict(model.named_parameters())
+            sizes = [sum(params[n].numel() for n in b) for b in buckets]
+            if len(seen["steps"]) != 2:
+                raise Fail(f"rank {rank} did not finish its 2 training steps.")
+            for step, done in enumerate(seen["steps"]):
+                _check_launches(step, buckets, sizes, done["calls"])
+                _check_grads(step, rank, p, done["grads"], *_references(model, trial, seed, i, step, rank, p))
+    return check
 
 
 @exercise("ddp_buckets", "DDP's gradient averaging: buckets, hooks, async all-reduce", answer="attach_ddp_hooks",
@@ -186,7 +225,8 @@ def check_ddp_buckets(fn, seed: int, timeout: float) -> str:
         t = trials[world_size][i]
         return f"world_size={world_size}, MLP widths {t['widths']}, cap_bytes={t['cap']}"
     for p in trials:
-        run_on_ranks(_ddp_rank, fn, trials[p], seed, world_size=p, timeout=timeout, answer=fn, describe=describe)
+        run_on_ranks(_ddp_rank, fn, trials[p], seed, world_size=p, timeout=timeout, answer=fn, describe=describe,
+                     trials=len(trials[p]), check=_check_ddp(fn.__name__, trials, seed))
     return ("on world sizes 2 and 3 (4 random MLPs and bucket caps, 2 steps each: buckets in reverse order up to "
             "the cap, one async all-reduce per bucket started during backward, .grad = the global batch's "
             "gradient to 1e-5)")

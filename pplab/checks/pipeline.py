@@ -18,7 +18,7 @@ import math
 import random
 import re
 
-from .core import Fail, call_answer, check_number, exercise, refuse_library, require_function
+from .core import Fail, allow_type, call_answer, check_number, exercise, refuse_library, require_function
 
 # pplab.pipeline is imported inside the checks: it loads its executor (torch.fx, sympy),
 # which would make every `import pplab.checks` slow and every process it forks bigger.
@@ -49,7 +49,8 @@ def _action(a, rank: int, where: str):
 
 def _schedule(fn, p: int, m: int, where: str):
     """Call the student's generator and check its result with pplab.pipeline.validate."""
-    from ..pipeline import Schedule, ScheduleError, validate
+    from ..pipeline import Action, Schedule, ScheduleError, validate
+    allow_type(Action)                                   # may come back from a child when grading
     out = call_answer(fn, p, m, where=where)
     if not isinstance(out, (list, tuple)) or len(out) != p or not all(isinstance(r, (list, tuple)) for r in out):
         got = f"{len(out)} items" if isinstance(out, (list, tuple)) else type(out).__name__
