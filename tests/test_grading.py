@@ -287,3 +287,17 @@ def test_attacks_on_the_grader_get_no_marks_and_a_note(tmp_path):
     assert "broadcast: the check process gave no verdict (exit code -9)" in notes["attack_kills_checker"]
     assert "cell 8 raised ValueError: a cell that raises" in notes["helpers"]
     assert (copy / "pplab" / "checks" / "zz_forged.py").exists() and (site / "pplab" / "__init__.py").exists()
+
+
+@pytest.mark.parametrize("exercise_id", sorted(checks.EXERCISES))
+def test_every_solution_passes_when_graded_from_its_source(exercise_id):
+    """As the grader sees it: the definitions taken from the solution notebook's source,
+    run only in the ranks and children of the check (here, in this process's check)."""
+    from notebook_answers import solution_notebook
+
+    ex = checks.get_exercise(exercise_id)
+    cells = [(n, c.source) for n, c in enumerate(solution_notebook(exercise_id).cells, 1) if c.cell_type == "code"]
+    found = submission.definitions(cells, {ex.answer})
+    assert found.notes == []
+    result = checks.run_check(exercise_id, found.answers[ex.answer])
+    assert result, result.message
