@@ -47,3 +47,8 @@ def no_leftover_processes():
     yield
     leftover = descendants() - before
     assert not leftover, f"processes left behind: {sorted(leftover)}"
+
+
+# Notebooks under fixtures/ are inputs of the grading tests (attacks among them), not
+# notebooks to run under nbval.
+collect_ignore = ["fixtures"]

@@ -31,9 +31,10 @@ def test_title_bubble_and_peak_match_closed_forms(name, p, m, v):
 
 def test_the_title_by_hand():
     assert pipeline_timeline("gpipe", 4, 8, 1).title == (
-        "gpipe: p=4, m=8  |  bubble 37.5% of useful time, (p-1)/(v·m) = 37.5%  |  peak activations 8")
-    assert "bubble 18.8% of useful time, (p-1)/(v·m) = 18.8%  |  peak activations 5.5" in \
-        pipeline_timeline("interleaved-1f1b", 4, 8, 2).title       # 3/16; (6 + 4 + 1) / 2
+        "gpipe: p=4, m=8  |  peak activations 8\nbubble 37.5% of useful time, (p-1)/(v·m) = 37.5%")
+    assert pipeline_timeline("interleaved-1f1b", 4, 8, 2).title == (      # 3/16; (6 + 4 + 1) / 2
+        "interleaved-1f1b: p=4, m=8, v=2  |  peak activations 5.5\nbubble 18.8% of useful time, "
+        "(p-1)/(v·m) = 18.8%")
 
 
 def test_controls_redraw_with_memory_and_report_bad_choices():
@@ -45,5 +46,4 @@ def test_controls_redraw_with_memory_and_report_bad_choices():
     box.controls["schedule"].value = "interleaved-1f1b"
     box.controls["m"].value = 6                    # m need not be a multiple of p
     assert box.error is None and box.timeline.title.startswith("interleaved-1f1b: p=4, m=6, v=2")
-    box.controls["v"].value = 1                    # interleaving needs two chunks or more
-    assert box.error is not None and "chunks >= 2" in str(box.error)
+    assert box.controls["v"].min == 2              # interleaving needs two chunks or more
