@@ -37,12 +37,13 @@ def mlp(width, layers):
     return nn.Sequential(*mods[:-1])
 
 
-def timed_step(model, opt, x, y):
+def timed_step(model, opt, x, y, set_to_none=False):
+    """One training step's time, the slowest rank's (benchmarks/zero.py uses it too)."""
     dist.barrier()
     start = time.perf_counter()
     nn.functional.mse_loss(model(x), y).backward()
     opt.step()
-    opt.zero_grad(set_to_none=False)
+    opt.zero_grad(set_to_none=set_to_none)
     took = torch.tensor([time.perf_counter() - start])
     dist.all_reduce(took, op=dist.ReduceOp.MAX)        # the step is as slow as its slowest rank
     return took.item()

@@ -23,7 +23,6 @@ import argparse
 import copy
 import os
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -31,6 +30,8 @@ from torch import nn
 
 import pplab
 from pplab.zero import FullyShardedModule, ZeroOptimizer, model_state_bytes
+
+from ddp import timed_step  # noqa: E402 - benchmarks/ddp.py, beside this script
 
 
 def mlp(width, layers):
@@ -58,17 +59,6 @@ def state_bytes(params, optimizer) -> int:
             seen.add(s.data_ptr())
             total += s.nbytes()
     return total
-
-
-def timed_step(model, opt, x, y):
-    dist.barrier()
-    start = time.perf_counter()
-    nn.functional.mse_loss(model(x), y).backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    took = torch.tensor([time.perf_counter() - start])
-    dist.all_reduce(took, op=dist.ReduceOp.MAX)        # the step is as slow as its slowest rank
-    return took.item()
 
 
 def bench(width, layers, batch, steps, warmup):
@@ -102,7 +92,7 @@ def bench(width, layers, batch, steps, warmup):
     times, memory = {name: [] for name in variants}, {}
     for name, (model, opt, params) in variants.items():          # warm-up, then memory after a step
         for _ in range(warmup):
-            timed_step(model, opt, x, y)
+            timed_step(model, opt, x, y, set_to_none=True)
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()
         memory[name] = state_bytes(params, opt)
@@ -110,7 +100,7 @@ def bench(width, layers, batch, steps, warmup):
     with pplab.trace.paused():                      # pplab's trace costs little, but keep it out of the timing
         for _ in range(steps):                      # take turns, one step each
             for name, (model, opt, _) in variants.items():
-                times[name].append(timed_step(model, opt, x, y))
+                times[name].append(timed_step(model, opt, x, y, set_to_none=True))
     n_params = sum(p.numel() for p in base.parameters())
     return n_params, {n: statistics.median(t) for n, t in times.items()}, memory
 
