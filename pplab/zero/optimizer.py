@@ -73,12 +73,15 @@ class ZeroOptimizer:
     """`optimizer_class` (e.g. torch.optim.AdamW) run on this rank's shard only; see the module doc.
 
     stage: 1 (optimizer state sharded), 2 (and gradients), 3 (parameters of a FullyShardedModule).
-    bucket_cap_mb: largest bucket in MiB (stages 1, 2). offload: None or "cpu" (stages 1, 2).
+    bucket_cap_mb: largest bucket in MiB (stages 1, 2). 4 rather than DDP's 25: a model of a few
+      million parameters then gets several buckets, so reduce-scatters overlap backward
+      (benchmarks/zero.py: 0.95-1.06x torch's time at 4 MB, 1.27-1.51x at 25 MB on 2 cores).
+    offload: None or "cpu" (stages 1, 2).
     master_dtype: the dtype the optimizer steps in (stages 1, 2); None = the parameters' own.
     group: the process group to shard over (None: every rank). Other keywords go to optimizer_class.
     """
 
-    def __init__(self, params, optimizer_class, stage: int = 1, *, bucket_cap_mb: float = 25,
+    def __init__(self, params, optimizer_class, stage: int = 1, *, bucket_cap_mb: float = 4,
                  offload: str | None = None, master_dtype=None, group=None, **defaults):
         if stage not in (1, 2, 3):
             raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
