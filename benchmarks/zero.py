@@ -31,15 +31,7 @@ from torch import nn
 import pplab
 from pplab.zero import FullyShardedModule, ZeroOptimizer, model_state_bytes
 
-from ddp import timed_step  # noqa: E402 - benchmarks/ddp.py, beside this script
-
-
-def mlp(width, layers):
-    torch.manual_seed(0)
-    mods = []
-    for _ in range(layers):
-        mods += [nn.Linear(width, width), nn.ReLU()]
-    return nn.Sequential(*mods[:-1])
+from ddp import mlp, timed_step  # noqa: E402 - benchmarks/ddp.py, beside this script
 
 
 def local(t):

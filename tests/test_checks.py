@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 import pplab
 from pplab import checks, comm
-from notebook_answers import solution, stub
+from notebook_answers import solution, solution_notebook, stub
 from wrong_solutions import WRONG
 from wrong_solutions_chapters import WRONG as WRONG_CHAPTERS
 from wrong_solutions_sequence_parallel import WRONG as WRONG_SEQUENCE_PARALLEL
@@ -194,3 +194,12 @@ def test_a_numeric_exercise_needs_no_ranks():
         assert "should be a number, got str" in checks.run_check("test_bubble", "3/11").message
     finally:
         del checks.EXERCISES["test_bubble"]
+
+
+@pytest.mark.parametrize("exercise_id", sorted(set(checks.EXERCISES) - {"broadcast"}))
+def test_solution_notebook_checks_its_own_exercise(exercise_id):
+    """Every chapter's solution notebook defines its answer between the markers and checks it."""
+    ex = checks.get_exercise(exercise_id)
+    sources = [c.source for c in solution_notebook(exercise_id).cells if c.cell_type == "code"]
+    assert any(f'pplab.check("{exercise_id}", {ex.answer})' in s for s in sources)
+    assert any("### BEGIN SOLUTION" in s and re.search(rf"^def {ex.answer}\(", s, re.M) for s in sources)

@@ -9,7 +9,6 @@ import torch.distributed as dist
 
 import pplab
 from pplab import checks, comm
-from notebook_answers import solution_notebook
 from wrong_solutions_chapters import WRONG
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
@@ -23,13 +22,6 @@ def test_the_chapters_register_their_exercises():
                           "topk_error_feedback", "gpipe_order", "1f1b_order", "bubble_fraction"])
     assert set(WRONG) == set(IDS)
 
-
-@pytest.mark.parametrize("exercise_id", IDS)
-def test_solution_notebook_checks_its_own_exercise(exercise_id):
-    ex = checks.get_exercise(exercise_id)
-    sources = [c.source for c in solution_notebook(exercise_id).cells if c.cell_type == "code"]
-    assert any(f'pplab.check("{exercise_id}", {ex.answer})' in s for s in sources)
-    assert any("### BEGIN SOLUTION" in s and re.search(rf"^def {ex.answer}\(", s, re.M) for s in sources)
 
 
 # Every solution passes, every stub fails and every wrong answer fails with its message:

@@ -3,14 +3,12 @@ themselves, and other correct answers pass too (the checks ask for a result and 
 communication, not for one way of writing it). Every solution passing, every stub failing and
 every wrong answer of tests/wrong_solutions_tensor_parallel.py failing with its message are
 run from tests/test_checks.py."""
-import re
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from pplab import checks, comm
-from notebook_answers import solution_notebook
 from wrong_solutions_tensor_parallel import WRONG
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
@@ -26,13 +24,6 @@ def test_the_chapter_registers_its_exercises():
         assert any("rank_zero" in fn.__name__ or "ceil" in fn.__name__ or "vocab_start" in fn.__name__
                    for fn, _, _ in cases), exercise_id
 
-
-@pytest.mark.parametrize("exercise_id", IDS)
-def test_solution_notebook_checks_its_own_exercise(exercise_id):
-    ex = checks.get_exercise(exercise_id)
-    sources = [c.source for c in solution_notebook(exercise_id).cells if c.cell_type == "code"]
-    assert any(f'pplab.check("{exercise_id}", {ex.answer})' in s for s in sources)
-    assert any("### BEGIN SOLUTION" in s and re.search(rf"^def {ex.answer}\(", s, re.M) for s in sources)
 
 
 # -- other correct answers pass -------------------------------------------------------

@@ -3,14 +3,12 @@ correct answers pass too (the checks ask for a result, not one way of writing it
 checks reach their verdicts from what the ranks observed. Every solution passing, every stub
 failing as not implemented and every wrong answer in wrong_solutions_zero.py failing with its
 message are run by tests/test_checks.py, for all exercises."""
-import re
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from pplab import checks, comm
-from notebook_answers import solution_notebook
 from wrong_solutions_zero import WRONG
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
@@ -24,15 +22,6 @@ def test_chapter_6_registers_its_exercises():
     for cases in WRONG.values():                         # a wrong answer right on rank 0 only, where ranks run
         assert len(cases) >= 4
 
-
-@pytest.mark.parametrize("exercise_id", IDS)
-def test_solution_notebook_checks_its_own_exercise(exercise_id):
-    ex = checks.get_exercise(exercise_id)
-    sources = [c.source for c in solution_notebook(exercise_id).cells if c.cell_type == "code"]
-    assert any(f'pplab.check("{exercise_id}", {ex.answer})' in s for s in sources)
-    assert any("### BEGIN SOLUTION" in s and re.search(rf"^def {ex.answer}\(", s, re.M) for s in sources) or \
-        any("### BEGIN SOLUTION" in s for s in sources) and any(re.search(rf"^def {ex.answer}\(", s, re.M)
-                                                               for s in sources)
 
 
 # -- other correct answers pass -------------------------------------------------------
