@@ -428,13 +428,25 @@ _TRAFFIC_MISTAKES = [      # (what a wrong answer computes, the hint)
 ]
 
 
+def _hints_apart(strategy, B, c_in, c_out) -> bool:
+    """The mistakes that give a wrong number here give different wrong numbers."""
+    want = _traffic(strategy, B, c_in, c_out)
+    wrong = [w(strategy, B, c_in, c_out) for w, _ in _TRAFFIC_MISTAKES]
+    wrong = [v for v in wrong if v != want]
+    return len(set(wrong)) == len(wrong)
+
+
 @exercise("linear_traffic", "Seed 002's table: what each strategy sends for one Linear layer",
           answer="linear_traffic", notebook="03d_linear_traffic")
 def check_linear_traffic(fn, seed: int, timeout: float) -> str:
     require_function(fn, "linear_traffic", "strategy, B, c_in, c_out", "row", 1, 1, 1)
     rng = random.Random(seed)
-    shapes = [(rng.randint(1, 64), rng.randint(1, 64) * 16, rng.randint(1, 64) * 8) for _ in range(3)]
-    shapes.append((4096, 64, 32))                             # a big batch: data parallelism wins
+    shapes = []
+    while len(shapes) < 3:                                    # shapes on which every mistake has its own number,
+        shape = (rng.randint(1, 64), rng.randint(1, 64) * 16, rng.randint(1, 64) * 8)    # so its hint is the right one
+        if all(_hints_apart(st, *shape) for st in _STRATEGIES):
+            shapes.append(shape)
+    shapes.append((4096, 64, 48))                             # a big batch: data parallelism wins
     for B, c_in, c_out in shapes:
         for strategy in _STRATEGIES:
             where = f"B={B}, C_in={c_in}, C_out={c_out}, strategy {strategy!r}: "
