@@ -203,3 +203,12 @@ def test_solution_notebook_checks_its_own_exercise(exercise_id):
     sources = [c.source for c in solution_notebook(exercise_id).cells if c.cell_type == "code"]
     assert any(f'pplab.check("{exercise_id}", {ex.answer})' in s for s in sources)
     assert any("### BEGIN SOLUTION" in s and re.search(rf"^def {ex.answer}\(", s, re.M) for s in sources)
+
+
+def test_compare_prediction_says_how_far_off(capsys):
+    assert checks.compare_prediction("bytes", 100, 104, rel_tol=0.05)
+    assert "3.8% off" in capsys.readouterr().out
+    result = checks.compare_prediction("bytes", 100, 150)
+    assert not result and "33.3% off" in result.message and "more than 10%" in result.message
+    assert "write your prediction" in checks.compare_prediction("bytes", ..., 1.0).message
+    assert "is a number" in checks.compare_prediction("bytes", "many", 1.0).message
