@@ -204,6 +204,36 @@ def ddp_counts_never_reset(model, group, cap_bytes):
     return _ddp(model, group, _reverse(model, cap_bytes), reset=False)
 
 
+def ddp_buffers_never_emptied(model, group, cap_bytes):
+    """A flat buffer per bucket, made once, each gradient *added* into its slot and never
+    emptied: the second step's buckets hold both steps' gradients."""
+    buckets = _reverse(model, cap_bytes)
+    sums = [torch.zeros(sum(p.numel() for p in b), dtype=b[0].dtype) for b in buckets]
+    slot = {p: (b, sum(q.numel() for q in bucket[:k]))
+            for b, bucket in enumerate(buckets) for k, p in enumerate(bucket)}
+    missing, in_flight = [len(b) for b in buckets], []
+
+    def hook(p):
+        b, offset = slot[p]
+        sums[b][offset:offset + p.numel()] += p.grad.reshape(-1)
+        missing[b] -= 1
+        while len(in_flight) < len(buckets) and missing[len(in_flight)] == 0:
+            buffer = sums[len(in_flight)].clone()
+            in_flight.append((buffer, comm.all_reduce(buffer, group=group, async_op=True)))
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(hook)
+
+    def finish():
+        for buffer, handle in in_flight:
+            handle.wait()
+        for p, (b, offset) in slot.items():
+            p.grad.copy_(in_flight[b][0][offset:offset + p.numel()].view_as(p) / comm.world_size(group))
+        in_flight.clear()
+        missing[:] = [len(b) for b in buckets]
+    return finish
+
+
 def ddp_all_reduces_in_finish(model, group, cap_bytes):
     return _ddp(model, group, _reverse(model, cap_bytes), in_hooks=False)
 
@@ -237,6 +267,9 @@ WRONG["ddp_bucketing"] = [
     (ddp_forgets_to_wait, [DDP, r"step 1: bucket 0's all-reduce was never waited for"], None),
     (ddp_counts_never_reset,
      [DDP, r"step 2 started no all-reduce", r"The first step did: reset what your hooks count"], None),
+    (ddp_buffers_never_emptied,
+     [DDP, r"step 2: rank 0's [\d.]+(weight|bias)\.grad at",
+      r"It is this step's gradient plus the step before's"], None),
     (ddp_all_reduces_in_finish, [DDP, r"step 1: bucket 0's all-reduce started only after loss\.backward\(\) returned"],
      None),
     (ddp_launches_when_all_are_ready,

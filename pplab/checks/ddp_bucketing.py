@@ -111,10 +111,14 @@ def _ddp_rank(fn, configs, seed, progress_dir):
     for c, config in enumerate(configs):
         g = next(g for g, ranks in enumerate(config["groups"]) if rank in ranks)
         group, k = made[tuple(config["groups"][g])], config["groups"][g].index(rank)
+        progress(progress_dir, c * _STEPS)
         model = _mlp(config)
         for name, q in model.named_parameters():        # before the answer's hooks: ours run first
             q.register_post_accumulate_grad_hook(lambda q, name=name: ready.append(name))
         finish = fn(model, group, config["cap"])
+        if not callable(finish):
+            raise Fail(f"{fn.__name__} must return finish, a function the training loop calls after every "
+                       f"loss.backward(); it returned {type(finish).__name__}.", seed_matters=False)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         for step in range(_STEPS):
             progress(progress_dir, c * _STEPS + step)
@@ -137,21 +141,23 @@ def _ddp_rank(fn, configs, seed, progress_dir):
         dist.barrier()
 
 
-def _reference(config, seed, c, step, g, k):
-    """The single-process gradients of group g's whole batch at `step` (after the SGD steps
-    before it), and those of member k's slice alone at the same parameters."""
+def _reference(config, seed, c, step, g, k) -> dict:
+    """{name: (the single-process gradient of group g's whole batch at `step`, after the SGD
+    steps before it; that of member k's slice alone; the whole batch's at the step before)}."""
     model = _mlp(config)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = {n: None for n, _ in model.named_parameters()}
     for s in range(step + 1):
         model.zero_grad()
         X, Y = _group_batch(config, seed, c, s, g)
         F.mse_loss(model(X), Y).backward()
         if s < step:
+            before = {n: q.grad.clone() for n, q in model.named_parameters()}
             optimizer.step()
     local, b = copy.deepcopy(model), config["batch"]
     local.zero_grad()
     F.mse_loss(local(X[k * b:(k + 1) * b]), Y[k * b:(k + 1) * b]).backward()
-    return model, local
+    return {n: (q.grad, own.grad, before[n]) for (n, q), own in zip(model.named_parameters(), local.parameters())}
 
 
 def _buckets_of(sizes, params):
@@ -223,21 +229,24 @@ def _check_launches(calls, buckets, params, members, step):
                        f"bucket (until then the sum may still be arriving).")
 
 
-def _check_grads(grads, reference, local, rank, p_group, step):
-    for (name, ref), own in zip(reference.named_parameters(), local.parameters()):
+def _check_grads(grads, reference, rank, p_group, step):
+    for name, (ref, own, before) in reference.items():
         where = f"step {step + 1}: rank {rank}'s {name}.grad"
         got = grads[name]
         if got is None:
             raise Fail(f"{where} is None after finish(): copy the averaged bucket back into each .grad.")
-        diff = first_difference(got, ref.grad, atol=_ATOL, rtol=_RTOL)
+        diff = first_difference(got, ref, atol=_ATOL, rtol=_RTOL)
         if diff is None:
             continue
         index, g, w = diff
         hint = ""
-        if torch.allclose(got, p_group * ref.grad, atol=_ATOL, rtol=_RTOL):
+        if torch.allclose(got, p_group * ref, atol=_ATOL, rtol=_RTOL):
             hint = f" It is {p_group} times that: the all-reduce sums the ranks' gradients; divide by the group's size."
-        elif torch.allclose(got, own.grad, atol=_ATOL, rtol=_RTOL):
+        elif torch.allclose(got, own, atol=_ATOL, rtol=_RTOL):
             hint = " It is this rank's own gradient: the averaged bucket never made it back into .grad."
+        elif before is not None and torch.allclose(got, ref + before, atol=_ATOL, rtol=_RTOL):
+            hint = (" It is this step's gradient plus the step before's: what your hooks add into is never emptied; "
+                    "start every step from zero (in finish(), or by copying rather than adding).")
         raise Fail(f"{where} at {index} is {_fmt(g)}, but the single-process gradient of the group's whole batch is "
                    f"{_fmt(w)}.{hint}")
 
@@ -253,7 +262,7 @@ def _check_ddp(configs, seed):
             buckets = _check_buckets(seen["calls"], params, config["cap"], step)
             _check_launches(seen["calls"], buckets, params, config["groups"][g], step)
             members = config["groups"][g]
-            _check_grads(seen["grads"], *_reference(config, seed, c, step, g, members.index(rank)), rank,
+            _check_grads(seen["grads"], _reference(config, seed, c, step, g, members.index(rank)), rank,
                          len(members), step)
     return check
 

@@ -170,7 +170,7 @@ def _check_gradient_in(r, p, m, i, grad, out_grads):
 
 
 def _shown(order) -> str:
-    return " ".join(f"{k}{i}" for k, i in order)
+    return " ".join(f"{k}{i}" for k, i in order) or "nothing"
 
 
 def _check_executor(trials, seed, stuck):
@@ -190,7 +190,7 @@ def _check_executor(trials, seed, stuck):
             order, want = ran[r][0], [(a.kind, a.microbatch) for a in schedule.actions[r]]
             done = observed[r]["done"]
             if order == want[:len(order)] and (not done or len(order) == len(want)):
-                stuck[r] = f"rank {r} had run {_shown(order) or 'nothing'}" + \
+                stuck[r] = f"rank {r} had run {_shown(order)}" + \
                     (f", next {_shown(want[len(order):len(order) + 1])}" if len(order) < len(want) else "")
                 continue
             j = next((j for j, (a, b) in enumerate(zip(order, want)) if a != b), min(len(order), len(want)))
