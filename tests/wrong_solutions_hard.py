@@ -105,9 +105,16 @@ def executor_sends_its_input_on(actions, stage, microbatches, loss_fn, prev_rank
         h.wait()
 
 
+def executor_from_the_library(actions, stage, microbatches, loss_fn, prev_rank, next_rank):
+    from pplab import pipeline
+    return pipeline.PipelineExecutor
+
+
 EXECUTOR = r"^p=[234] ranks, (1f1b|gpipe) with m=\d micro-batches of \dx\d: "
 WRONG = {
     "pipeline_executor": [
+        (executor_from_the_library, [r"^exercise 'pipeline_executor' asks you to work out the executor loop yourself; "
+                                     r"you use pplab\.pipeline's executor"], None),
         (executor_gpipe_order,
          [EXECUTOR, r"rank \d ran F0 F1 .*, but its actions are F0 .*: at step \d it ran F\d where the schedule "
                     r"says B0"], None),
@@ -253,8 +260,16 @@ def ddp_only_rank0_copies_back(model, group, cap_bytes):
     return _ddp(model, group, _reverse(model, cap_bytes), copy_back=lambda rank: rank == 0)
 
 
+def ddp_from_the_library(model, group, cap_bytes):
+    from pplab import data_parallel
+    ddp = data_parallel.DDP(model, bucket_cap_mb=cap_bytes / 2**20)
+    return lambda: ddp
+
+
 DDP = r"^world_size=[234](, groups \[\[0, 2\], \[1, 3\]\])?, MLP widths \[[\d, ]+\], cap_bytes=\d+: "
 WRONG["ddp_bucketing"] = [
+    (ddp_from_the_library, [r"^exercise 'ddp_bucketing' asks you to work out the buckets and their all-reduces "
+                            r"yourself; you use a library DDP"], None),
     (ddp_sums_without_averaging,
      [DDP, r"step 1: rank 0's [\d.]+(weight|bias)\.grad at .* is",
       r"It is [234] times that: the all-reduce sums"], None),
