@@ -16,9 +16,13 @@ earlier layers. Whether that pays depends on where backward runs:
   all-reduces really run beside backward, slowing it only a little.
 
 `stand_in_compute` lets a CPU show the second case. As `PipelineExecutor`'s
-`compute_time=` does in chapter 4, each layer computes for real and then sleeps out a
-fixed time. A sleeping rank leaves the cores to the communication threads, as a rank
-whose GPU is busy would. The numbers computed are unchanged; only the clock moves.
+`compute_time=` does in chapter 4, each layer computes for real and then sleeps until a
+fixed time has passed. A sleeping rank leaves the cores to the communication threads, as
+a rank whose GPU is busy would. The numbers computed are unchanged; only the clock moves.
+
+`steps_in_turn` runs several variants (overlap on/off, bucket sizes) one step each in
+turn, so that the machine's changing load hits all of them alike; `measured_steps` gives
+each step's time, overlap and timeline, and `median_and_range` what repeats support saying.
 """
 from __future__ import annotations
 
