@@ -47,6 +47,7 @@ from .tensor_parallel_transformer import ParallelMLP, ParallelSelfAttention, Tra
 
 __all__ = ["ulysses_attention", "ring_attention", "gathered_kv_attention", "merge", "pieces",
            "shard_sequence", "unshard_sequence", "seq_to_heads", "heads_to_seq", "MegatronBlock",
+           "sequence_parallel_layer_norm",
            "activation_bytes_formula", "saved_activations", "ring_collectives"]
 
 
@@ -175,6 +176,13 @@ def _attention_core(qkv, heads, dropout, training):
     return (_dropout(probs, dropout, training) @ v).permute(2, 0, 1, 3).reshape(s, b, -1)
 
 
+def sequence_parallel_layer_norm(ln: nn.LayerNorm, x, group=None):
+    """LayerNorm `ln` on this rank's sequence shard x: its weights see only this rank's tokens,
+    so their gradients are summed over the group (chapter 3's f operator on the weights)."""
+    w, b = (copy_to_parallel(t, group) for t in (ln.weight, ln.bias))
+    return F.layer_norm(x, ln.normalized_shape, w, b, ln.eps)
+
+
 class MegatronBlock(nn.Module):
     """Chapter 3's tensor-parallel transformer block (pre-LayerNorm), with dropout, and with
     Megatron sequence parallelism unless sequence_parallel=False.
@@ -211,10 +219,7 @@ class MegatronBlock(nn.Module):
         return m
 
     def _norm(self, ln, x):
-        if not self.sp:
-            return ln(x)
-        w, b = (copy_to_parallel(t, self.group) for t in (ln.weight, ln.bias))   # grads summed over ranks
-        return F.layer_norm(x, ln.normalized_shape, w, b, ln.eps)
+        return sequence_parallel_layer_norm(ln, x, self.group) if self.sp else ln(x)
 
     def _column(self, layer, x):
         if self.sp and self.keep_shard:
