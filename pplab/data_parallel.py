@@ -149,11 +149,13 @@ class DDP(nn.Module):
     bucket_cap_mb: largest bucket, in MiB (a larger parameter gets a bucket to itself).
     overlap: all-reduce each bucket as soon as it is ready (True) or after backward (False).
     broadcast_buffers: copy rank 0's buffers to every rank before each forward (as torch).
+    group: the data-parallel ranks (None: every rank), e.g. a mesh's dp group; "rank 0" is then
+    the group's first rank.
     `ddp.buckets` lists each bucket's (parameter name, bytes), in launch order.
     """
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, overlap: bool = True,
-                 broadcast_buffers: bool = True):
+                 broadcast_buffers: bool = True, group=None):
         super().__init__()
         if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) \
                 or not math.isfinite(bucket_cap_mb) or bucket_cap_mb <= 0:
@@ -162,7 +164,9 @@ class DDP(nn.Module):
         if not dist.is_initialized():
             raise RuntimeError("DDP needs torch.distributed: create it inside a function run by "
                                "pplab.launch(fn, world_size=...) or in a script started by torchrun")
-        self.module, self.overlap, self.world_size = module, bool(overlap), comm.world_size()
+        self.module, self.overlap, self.group = module, bool(overlap), group
+        self.world_size = comm.world_size(group)
+        self._root = dist.get_global_rank(group, 0) if group is not None else 0
         self.broadcast_buffers = bool(broadcast_buffers)
         params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         wrapped = [n for n, p in params if getattr(p, "_pplab_ddp_hook", None) is not None]
@@ -179,7 +183,7 @@ class DDP(nn.Module):
         # 1. The same start: rank 0's parameters and buffers everywhere.
         with torch.no_grad():
             for t in list(module.parameters()) + list(module.buffers()):
-                comm.broadcast(t.detach(), src=0)
+                comm.broadcast(t.detach(), src=self._root, group=group)
 
         # 2. Buckets: parameters in reverse order, a new bucket when the next would not fit.
         self._buckets = reverse_buckets(params, int(bucket_cap_mb * 2**20))
@@ -216,7 +220,7 @@ class DDP(nn.Module):
     def _check_same_model_everywhere(self) -> None:
         mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in self.module.named_parameters()]
         everyone = [None] * self.world_size
-        dist.all_gather_object(everyone, mine)
+        dist.all_gather_object(everyone, mine, group=self.group)
         for r, theirs in enumerate(everyone):
             if theirs != everyone[0]:
                 diff = next((a, b) for a, b in zip(everyone[0] + [None], theirs + [None]) if a != b)
@@ -234,7 +238,8 @@ class DDP(nn.Module):
             self._forward_synced = self._sync
             self._samples += _local_batch_size(args, kwargs)
         if self.broadcast_buffers and self._sync_buffers:
-            handles = [comm.broadcast(b, src=0, async_op=True) for b in self.module.buffers()]
+            handles = [comm.broadcast(b, src=self._root, group=self.group, async_op=True)
+                       for b in self.module.buffers()]
             for h in handles:
                 h.event.label = "buf"
                 h.wait()
@@ -278,7 +283,7 @@ class DDP(nn.Module):
             i = self._next
             buf = self._flat[i]
             torch.cat([p.grad.reshape(-1) for _, p in self._buckets[i]], out=buf)
-            handle = comm.all_reduce(buf, async_op=True)
+            handle = comm.all_reduce(buf, group=self.group, async_op=True)
             handle.event.label, handle.event.meta["bucket"] = f"AR{i}", i
             end_trace_when_done(handle)
             self._handles.append((i, handle))
@@ -286,7 +291,7 @@ class DDP(nn.Module):
 
     def _end_backward(self) -> None:
         """Runs once backward is done: wait for every bucket, average, copy back into .grad."""
-        trace.record(Event(comm.rank(), "B", "compute", self._backward_start, now(), "B",
+        trace.record(Event(dist.get_rank(), "B", "compute", self._backward_start, now(), "B",
                            meta={"sync": self._sync}))
         try:
             if not self._sync:
@@ -304,7 +309,7 @@ class DDP(nn.Module):
                     f"forward, or set requires_grad=False on them before wrapping the model in DDP")
             # Every rank's local batch size: a tiny collective, cheap here where the ranks are in step.
             sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-            h = comm.all_gather(sizes, torch.tensor([self._samples]), async_op=True)
+            h = comm.all_gather(sizes, torch.tensor([self._samples]), group=self.group, async_op=True)
             h.event.label = "n"
             h.wait()
             sizes = [int(s) for s in sizes]

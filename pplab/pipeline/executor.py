@@ -117,16 +117,20 @@ class PipelineExecutor:
     since only this rank's have gradients (torch optimizers skip the others).
     compute_time: None, or seconds to pad each action to (see `_durations`), so that on a
     laptop with fewer cores than ranks the measured timeline still shows the schedule's shape.
+    group: the ranks of the pipeline (None: every rank), e.g. a mesh's pp group; stage ranks in
+    the schedule are ranks within it, and messages go to their global ranks.
     """
 
     def __init__(self, schedule: Schedule, layers, loss_fn, *, balance="params", sample=None,
-                 compute_time=None, optimizer=None):
+                 compute_time=None, optimizer=None, group=None):
         validate(schedule)
-        self.schedule, self.loss_fn, self.optimizer = schedule, loss_fn, optimizer
-        self.rank, world = comm.rank(), comm.world_size()
+        self.schedule, self.loss_fn, self.optimizer, self.group = schedule, loss_fn, optimizer, group
+        self.rank, world = comm.rank(group), comm.world_size(group)
+        self.peers = dist.get_process_group_ranks(group) if group is not None else list(range(world))
         if world != schedule.num_ranks:
-            raise PipelineError(f"the schedule has {schedule.num_ranks} ranks but {world} are running: "
-                                f"launch with world_size={schedule.num_ranks}")
+            raise PipelineError(f"the schedule has {schedule.num_ranks} ranks but {world} are running"
+                                f"{' in the pipeline group' if group is not None else ''}: launch with "
+                                f"world_size={schedule.num_ranks}, or give it a group of that size")
         self.pad = _durations(compute_time, schedule.chunks)
         self.device = rank_device()
         layers = _as_layers(layers)
@@ -140,7 +144,7 @@ class PipelineExecutor:
 
     def _agree(self, layers, balance, sample):
         """Every rank must cut the same model at the same places; check, rather than hang later."""
-        if balance == "time" and comm.world_size() > 1:   # timings differ by rank: rank 0's count
+        if balance == "time" and comm.world_size(self.group) > 1:   # timings differ by rank: rank 0's count
             bounds = [None]
             if self.rank == 0:
                 try:
@@ -148,16 +152,16 @@ class PipelineExecutor:
                 except PipelineError as err:       # raised on every rank, not only here
                     bounds = [err]
             with trace.paused():
-                dist.broadcast_object_list(bounds, src=0)
+                dist.broadcast_object_list(bounds, src=self.peers[0], group=self.group)
             if isinstance(bounds[0], PipelineError):
                 raise bounds[0]
             bounds = bounds[0]
         else:
             bounds = partition(layers, self.schedule, balance, sample)
-        if comm.world_size() > 1:
-            everyone = [None] * comm.world_size()
+        if comm.world_size(self.group) > 1:
+            everyone = [None] * comm.world_size(self.group)
             with trace.paused():
-                dist.all_gather_object(everyone, _fingerprint(layers))
+                dist.all_gather_object(everyone, _fingerprint(layers), group=self.group)
             for r, fp in enumerate(everyone):
                 if fp != everyone[0]:
                     raise PipelineError(f"rank {r} built different layers from rank 0 (their parameters "
@@ -241,7 +245,8 @@ class PipelineExecutor:
         self.ys = torch.tensor_split(targets.to(self.device), m)
         self.n = len(inputs)
         self.shapes = {len(x): self._check_shapes(x, y) for x, y in zip(self.xs, self.ys)}
-        for _, p in self.named_parameters():
+        self._param_storage = {p.untyped_storage().data_ptr() for _, p in self.named_parameters()}
+        for _, p in self.named_parameters():           # (again: an optimizer may have moved them)
             p.grad = None                              # gradients accumulate over micro-batches only
         self.held = {}                                 # (stage, mb) -> what backward needs
         self.local = {}                                # messages from this rank to itself (the V's turn)
@@ -269,7 +274,7 @@ class PipelineExecutor:
             self.local[key] = tensor
         else:
             tensor = tensor.contiguous()
-            handle = comm.isend(tensor, dst)
+            handle = comm.isend(tensor, self.peers[dst])
             handle.event.meta["message"] = key          # which tensor it carries, for whoever reads the trace
             self.sends.append((handle, tensor))         # the tensor must live until the send is done
 
@@ -294,7 +299,7 @@ class PipelineExecutor:
             kind, s, i = nxt
             shape, dtype = self.shapes[len(self.xs[i])][s if kind == "act" else s - 1]
             buffer = torch.empty(shape, dtype=dtype, device=self.device)
-            handle = comm.irecv(buffer, src)
+            handle = comm.irecv(buffer, self.peers[src])
             handle.event.meta["message"] = nxt
             self.posted[nxt] = (buffer, handle)
         buffer, handle = self.posted.pop(key)
@@ -336,7 +341,7 @@ class PipelineExecutor:
         with self._compute(a), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = self.stages[s](x)
             if nxt is None:                # the last stage: weighted so that the sum is the batch mean
-                out = self.loss_fn(out, self.ys[i]) * (len(x) / self.n)
+                out = self.loss_fn(out, self.ys[i]) * (len(self.xs[i]) / self.n)   # (x may be [s, b, h])
                 self.losses.append(out.detach())
         nbytes = sum(saved.values())
         self.held[(s, i)] = {"input": x, "output": out, "bytes": nbytes}

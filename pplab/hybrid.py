@@ -1,0 +1,212 @@
+"""Hybrid parallelism: the tiny GPT trained on a device mesh, TP inside a stage, PP across
+stages, data parallelism (DDP or ZeRO) across replicas, every piece from an earlier chapter.
+
+    cfg = GPTConfig(vocab=len(pplab.data.VOCAB))
+    out = pplab.launch(train, cfg, dict(dp=2, tp=2), world_size=4, steps=10)
+    out[0]["losses"]            # the global batch's mean loss after each step: as on one process
+    train_single(cfg, steps=10) # ... which is this
+
+What each rank does, in order:
+
+1. `Mesh(**sizes)` (pplab.mesh) places it: its tp group (the ranks that split each layer), its
+   pp group (one rank per stage: its stage index is its pp coordinate), its dp group (the
+   replicas that hold the same shards and split the batch).
+2. Every rank builds the same dense model (`gpt_layers`, same seed) and keeps its tensor-parallel
+   shard (`parallel_layers(..., group=tp)`: chapter 3's layers, chapter 5's sequence parallelism).
+3. pp = 1: the shards form one nn.Sequential. pp > 1: chapter 4's PipelineExecutor, given the pp
+   group, cuts them into stages (the same cut on every rank: by the dense model's parameter
+   counts) and runs the schedule over m micro-batches.
+4. Each dp replica takes its share of the global batch (`data_parallel.shard`). Gradients are
+   averaged over the dp group by chapter 2's DDP (zero=0: all-reduce overlapped with backward;
+   pp = 1 only, since DDP syncs every backward and a pipeline runs m of them) or by chapter 6's
+   ZeroOptimizer (zero=1 or 2: reduce-scatter, step my shard, all-gather; once per step).
+
+Why the order pp, dp, tp (tp innermost): TP talks twice per block per micro-batch (forward and
+backward all-reduces of [s, b, h]), so its ranks should be the closest; DP talks once per step
+(the gradients); PP sends one activation per micro-batch between neighbouring stages only.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import data, trace
+from .data_parallel import DDP, shard
+from .mesh import DIMS, Mesh
+from .models.gpt import GPTConfig, gpt_layers, gpt_loss, parallel_layers
+from .pipeline import PipelineExecutor, make_schedule, partition
+from .zero import ZeroOptimizer, held_bytes
+
+__all__ = ["train", "train_single", "check_layout", "GPTConfig"]
+
+
+def check_layout(cfg: GPTConfig, sizes: dict, batch_size: int, microbatches: int = 1, zero: int = 0,
+                 sequence_parallel: bool = False, world_size: int | None = None) -> dict:
+    """Refuse, with what to change, a layout this model or batch cannot run. Returns the full sizes."""
+    unknown = set(sizes) - set(DIMS)
+    if unknown or any(sizes.get(d, 1) != 1 for d in ("ep", "cp")):
+        raise ValueError(f"the tiny GPT trains on dp, tp and pp (got {sizes}): it has no experts (ep) "
+                         f"and no context parallelism (cp)")
+    dp, tp, pp = (sizes.get(d, 1) for d in ("dp", "tp", "pp"))
+    if not all(isinstance(n, int) and n >= 1 for n in (dp, tp, pp)):
+        raise ValueError(f"mesh sizes must be whole numbers >= 1, got dp={dp}, tp={tp}, pp={pp}")
+    if world_size is not None and dp * tp * pp != world_size:
+        raise ValueError(f"dp·tp·pp = {dp}·{tp}·{pp} = {dp * tp * pp} but the world has {world_size} ranks: "
+                         f"choose sizes whose product is {world_size}")
+    if cfg.heads % tp:
+        raise ValueError(f"the model has {cfg.heads} attention heads, which tp={tp} does not divide: "
+                         f"use tp in {[t for t in range(1, cfg.heads + 1) if cfg.heads % t == 0]}")
+    if cfg.vocab < tp:
+        raise ValueError(f"a vocabulary of {cfg.vocab} tokens cannot be split over tp={tp} ranks")
+    if sequence_parallel and cfg.seq % tp:
+        raise ValueError(f"sequence parallelism cuts the {cfg.seq} positions into tp={tp} equal slices: "
+                         f"use a sequence length divisible by {tp}")
+    if cfg.layers + 2 < pp:
+        raise ValueError(f"pp={pp} stages, but the model has only {cfg.layers + 2} pipeline layers (embedding, "
+                         f"{cfg.layers} blocks, head): use pp <= {cfg.layers + 2} or more layers")
+    if batch_size % dp:
+        raise ValueError(f"a global batch of {batch_size} sequences does not split over dp={dp} replicas: "
+                         f"use a batch that is a multiple of {dp}")
+    if pp > 1 and batch_size // dp < microbatches:
+        raise ValueError(f"each replica gets {batch_size // dp} sequences, too few for {microbatches} "
+                         f"micro-batches: use microbatches <= {batch_size // dp} or a larger batch")
+    if zero not in (0, 1, 2):
+        raise ValueError(f"zero={zero!r}: use 0 (DDP), 1 or 2 (ZeroOptimizer)")
+    if zero == 0 and pp > 1 and dp > 1:
+        raise ValueError("zero=0 (DDP) with pp > 1: DDP all-reduces after every backward, and a pipeline "
+                         "runs one backward per micro-batch; use zero=1, which averages once per step "
+                         "(reduce-scatter + all-gather: the same bytes as DDP's all-reduce)")
+    return {d: sizes.get(d, 1) for d in DIMS}
+
+
+def _optimizer(params, lr, zero, dp, group):
+    params = list(params)
+    if zero and dp > 1:
+        return ZeroOptimizer(params, torch.optim.AdamW, stage=zero, group=group, lr=lr)
+    return torch.optim.AdamW(params, lr=lr)
+
+
+def train(cfg: GPTConfig, mesh, steps: int = 5, batch_size: int = 8, lr: float = 3e-3, microbatches=None,
+          schedule: str = "1f1b", zero: int = 0, sequence_parallel: bool = False, seed: int = 0,
+          dtype=torch.float64, trace_steps=None) -> dict:
+    """Train on this rank's place in `mesh` (a Mesh, or its sizes as a dict); call it on every rank.
+
+    microbatches: per step and replica, for pp > 1 (default: 2·pp, as many as the batch allows).
+    trace_steps: the steps whose events stay in the trace (default: all); others are paused, e.g.
+    trace_steps={2} to draw one step after the first ones (which also check shapes) are done.
+    Returns {"losses": global batch's mean loss after each step (on every rank), "step_times":
+    seconds per step (barrier to barrier), "state_bytes": parameters + gradients + optimizer state
+    this rank holds (pplab.zero.held_bytes), "activation_bytes": the most bytes autograd held for
+    backward at once, "params": {"layer.name": this rank's shard after training}, "coords"}.
+    """
+    sizes = mesh.sizes if isinstance(mesh, Mesh) else dict(mesh)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    pp, dp = sizes.get("pp", 1), sizes.get("dp", 1)
+    m = microbatches or (min(2 * pp, batch_size // max(dp, 1)) if pp > 1 else 1)
+    check_layout(cfg, sizes, batch_size, m, zero, sequence_parallel, world)
+    mesh = mesh if isinstance(mesh, Mesh) else Mesh(**sizes)
+    tp_group = mesh.tp_group if mesh.size("tp") > 1 else None
+
+    dense = gpt_layers(cfg, seed, dtype)
+    layers = parallel_layers(dense, tp_group, sequence_parallel) if tp_group is not None else dense
+
+    def loss_fn(logits, targets):
+        return gpt_loss(logits, targets, tp_group, cfg.vocab)
+
+    if pp > 1:
+        sched = make_schedule(schedule, num_stages=pp, num_microbatches=m)
+        cut = [e - s for s, e in partition(dense, sched, "params")]     # the dense counts: same cut on every rank
+        runner = PipelineExecutor(sched, layers, loss_fn, balance=cut, group=mesh.pp_group)
+        model = nn.ModuleList(runner.stages.values())
+        runner.optimizer = opt = _optimizer(model.parameters(), lr, zero, dp, mesh.dp_group)
+    else:
+        model = nn.Sequential(*layers)
+        if dp > 1 and zero == 0:
+            model = DDP(model, group=mesh.dp_group)
+        opt = _optimizer(model.parameters(), lr, zero, dp, mesh.dp_group)
+
+    last_stage = mesh.rank_in("pp") == pp - 1 and mesh.rank_in("tp") == 0
+    losses, times, activation_bytes = [], [], 0
+    for step in range(steps):
+        x, y = shard(data.batch(batch_size, cfg.seq, step, seed), mesh.rank_in("dp"), dp)
+        with (trace.paused() if trace_steps is not None and step not in trace_steps else contextlib.nullcontext()):
+            with trace.paused():
+                dist.barrier()
+            start = time.perf_counter()
+            if pp > 1:
+                loss = runner.step(x, y)["loss"]
+                activation_bytes = max(activation_bytes, runner.peak_bytes)
+            else:
+                with _saved_bytes() as saved:
+                    loss = loss_fn(model(x), y)
+                activation_bytes = max(activation_bytes, saved.total)
+                loss.backward()
+                opt.step()
+                loss = loss.item()
+            opt.zero_grad()
+            times.append(time.perf_counter() - start)
+        with trace.paused():             # the global loss, for the report: one number, untraced
+            total = torch.tensor([loss if last_stage and loss is not None else 0.0], dtype=torch.float64)
+            dist.all_reduce(total)
+        losses.append(total.item() / dp)
+
+    named = runner.named_parameters() if pp > 1 else getattr(model, "module", model).named_parameters()
+    return {"losses": losses, "step_times": times, "coords": mesh.coords,
+            "state_bytes": held_bytes(model, opt)["total"], "activation_bytes": activation_bytes,
+            "params": {n: p.detach().clone() for n, p in named}}
+
+
+class _saved_bytes:
+    """Bytes autograd saves for backward inside the block (activations; the weights left out)."""
+
+    def __enter__(self):
+        self.total = 0
+
+        def pack(t):
+            if not isinstance(t, nn.Parameter):
+                self.total += t.numel() * t.element_size()
+            return t
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._hooks.__exit__(*exc)
+
+
+def train_single(cfg: GPTConfig, steps: int = 5, batch_size: int = 8, lr: float = 3e-3, seed: int = 0,
+                 dtype=torch.float64):
+    """The reference: the same model, data and optimizer on one process. Returns (losses, layers)."""
+    layers = gpt_layers(cfg, seed, dtype)
+    model = nn.Sequential(*layers)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for step in range(steps):
+        x, y = data.batch(batch_size, cfg.seq, step, seed)
+        loss = gpt_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, layers
+
+
+def layouts(world_size: int, pp_max: int | None = None) -> list[dict]:
+    """Every dp × tp × pp factorisation of world_size (for tables and plans)."""
+    out = []
+    for pp in range(1, world_size + 1):
+        for tp in range(1, world_size + 1):
+            if world_size % (pp * tp) == 0 and (pp_max is None or pp <= pp_max):
+                out.append({"dp": world_size // (pp * tp), "tp": tp, "pp": pp})
+    return out
+
+
+def describe_layout(sizes: dict) -> str:
+    """'dp=2×tp=2' for {'dp': 2, 'tp': 2, 'pp': 1}."""
+    used = [f"{d}={sizes[d]}" for d in ("pp", "dp", "tp") if sizes.get(d, 1) > 1]
+    return "×".join(used) or "1 rank"
+
