@@ -15,8 +15,9 @@ from wrong_solutions_hard import WRONG as WRONG_HARD
 from wrong_solutions_sequence_parallel import WRONG as WRONG_SEQUENCE_PARALLEL
 from wrong_solutions_tensor_parallel import WRONG as WRONG_TENSOR_PARALLEL
 from wrong_solutions_zero import WRONG as WRONG_ZERO
+from wrong_solutions_planner import WRONG as WRONG_PLANNER
 
-WRONG_CHAPTERS = {**WRONG_CHAPTERS, **WRONG_TENSOR_PARALLEL, **WRONG_ZERO, **WRONG_SEQUENCE_PARALLEL, **WRONG_HARD}
+WRONG_CHAPTERS = {**WRONG_CHAPTERS, **WRONG_TENSOR_PARALLEL, **WRONG_ZERO, **WRONG_SEQUENCE_PARALLEL, **WRONG_HARD, **WRONG_PLANNER}
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
