@@ -74,25 +74,50 @@ def torch_dp_tp(cfg, batch, steps, seed=0):
     return times
 
 
-def busy_alpha(n_bytes, repeats=50):
-    """Mean time of a ring all-reduce's latency round on 2-rank groups while all 4 ranks run them:
-    with more ranks than cores a partner is often off its core, and a message waits for its time slice."""
-    group = next(g for g in [dist.new_group([0, 1]), dist.new_group([2, 3])] if dist.get_rank() in
-                 dist.get_process_group_ranks(g))
-    x = torch.zeros(n_bytes // 4)
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        dist.all_reduce(x, group=group)
-    return (time.perf_counter() - start) / repeats / 2          # a 2-rank ring: A = 2 rounds
+def busy_alpha(iters=40, repeats=3):
+    """Extra time per latency round of a tiny all-reduce on 2-rank groups when, as in training, every
+    rank computes between collectives: with more ranks than cores a partner is often off its core,
+    and the message waits for its time slice. (the loop with all-reduces - the loop without) / rounds."""
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    group = pairs[dist.get_rank() // 2]
+    a, x = torch.randn(96, 96), torch.zeros(256)
+
+    def loop(talk):
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(iters):
+            for _ in range(8):
+                a @ a
+            if talk:
+                dist.all_reduce(x, group=group)
+        return time.perf_counter() - start
+    quiet = statistics.median(loop(False) for _ in range(repeats))
+    talking = statistics.median(loop(True) for _ in range(repeats))
+    return max(0.0, talking - quiet) / iters / 2                 # a 2-rank ring: A = 2 rounds
+
+
+def plain_step(cfg, batch, steps=6):
+    """One rank's forward + backward + AdamW step of the whole model, no communication: what compute
+    costs while all ranks run at once (the median step)."""
+    model = nn.Sequential(*gpt_layers(cfg, 0, torch.float32))
+    opt = torch.optim.AdamW(model.parameters())
+    x, y = data.batch(batch, cfg.seq, 0, 0)
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        start = time.perf_counter()
+        gpt_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
 
 
 def run(cfg, batch, rounds, steps):
     """On every rank: the layouts and torch's dp×tp in turns; per layout, the slowest rank's step times.
     First, as all ranks run at once: per-layer times (planner.measure) and a collective's round."""
     torch.set_num_threads(1)
-    out = {"layer_times": planner.measure(cfg, samples=(1, batch), dtype=torch.float32, statistic=statistics.median),
-           "busy_alpha": busy_alpha(1024)}
+    out = {"plain_step": plain_step(cfg, batch // 4), "busy_alpha": busy_alpha()}
     out.update({L.name: [] for L in LAYOUTS})
     out["torch dp=2×tp=2"] = []
     out["pplab dp=2×tp=2"] = []
@@ -105,14 +130,6 @@ def run(cfg, batch, rounds, steps):
                 out["pplab dp=2×tp=2"] += slowest(r["step_times"])[1:]
                 out["torch dp=2×tp=2"] += slowest(torch_dp_tp(cfg, batch, steps))[1:]
     return {k: statistics.median(v) if isinstance(v, list) else v for k, v in out.items()}
-
-
-def median_times(per_rank):
-    """Each number of the ranks' LayerTimes, the median over ranks."""
-    fields = ("forward_fixed", "forward_per_sample", "backward_fixed", "backward_per_sample", "saved")
-    med = {f: [statistics.median(col) for col in zip(*(getattr(t, f) for t in per_rank))] for f in fields}
-    return planner.LayerTimes(**med, optimizer=statistics.median(t.optimizer for t in per_rank),
-                              source="measured on all 4 ranks at once (median over ranks)")
 
 
 def main():
@@ -133,13 +150,17 @@ def main():
     fit = costmodel.fit()
     alone = planner.measure(cfg, samples=(1, args.batch), dtype=torch.float32)
     results = pplab.launch(run, cfg, args.batch, args.rounds, args.steps, world_size=4, timeout=1200)
-    measured, busy = results[0], median_times([r["layer_times"] for r in results])
-    alpha = statistics.median(r["busy_alpha"] for r in results)
-    fit_busy = costmodel.Fit(alpha, fit.beta, fit.gamma, fit.sizes, fit.times)
-    print(f"cost model (ping-pong, 2 ranks): {fit}\nα of a round while 4 ranks run at once: {alpha * 1e6:.0f} µs")
+    measured = results[0]
+    wait = statistics.median(r["busy_alpha"] for r in results)
+    fit_busy = costmodel.Fit(fit.alpha + wait, fit.beta, fit.gamma, fit.sizes, fit.times)
+    free = costmodel.Fit(0.0, 0.0, 0.0, fit.sizes, fit.times)
+    alone_step = planner.predict(cfg, planner.Layout(1, 1, 1), args.batch // 4, free, alone).time["total"]
+    slowdown = statistics.median(r["plain_step"] for r in results) / alone_step
+    print(f"cost model (ping-pong, 2 ranks): {fit}\nwhile 4 ranks run at once: a latency round waits "
+          f"{wait * 1e6:.0f} µs more; compute runs {slowdown:.2f}× slower than alone")
     over = max(1.0, 4 / cores)
     variants = {"A: one-process layer times × ranks per core, ping-pong α": (alone, fit, over),
-                "B: layer times and α measured while 4 ranks run at once": (busy, fit_busy, 1.0)}
+                "B: compute slowdown and α measured while 4 ranks run at once": (alone, fit_busy, slowdown)}
     for title, (times, f, o) in variants.items():
         preds = report(title, cfg, args.batch, measured, times, f, o)
 
