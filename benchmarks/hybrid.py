@@ -5,10 +5,15 @@ layout; and pplab's dp=2×tp=2 against torch's own composition of the same model
    dp=4, dp=2×tp=2, pp=2×dp=2 (ZeRO-1: the hybrid runs DDP only without a pipeline), pp=2×tp=2,
    tp=4, pp=4 (1F1B, m = 2·pp micro-batches). A step's time is the slowest rank's, barrier to
    barrier; we report the median over steps after the first, the layouts taking turns round by
-   round so that drift in the machine's load hits them alike. The prediction is
-   `pplab.planner.predict` from α, β fitted here (`costmodel.fit()`), per-layer times measured
-   here on one process (`planner.measure`), and oversubscription = ranks per core (4 ranks on
-   2 cores run compute at half speed). Goal: predicted/measured within 1.5× for every layout.
+   round so that drift in the machine's load hits them alike (each mesh is built once). The
+   prediction is `pplab.planner.predict` with per-layer times measured on one process
+   (`planner.measure`), in two variants:
+   A. α, β of a ping-pong (`costmodel.fit()`), compute × ranks per core (4 ranks on 2 cores: 2);
+   B. the same, but measured while the 4 ranks run at once: how much slower one rank's plain
+      training step is than alone (other programs' load included), and how much longer each
+      latency round of a tiny all-reduce takes when every rank computes between collectives
+      (a partner off its core answers only at its next time slice), added to α.
+   Goal: predicted/measured within 1.5× for every layout.
 
 2. torch. The same dense model, dp=2×tp=2: torch's DTensor tensor parallelism
    (`parallelize_module` with ColwiseParallel qkv/fc1 and RowwiseParallel proj/fc2 on the "tp"
@@ -31,6 +36,7 @@ from torch import nn
 import pplab
 from pplab import costmodel, data, hybrid, planner
 from pplab.data_parallel import shard
+from pplab.mesh import Mesh
 from pplab.models.gpt import GPTConfig, gpt_layers, gpt_loss
 
 LAYOUTS = [planner.Layout(4, 1, 1), planner.Layout(2, 2, 1), planner.Layout(2, 1, 2, m=4, zero=1),
@@ -44,12 +50,10 @@ def slowest(times):
     return t.tolist()
 
 
-def torch_dp_tp(cfg, batch, steps, seed=0):
+def torch_dp_tp(cfg, mesh, batch, steps, seed=0):
     """torch's DTensor TP inside DDP on a dp×tp DeviceMesh: step times of this rank."""
     from torch.distributed._composable.replicate import replicate
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     tp = mesh["tp"].size()
     layers = gpt_layers(cfg, seed, torch.float32)
     for block in layers[1:-1]:
@@ -61,10 +65,15 @@ def torch_dp_tp(cfg, batch, steps, seed=0):
         parallelize_module(block, mesh["tp"], {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
                                                "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()})
     model = replicate(nn.Sequential(*layers), device_mesh=mesh["dp"])     # torch's DDP, composable, on the dp dim
+    return timed_steps(model, steps, lambda step: shard(data.batch(batch, cfg.seq, step, seed), mesh.get_local_rank("dp"), 2))
+
+
+def timed_steps(model, steps, batch_of):
+    """Seconds of each training step (forward, backward, AdamW), barrier to barrier, on this rank."""
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     times = []
     for step in range(steps):
-        x, y = shard(data.batch(batch, cfg.seq, step, seed), mesh.get_local_rank("dp"), 2)
+        x, y = batch_of(step)
         dist.barrier()
         start = time.perf_counter()
         gpt_loss(model(x), y).backward()
@@ -100,35 +109,29 @@ def plain_step(cfg, batch, steps=6):
     """One rank's forward + backward + AdamW step of the whole model, no communication: what compute
     costs while all ranks run at once (the median step)."""
     model = nn.Sequential(*gpt_layers(cfg, 0, torch.float32))
-    opt = torch.optim.AdamW(model.parameters())
-    x, y = data.batch(batch, cfg.seq, 0, 0)
-    times = []
-    for _ in range(steps):
-        dist.barrier()
-        start = time.perf_counter()
-        gpt_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+    return statistics.median(timed_steps(model, steps, lambda step: data.batch(batch, cfg.seq, 0, 0))[1:])
 
 
 def run(cfg, batch, rounds, steps):
     """On every rank: the layouts and torch's dp×tp in turns; per layout, the slowest rank's step times.
-    First, as all ranks run at once: per-layer times (planner.measure) and a collective's round."""
+    First, as all ranks run at once: compute alone (plain_step) and a latency round's wait (busy_alpha)."""
     torch.set_num_threads(1)
     out = {"plain_step": plain_step(cfg, batch // 4), "busy_alpha": busy_alpha()}
     out.update({L.name: [] for L in LAYOUTS})
     out["torch dp=2×tp=2"] = []
     out["pplab dp=2×tp=2"] = []
+    # every mesh built once: process groups made anew on each call pile up, and later steps slow down
+    meshes = {L: Mesh(dp=L.dp, tp=L.tp, pp=L.pp) for L in LAYOUTS}
+    from torch.distributed.device_mesh import init_device_mesh
+    torch_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     for _ in range(rounds):
         for L in LAYOUTS:
-            r = hybrid.train(cfg, {"dp": L.dp, "tp": L.tp, "pp": L.pp}, steps=steps, batch_size=batch,
+            r = hybrid.train(cfg, meshes[L], steps=steps, batch_size=batch,
                              microbatches=L.m if L.pp > 1 else None, zero=L.zero, dtype=torch.float32)
             out[L.name] += slowest(r["step_times"])[1:]
             if L == LAYOUTS[1]:                              # pplab's dp×tp, then torch's, back to back
                 out["pplab dp=2×tp=2"] += slowest(r["step_times"])[1:]
-                out["torch dp=2×tp=2"] += slowest(torch_dp_tp(cfg, batch, steps))[1:]
+                out["torch dp=2×tp=2"] += slowest(torch_dp_tp(cfg, torch_mesh, batch, steps))[1:]
     return {k: statistics.median(v) if isinstance(v, list) else v for k, v in out.items()}
 
 
@@ -184,7 +187,9 @@ def report(title, cfg, batch, measured, times, fit, over):
     print(f"worst ratio {worst:.2f}× (goal: within 1.5×): {'met' if worst <= 1.5 else 'NOT met'}")
     fastest_m = min(preds, key=lambda p: measured[p.layout.name]).layout.name
     fastest_p = min(preds, key=lambda p: p.time["total"]).layout.name
-    print(f"fastest measured: {fastest_m}; fastest predicted: {fastest_p}")
+    slowest_m = max(preds, key=lambda p: measured[p.layout.name]).layout.name
+    slowest_p = max(preds, key=lambda p: p.time["total"]).layout.name
+    print(f"fastest measured: {fastest_m}; predicted: {fastest_p}. Slowest measured: {slowest_m}; predicted: {slowest_p}")
     return preds
 
 
