@@ -83,40 +83,11 @@ def timed_steps(model, steps, batch_of):
     return times
 
 
-def busy_alpha(iters=40, repeats=3):
-    """Extra time per latency round of a tiny all-reduce on 2-rank groups when, as in training, every
-    rank computes between collectives: with more ranks than cores a partner is often off its core,
-    and the message waits for its time slice. (the loop with all-reduces - the loop without) / rounds."""
-    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    group = pairs[dist.get_rank() // 2]
-    a, x = torch.randn(96, 96), torch.zeros(256)
-
-    def loop(talk):
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(iters):
-            for _ in range(8):
-                a @ a
-            if talk:
-                dist.all_reduce(x, group=group)
-        return time.perf_counter() - start
-    quiet = statistics.median(loop(False) for _ in range(repeats))
-    talking = statistics.median(loop(True) for _ in range(repeats))
-    return max(0.0, talking - quiet) / iters / 2                 # a 2-rank ring: A = 2 rounds
-
-
-def plain_step(cfg, batch, steps=6):
-    """One rank's forward + backward + AdamW step of the whole model, no communication: what compute
-    costs while all ranks run at once (the median step)."""
-    model = nn.Sequential(*gpt_layers(cfg, 0, torch.float32))
-    return statistics.median(timed_steps(model, steps, lambda step: data.batch(batch, cfg.seq, 0, 0))[1:])
-
-
 def run(cfg, batch, rounds, steps):
     """On every rank: the layouts and torch's dp×tp in turns; per layout, the slowest rank's step times.
-    First, as all ranks run at once: compute alone (plain_step) and a latency round's wait (busy_alpha)."""
+    """
     torch.set_num_threads(1)
-    out = {"plain_step": plain_step(cfg, batch // 4), "busy_alpha": busy_alpha()}
+    out = {"contention": planner.contention(cfg, batch // 4)}       # what running at once adds, under this run's load
     out.update({L.name: [] for L in LAYOUTS})
     out["torch dp=2×tp=2"] = []
     out["pplab dp=2×tp=2"] = []
@@ -132,7 +103,7 @@ def run(cfg, batch, rounds, steps):
             if L == LAYOUTS[1]:                              # pplab's dp×tp, then torch's, back to back
                 out["pplab dp=2×tp=2"] += slowest(r["step_times"])[1:]
                 out["torch dp=2×tp=2"] += slowest(torch_dp_tp(cfg, torch_mesh, batch, steps))[1:]
-    return {k: statistics.median(v) if isinstance(v, list) else v for k, v in out.items()}
+    return {k: statistics.median(v) if k != "contention" else v for k, v in out.items()}
 
 
 def main():
@@ -154,13 +125,9 @@ def main():
     alone = planner.measure(cfg, samples=(1, args.batch), dtype=torch.float32)
     results = pplab.launch(run, cfg, args.batch, args.rounds, args.steps, world_size=4, timeout=1200)
     measured = results[0]
-    wait = statistics.median(r["busy_alpha"] for r in results)
-    fit_busy = costmodel.Fit(fit.alpha + wait, fit.beta, fit.gamma, fit.sizes, fit.times)
-    free = costmodel.Fit(0.0, 0.0, 0.0, fit.sizes, fit.times)
-    alone_step = planner.predict(cfg, planner.Layout(1, 1, 1), args.batch // 4, free, alone).time["total"]
-    slowdown = statistics.median(r["plain_step"] for r in results) / alone_step
-    print(f"cost model (ping-pong, 2 ranks): {fit}\nwhile 4 ranks run at once: a latency round waits "
-          f"{wait * 1e6:.0f} µs more; compute runs {slowdown:.2f}× slower than alone")
+    fit_busy, slowdown = planner.calibrate(cfg, args.batch // 4, 4, fit, alone, [r["contention"] for r in results])
+    print(f"cost model (ping-pong, 2 ranks): {fit}\nwhile 4 ranks run at once (planner.calibrate): a latency "
+          f"round waits {(fit_busy.alpha - fit.alpha) * 1e6:.0f} µs more; compute runs {slowdown:.2f}× slower than alone")
     over = max(1.0, 4 / cores)
     variants = {"A: one-process layer times × ranks per core, ping-pong α": (alone, fit, over),
                 "B: compute slowdown and α measured while 4 ranks run at once": (alone, fit_busy, slowdown)}

@@ -19,6 +19,10 @@ Every number comes from an earlier chapter, put together:
   its makespan holds the bubble and the sends; DP = the gradient sync of the stage's shard over
   dp (all-reduce, or reduce-scatter + all-gather for ZeRO) after the last backward, not
   overlapped; then the optimizer step on the elements this rank owns.
+
+On this CPU the ranks outnumber the cores: `calibrate` measures, with the ranks running at once,
+how much slower compute gets and how long a message waits for its partner's time slice (added
+to α). `compare(plan, measured)` puts predicted next to measured; `widget()` draws it all.
 """
 from __future__ import annotations
 
@@ -36,7 +40,7 @@ from .tensor_parallel import split_sizes
 from .zero import model_state_bytes
 
 __all__ = ["Layout", "LayerTimes", "measure", "estimate", "predict", "enumerate_layouts", "plan",
-           "Plan", "PlanError", "compare", "widget", "GPTConfig"]
+           "Plan", "PlanError", "compare", "contention", "calibrate", "widget", "draw", "GPTConfig"]
 
 class PlanError(ValueError):
     """The request cannot be planned; the message says what to change."""
@@ -336,6 +340,66 @@ def compare(plan_or_predictions, measured: dict) -> str:
         lines.append(f"{p.layout.name:28s} {p.time['total'] * 1e3:13.2f} {seconds * 1e3:12.2f} "
                      f"{p.time['total'] / seconds:6.2f}")
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------
+# More ranks than cores (this machine): what running at once adds, measured
+
+
+def contention(cfg: GPTConfig, batch: int, iters: int = 40, steps: int = 6):
+    """Call on every launched rank, all at once: (one plain training step's median time, no communication;
+    the extra time per latency round of tiny all-reduces on 2-rank groups between bursts of compute)."""
+    import statistics
+
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    model = torch.nn.Sequential(*gpt_layers(cfg, 0, torch.float32))
+    opt, ids = torch.optim.AdamW(model.parameters()), torch.randint(0, cfg.vocab, (batch, cfg.seq))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pairs = [dist.new_group([r, r + 1]) for r in range(0, world - 1, 2)]
+    group = pairs[min(rank // 2, len(pairs) - 1)] if rank < 2 * len(pairs) else None
+    a, x = torch.randn(96, 96), torch.zeros(256)
+
+    def timed(work, repeats):
+        out = []
+        for _ in range(repeats):
+            dist.barrier()
+            start = time.perf_counter()
+            work()
+            out.append(time.perf_counter() - start)
+        return statistics.median(out[1:])
+
+    def step():
+        gpt_loss(model(ids), ids).backward()
+        opt.step()
+        opt.zero_grad()
+
+    def loop(talk):
+        for _ in range(iters):
+            for _ in range(8):
+                a @ a
+            if talk and group is not None:
+                dist.all_reduce(x, group=group)
+    plain = timed(step, steps)
+    wait = max(0.0, timed(lambda: loop(True), 4) - timed(lambda: loop(False), 4)) / iters / 2   # 2 rounds
+    return plain, wait
+
+
+def calibrate(cfg: GPTConfig, batch: int, world_size: int, fit, times: LayerTimes, measured=None):
+    """(fit with α raised by the wait per round, compute slowdown) for `world_size` ranks running at once
+    here, each on `batch` sequences: pass them to predict/plan as fit= and oversubscription=.
+    measured: every rank's `contention(cfg, batch)`, taken inside your own run (best: the same load);
+    without it, a run of its own is launched. On a GPU (a process per device) neither applies."""
+    import statistics
+
+    from . import costmodel
+    from .launcher import launch
+    got = measured or launch(contention, cfg, batch, world_size=world_size, timeout=120)
+    free = costmodel.Fit(0.0, 0.0, 0.0, fit.sizes, fit.times)
+    alone = predict(cfg, Layout(1, 1, 1), batch, free, times).time["total"]
+    wait = statistics.median(w for _, w in got)
+    busy = costmodel.Fit(fit.alpha + wait, fit.beta, fit.gamma, fit.sizes, fit.times)
+    return busy, statistics.median(p for p, _ in got) / alone
 
 
 # ----------------------------------------------------------------------------------

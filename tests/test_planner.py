@@ -195,3 +195,10 @@ def test_widget_builds_and_redraws_when_a_control_changes():
     box.controls["model"].value = "7B (32 × 4096)"               # estimated from FLOPs
     box.controls["tp"].value = 4
     assert box.error is None and box.prediction.memory["params"] > 1e9
+
+
+def test_calibrate_measures_what_running_at_once_adds():
+    fit = synthetic_fit(1e-5)
+    busy, slowdown = planner.calibrate(CFG, 2, 2, fit, synthetic_times(per_sample=1e-4))
+    assert busy.alpha >= fit.alpha and busy.beta == fit.beta
+    assert slowdown > 0                       # a ratio of measured to predicted compute: no wall-clock bound asserted
