@@ -346,9 +346,10 @@ def compare(plan_or_predictions, measured: dict) -> str:
 # More ranks than cores (this machine): what running at once adds, measured
 
 
-def contention(cfg: GPTConfig, batch: int, iters: int = 40, steps: int = 6):
-    """Call on every launched rank, all at once: (one plain training step's median time, no communication;
-    the extra time per latency round of tiny all-reduces on 2-rank groups between bursts of compute)."""
+def contention(cfg: GPTConfig, batch: int, iters: int = 40, steps: int = 8):
+    """Call on every launched rank, all at once: (one plain training step's time, no communication; the
+    extra time per latency round of tiny all-reduces on 2-rank groups between bursts of compute), each
+    the median over tries of the slowest rank, as a step of training waits for its slowest rank."""
     import statistics
 
     import torch.distributed as dist
@@ -360,13 +361,15 @@ def contention(cfg: GPTConfig, batch: int, iters: int = 40, steps: int = 6):
     group = pairs[min(rank // 2, len(pairs) - 1)] if rank < 2 * len(pairs) else None
     a, x = torch.randn(96, 96), torch.zeros(256)
 
-    def timed(work, repeats):
+    def timed(work, repeats):                  # median over tries of the slowest rank's time, as a step is
         out = []
         for _ in range(repeats):
             dist.barrier()
             start = time.perf_counter()
             work()
-            out.append(time.perf_counter() - start)
+            took = torch.tensor([time.perf_counter() - start])
+            dist.all_reduce(took, op=dist.ReduceOp.MAX)
+            out.append(took.item())
         return statistics.median(out[1:])
 
     def step():
@@ -386,7 +389,7 @@ def contention(cfg: GPTConfig, batch: int, iters: int = 40, steps: int = 6):
 
 
 def calibrate(cfg: GPTConfig, batch: int, world_size: int, fit, times: LayerTimes, measured=None):
-    """(fit with α raised by the wait per round, compute slowdown) for `world_size` ranks running at once
+    """(fit with α raised by the wait per round and β, γ by the slowdown; compute slowdown) for `world_size` ranks at once
     here, each on `batch` sequences: pass them to predict/plan as fit= and oversubscription=.
     measured: every rank's `contention(cfg, batch)`, taken inside your own run (best: the same load);
     without it, a run of its own is launched. On a GPU (a process per device) neither applies."""
@@ -397,9 +400,10 @@ def calibrate(cfg: GPTConfig, batch: int, world_size: int, fit, times: LayerTime
     got = measured or launch(contention, cfg, batch, world_size=world_size, timeout=120)
     free = costmodel.Fit(0.0, 0.0, 0.0, fit.sizes, fit.times)
     alone = predict(cfg, Layout(1, 1, 1), batch, free, times).time["total"]
-    wait = statistics.median(w for _, w in got)
-    busy = costmodel.Fit(fit.alpha + wait, fit.beta, fit.gamma, fit.sizes, fit.times)
-    return busy, statistics.median(p for p, _ in got) / alone
+    wait, slowdown = statistics.median(w for _, w in got), statistics.median(p for p, _ in got) / alone
+    # copying and adding bytes is CPU work too: β and γ slow down as compute does
+    busy = costmodel.Fit(fit.alpha + wait, fit.beta * slowdown, fit.gamma * slowdown, fit.sizes, fit.times)
+    return busy, slowdown
 
 
 # ----------------------------------------------------------------------------------
