@@ -41,7 +41,7 @@ from .models.gpt import GPTConfig, gpt_layers, gpt_loss, parallel_layers
 from .pipeline import PipelineExecutor, make_schedule, partition
 from .zero import ZeroOptimizer, held_bytes
 
-__all__ = ["train", "train_single", "check_layout", "GPTConfig"]
+__all__ = ["train", "train_single", "check_layout", "comm_rows", "layouts", "describe_layout", "GPTConfig"]
 
 
 def check_layout(cfg: GPTConfig, sizes: dict, batch_size: int, microbatches: int = 1, zero: int = 0,
@@ -108,6 +108,8 @@ def train(cfg: GPTConfig, mesh, steps: int = 5, batch_size: int = 8, lr: float =
     pp, dp = sizes.get("pp", 1), sizes.get("dp", 1)
     m = microbatches or (min(2 * pp, batch_size // max(dp, 1)) if pp > 1 else 1)
     check_layout(cfg, sizes, batch_size, m, zero, sequence_parallel, world)
+    setup = trace.paused() if trace_steps is not None else contextlib.nullcontext()
+    setup.__enter__()                  # building (broadcasts, checks) is not drawn when steps are chosen
     mesh = mesh if isinstance(mesh, Mesh) else Mesh(**sizes)
     tp_group = mesh.tp_group if mesh.size("tp") > 1 else None
 
@@ -129,6 +131,7 @@ def train(cfg: GPTConfig, mesh, steps: int = 5, batch_size: int = 8, lr: float =
             model = DDP(model, group=mesh.dp_group)
         opt = _optimizer(model.parameters(), lr, zero, dp, mesh.dp_group)
 
+    setup.__exit__(None, None, None)
     last_stage = mesh.rank_in("pp") == pp - 1 and mesh.rank_in("tp") == 0
     losses, times, activation_bytes = [], [], 0
     for step in range(steps):
@@ -193,6 +196,19 @@ def train_single(cfg: GPTConfig, steps: int = 5, batch_size: int = 8, lr: float 
         opt.zero_grad()
         losses.append(loss.item())
     return losses, layers
+
+
+def comm_rows(sizes: dict) -> dict:
+    """For swimlane.draw(comm_rows=...): each rank's traffic on the row of the mesh dimension it
+    serves. TP: collectives over the rank's tp group; PP: sends and receives; DP: collectives over
+    its dp group (DDP's all-reduces, ZeRO's reduce-scatters and all-gathers)."""
+    from .mesh import groups
+    full = {d: sizes.get(d, 1) for d in DIMS}
+
+    def over(dim):
+        mine = {r: tuple(g) for g in groups(dim, **full) for r in g}
+        return lambda e: e.group is not None and tuple(e.group) == mine[e.rank] and len(e.group) > 1
+    return {"TP": over("tp"), "PP": lambda e: e.kind in ("send", "recv"), "DP": over("dp")}
 
 
 def layouts(world_size: int, pp_max: int | None = None) -> list[dict]:

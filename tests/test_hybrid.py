@@ -15,7 +15,7 @@ from torch import nn
 
 import pplab
 from pplab import data
-from pplab.hybrid import GPTConfig, check_layout, layouts, train, train_single
+from pplab.hybrid import GPTConfig, check_layout, comm_rows, layouts, train, train_single
 from pplab.mesh import Mesh
 from pplab.models import gpt_layers, gpt_loss, parallel_layers
 
@@ -66,7 +66,37 @@ def test_every_4_rank_layout_trains_like_one_process(sizes, kw):
 
 
 def test_dp_tp_pp_on_8_ranks_trains_like_one_process():
-    check_equal(pplab.launch(compare_job, {"pp": 2, "dp": 2, "tp": 2}, {"zero": 1}, world_size=8), "2x2x2")
+    sizes = {"pp": 2, "dp": 2, "tp": 2}
+    results = pplab.launch(compare_job, sizes, {"zero": 1}, world_size=8)
+    check_equal(results, "2x2x2")
+    # every message and collective of the run serves exactly one dimension of the mesh
+    rows = comm_rows(sizes)
+    comm = [e for e in results.timeline.events if e.category == "comm" and e.kind != "barrier"]
+    claimed = [[name for name, serves in rows.items() if serves(e)] for e in comm]
+    assert all(len(c) == 1 for c in claimed), [(e.kind, e.rank, e.group) for e, c in zip(comm, claimed) if len(c) != 1][:5]
+    kinds = {name: {e.kind for e, c in zip(comm, claimed) if c == [name]} for name in rows}
+    assert kinds["TP"] >= {"all_reduce"} and kinds["PP"] == {"send", "recv"}
+    assert kinds["DP"] >= {"reduce_scatter", "all_gather"}
+
+
+def test_swimlane_comm_rows_put_each_event_on_its_row():
+    from pplab.swimlane import _Panel, draw
+    from pplab.trace import Event, Timeline
+    events = [Event(0, "F", "compute", 0.0, 1.0, "F0"),
+              Event(0, "all_reduce", "comm", 0.1, 0.2, "AR", group=(0, 1)),
+              Event(0, "send", "comm", 0.3, 0.4, "→1", peer=1),
+              Event(0, "broadcast", "comm", 0.5, 0.6, "bc", group=(0, 1)),
+              Event(1, "all_reduce", "comm", 0.1, 0.2, "AR", group=(0, 1))]
+    tl = Timeline(events, world_size=2)
+    rows = {"TP": lambda e: e.kind == "all_reduce", "PP": lambda e: e.kind == "send"}
+    p = _Panel(tl, "auto", 0.0, 1.0, rows)
+    rows_of = {(e.rank, e.kind): p.row_of(e) for e in p.shown if e.category == "comm"}
+    assert p.rows == ["TP", "PP", "other"]
+    assert rows_of == {(0, "all_reduce"): 0, (0, "send"): 1, (0, "broadcast"): 2, (1, "all_reduce"): 0}
+    fig = draw(tl, comm_rows=rows)
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels(minor=True)] == ["TP", "PP", "other"] * 2
+    with pytest.raises(ValueError, match="comm_rows must be a non-empty dict"):
+        draw(tl, comm_rows=["TP"])
 
 
 def test_the_text_is_learned_and_the_model_has_the_parameters_of_its_formula():
