@@ -41,7 +41,7 @@ from .models.gpt import GPTConfig, gpt_layers, gpt_loss, parallel_layers
 from .pipeline import PipelineExecutor, make_schedule, partition
 from .zero import ZeroOptimizer, held_bytes
 
-__all__ = ["train", "train_single", "check_layout", "comm_rows", "layouts", "describe_layout", "GPTConfig"]
+__all__ = ["train", "train_single", "check_layout", "comm_rows", "draw_mesh", "layouts", "describe_layout", "GPTConfig"]
 
 
 def check_layout(cfg: GPTConfig, sizes: dict, batch_size: int, microbatches: int = 1, zero: int = 0,
@@ -209,6 +209,40 @@ def comm_rows(sizes: dict) -> dict:
         mine = {r: tuple(g) for g in groups(dim, **full) for r in g}
         return lambda e: e.group is not None and tuple(e.group) == mine[e.rank] and len(e.group) > 1
     return {"TP": over("tp"), "PP": lambda e: e.kind in ("send", "recv"), "DP": over("dp")}
+
+
+def draw_mesh(sizes: dict, dims=("tp", "dp", "pp")):
+    """The mesh as a picture: every global rank a square, one pp stage per block of dp rows × tp
+    columns; one panel per dimension, its groups told apart by colour. Returns the figure."""
+    import matplotlib.pyplot as plt
+    from .mesh import groups
+    full = {d: sizes.get(d, 1) for d in DIMS}
+    pp, dp, tp = full["pp"], full["dp"], full["tp"]
+    where = {r: (c % (pp * dp * tp) // (dp * tp) * (tp + 1) + c % tp, c // tp % dp)
+             for r, c in enumerate(range(pp * dp * tp))}
+    fig, axes = plt.subplots(1, len(dims), figsize=(2.2 * len(dims) * max(1, (pp * (tp + 1)) / 3.5), 0.9 + 0.8 * dp),
+                             squeeze=False)
+    colours = plt.get_cmap("tab10").colors
+    for ax, dim in zip(axes[0], dims):
+        for i, g in enumerate(groups(dim, **full)):
+            for r in g:
+                x, y = where[r]
+                ax.add_patch(plt.Rectangle((x, -y), 0.9, -0.9, color=colours[i % 10], alpha=0.85))
+                ax.text(x + 0.45, -y - 0.45, str(r), ha="center", va="center", fontsize=11, color="white",
+                        weight="bold")
+        ax.set_xlim(-0.2, pp * (tp + 1) - 0.8)
+        ax.set_ylim(-dp - 0.4, 0.5)
+        ax.set_aspect("equal")
+        ax.axis("off")
+        n = len(groups(dim, **full))
+        ax.set_title(f"{dim}: {n} group{'s' * (n > 1)} of {full[dim]}, one colour each", fontsize=10)
+        if pp > 1:
+            for st in range(pp):
+                ax.text(st * (tp + 1) + tp / 2 - 0.05, 0.25, f"stage {st}", ha="center", fontsize=8, color="#555555")
+    fig.suptitle(f"{describe_layout(full)}: global ranks, rows = dp index, columns = tp index", fontsize=10)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
 
 
 def layouts(world_size: int, pp_max: int | None = None) -> list[dict]:
