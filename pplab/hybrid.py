@@ -100,7 +100,7 @@ def train(cfg: GPTConfig, mesh, steps: int = 5, batch_size: int = 8, lr: float =
     trace_steps={2} to draw one step after the first ones (which also check shapes) are done.
     Returns {"losses": global batch's mean loss after each step (on every rank), "step_times":
     seconds per step (barrier to barrier), "state_bytes": parameters + gradients + optimizer state
-    this rank holds (pplab.zero.held_bytes), "activation_bytes": the most bytes autograd held for
+    this rank holds after the optimizer step, before zero_grad (pplab.zero.held_bytes), "activation_bytes": the most bytes autograd held for
     backward at once, "params": {"layer.name": this rank's shard after training}, "coords"}.
     """
     sizes = mesh.sizes if isinstance(mesh, Mesh) else dict(mesh)
@@ -150,8 +150,9 @@ def train(cfg: GPTConfig, mesh, steps: int = 5, batch_size: int = 8, lr: float =
                 loss.backward()
                 opt.step()
                 loss = loss.item()
-            opt.zero_grad()
             times.append(time.perf_counter() - start)
+            state_bytes = held_bytes(model, opt)["total"]      # at its peak: gradients still held
+            opt.zero_grad()
         with trace.paused():             # the global loss, for the report: one number, untraced
             total = torch.tensor([loss if last_stage and loss is not None else 0.0], dtype=torch.float64)
             dist.all_reduce(total)
@@ -159,7 +160,7 @@ def train(cfg: GPTConfig, mesh, steps: int = 5, batch_size: int = 8, lr: float =
 
     named = runner.named_parameters() if pp > 1 else getattr(model, "module", model).named_parameters()
     return {"losses": losses, "step_times": times, "coords": mesh.coords,
-            "state_bytes": held_bytes(model, opt)["total"], "activation_bytes": activation_bytes,
+            "state_bytes": state_bytes, "activation_bytes": activation_bytes,
             "params": {n: p.detach().clone() for n, p in named}}
 
 

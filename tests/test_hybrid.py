@@ -37,7 +37,8 @@ def compare_job(sizes, kw):
                  .named_parameters())
     return {"losses": out["losses"], "ref": ref_losses, "names": sorted(out["params"]),
             "param_diff": max((p - expect[n]).abs().max().item() for n, p in out["params"].items()),
-            "moved": min((p - start[n]).abs().max().item() for n, p in out["params"].items())}
+            "moved": min((p - start[n]).abs().max().item() for n, p in out["params"].items()),
+            "state": out["state_bytes"]}
 
 
 LAYOUTS_4 = [({"dp": 4}, {}),                                        # DDP
@@ -62,7 +63,16 @@ def check_equal(results, sizes):
 
 @pytest.mark.parametrize("sizes,kw", LAYOUTS_4, ids=[f"{s}{k}" for s, k in LAYOUTS_4])
 def test_every_4_rank_layout_trains_like_one_process(sizes, kw):
-    check_equal(pplab.launch(compare_job, sizes, kw, world_size=4), sizes)
+    results = pplab.launch(compare_job, sizes, kw, world_size=4)
+    check_equal(results, sizes)
+    # model state held, measured from the tensors: float64 parameters, gradients, AdamW's 2 moments
+    psi, state = CFG.parameters(), [r["state"] for r in results]
+    if sizes == {"dp": 4} and not kw:
+        assert state == [4 * 8 * psi] * 4                     # DDP: a full copy on every rank
+    if sizes == {"pp": 4}:
+        assert sum(state) == 4 * 8 * psi                      # stages: each layer on one rank only
+    if kw.get("zero") == 2:                                   # ZeRO-2: params whole, the rest split (+ padding)
+        assert all(0 <= s - (8 * psi + 3 * 8 * psi / 4) < 8 * 4 * 4 for s in state), state
 
 
 def test_dp_tp_pp_on_8_ranks_trains_like_one_process():
