@@ -1,0 +1,435 @@
+"""A layout planner: which dp × tp × pp (× micro-batches × ZeRO stage) to train a model on.
+
+    times = measure(cfg)                           # per-layer forward/backward times on this machine
+    best = plan(cfg, batch=8, world_size=4, memory_per_rank=2e9, fit=costmodel.fit(), times=times)
+    print(best)                                    # the layouts that fit, fastest first, and why others do not
+
+Every number comes from an earlier chapter, put together:
+
+* memory per rank (the most loaded pipeline stage): parameters, gradients and Adam's state of
+  this rank's tensor-parallel shard of its stage, divided by ZeRO as chapter 6's
+  `pplab.zero.model_state_bytes` says; activations = one micro-batch's saved tensors (measured
+  per layer, scaled by micro-batch size and for tp by Korthikanti's formula of chapter 5) times
+  the micro-batches a stage holds at once in chapter 4's simulated schedule (GPipe m, 1F1B p−stage).
+* step time: compute = measured per-layer time, fixed part + per-sample part × samples / tp
+  (a tiny layer's time is mostly per-operation overhead, which splitting does not shrink);
+  TP = 2 all-reduces of [s, b, h] per block forward and 2 backward (chapter 3; plus the
+  vocabulary's), each `fit.predict("all_reduce", ..., tp, bytes)`; PP = chapter 4's `simulate`
+  of the schedule with those per-micro-batch times and `fit.message_time(activation)` per hop:
+  its makespan holds the bubble and the sends; DP = the gradient sync of the stage's shard over
+  dp (all-reduce, or reduce-scatter + all-gather for ZeRO) after the last backward, not
+  overlapped; then the optimizer step on the elements this rank owns.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .hybrid import describe_layout
+from .models.gpt import GPTConfig, gpt_layers, gpt_loss
+from .pipeline import make_schedule, simulate
+from .pipeline.partition import _balanced_split
+from .sequence_parallel import activation_bytes_formula, saved_activations
+from .tensor_parallel import split_sizes
+from .zero import model_state_bytes
+
+__all__ = ["Layout", "LayerTimes", "measure", "estimate", "predict", "enumerate_layouts", "plan",
+           "Plan", "PlanError", "compare", "widget", "GPTConfig"]
+
+class PlanError(ValueError):
+    """The request cannot be planned; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int
+    tp: int
+    pp: int
+    m: int = 1                      # micro-batches per step and replica
+    zero: int = 0                   # 0 = DDP's all-reduce; 1, 2, 3 = ZeRO stages
+    schedule: str = "1f1b"
+
+    @property
+    def name(self) -> str:
+        extra = (f", m={self.m}" if self.pp > 1 else "") + (f", ZeRO-{self.zero}" if self.zero else "")
+        return describe_layout({"dp": self.dp, "tp": self.tp, "pp": self.pp}) + extra
+
+
+# ----------------------------------------------------------------------------------
+# What each pipeline layer (embedding, blocks, head + loss) costs on one process
+
+
+@dataclass
+class LayerTimes:
+    """Per pipeline layer of the dense model: time = fixed + per_sample × samples (seconds),
+    forward and backward apart; saved = activation elements per sample; optimizer: s per parameter."""
+    forward_fixed: list
+    forward_per_sample: list
+    backward_fixed: list
+    backward_per_sample: list
+    saved: list
+    optimizer: float
+    source: str = "measured"
+
+
+def _time_once(layer, x, y, last):
+    xin = x.detach().requires_grad_(x.is_floating_point())
+    start = time.perf_counter()
+    out = layer(xin)
+    loss = gpt_loss(out, y) if last else out
+    mid = time.perf_counter()
+    wrt = [t for t in [xin, *layer.parameters()] if t.requires_grad]
+    torch.autograd.grad(loss, wrt, torch.ones_like(loss))
+    return mid - start, time.perf_counter() - mid, out.detach()
+
+
+def measure(cfg: GPTConfig, samples=(1, 8), dtype=torch.float32, repeats: int = 10, seed: int = 0) -> LayerTimes:
+    """Time each layer of the dense tiny GPT alone (best of `repeats`) at two micro-batch sizes
+    and fit a line per layer; count its saved activations; time one AdamW step per parameter."""
+    lo, hi = samples
+    layers = gpt_layers(cfg, seed, dtype)
+    ids = torch.randint(0, cfg.vocab, (hi, cfg.seq), generator=torch.Generator().manual_seed(seed))
+    best, threads = {}, torch.get_num_threads()  # (n samples, layer) -> (forward, backward)
+    torch.set_num_threads(1)                    # as on a launched rank
+    for rep in range(repeats + 1):              # round 0 warms up; sizes take turns against bursts of load
+        for n in (lo, hi):
+            x = ids[:n]
+            for i, layer in enumerate(layers):
+                f, b, x = _time_once(layer, x, ids[:n], i == len(layers) - 1)
+                old = best.get((n, i), (math.inf, math.inf))
+                best[n, i] = (min(old[0], f), min(old[1], b)) if rep else old
+    saved, x = [], ids[:hi]
+    for i, layer in enumerate(layers):
+        with saved_activations(layer.parameters()) as s:
+            out = layer(x.detach().requires_grad_(x.is_floating_point()))
+            if i == len(layers) - 1:
+                gpt_loss(out, ids[:hi])
+        saved.append(s.bytes / hi / torch.finfo(dtype).bits * 8)      # in elements: any dtype_bytes
+        x = out.detach()
+    params = [p for layer in layers for p in layer.parameters()]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt, step = torch.optim.AdamW(params), math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        opt.step()
+        step = min(step, time.perf_counter() - start)
+    torch.set_num_threads(threads)
+
+    def line(k):                                # (fixed, per sample) through the two sizes
+        per = [max(0.0, (best[hi, i][k] - best[lo, i][k]) / (hi - lo)) for i in range(len(layers))]
+        return [max(0.0, best[lo, i][k] - lo * s) for i, s in enumerate(per)], per
+    (ff, fs), (bf, bs) = line(0), line(1)
+    return LayerTimes(ff, fs, bf, bs, saved, step / sum(p.numel() for p in params), source=f"measured here, {dtype}")
+
+
+def estimate(cfg: GPTConfig, flops_per_s: float = 2e10) -> LayerTimes:
+    """A stand-in for shapes too big to time here: 2 FLOPs per parameter per token forward (+ attention's
+    4·s·h), backward twice that, at `flops_per_s`; activations by Korthikanti's formula (chapter 5)."""
+    s, h = cfg.seq, cfg.hidden
+    per_token = [2 * n for n in _layer_params(cfg, 1)]
+    per_token[1:-1] = [f + 4 * s * h for f in per_token[1:-1]]
+    fwd = [f * s / flops_per_s for f in per_token]
+    saved = [s * h] + [activation_bytes_formula(s, 1, h, cfg.heads, 1, False) / 2] * cfg.layers + [2 * s * cfg.vocab]
+    zeros = [0.0] * len(fwd)
+    return LayerTimes(zeros, fwd, zeros, [2 * f for f in fwd], saved, 10 / flops_per_s,
+                      source=f"estimated from FLOPs at {flops_per_s:.2g} FLOP/s")
+
+
+# ----------------------------------------------------------------------------------
+# Memory and step time of one layout
+
+
+def _layer_params(cfg: GPTConfig, tp: int) -> list:
+    """Parameters per pipeline layer on tp rank 0 (the largest shard: splits as torch.tensor_split)."""
+    h, f, v = cfg.hidden, cfg.ffn, cfg.vocab
+    V, F, H3 = split_sizes(v, tp)[0], split_sizes(f, tp)[0], split_sizes(3 * h, tp)[0]
+    block = 4 * h + (H3 * h + H3) + (h * h // tp + h) + (h * F + F) + (F * h + h)
+    return [V * h + cfg.seq * h] + [block] * cfg.layers + [2 * h + h * V]
+
+
+def stages(cfg: GPTConfig, pp: int) -> list:
+    """(start, end) pipeline layers of each stage: cut by the dense parameter counts, as pplab.hybrid does."""
+    counts = _balanced_split(_layer_params(cfg, 1), pp)
+    ends = [sum(counts[:i + 1]) for i in range(pp)]
+    return [(e - c, e) for c, e in zip(counts, ends)]
+
+
+@dataclass
+class Prediction:
+    layout: Layout
+    memory: dict                    # bytes per rank (worst stage): params, grads, optimizer, activations, total
+    time: dict                      # seconds: compute, tp, bubble, pp_send, dp, optimizer, total
+    stages: list = field(default_factory=list)      # memory dict of every pipeline stage
+    fits: bool = True
+
+
+def predict(cfg: GPTConfig, layout: Layout, batch: int, fit, times: LayerTimes, dtype_bytes: int = 4,
+            oversubscription: float = 1.0) -> Prediction:
+    """Memory and step time of one (valid) layout. oversubscription: how many ranks share a core
+    (compute runs that much slower: 4 ranks on this 2-core machine = 2)."""
+    L, mb = layout, batch // (layout.dp * layout.m)
+    s, h, t, n_layers = cfg.seq, cfg.hidden, layout.tp, cfg.layers + 2
+    act = mb * s * h * dtype_bytes                                      # one [s, b, h] activation
+    ar = (lambda n: fit.predict("all_reduce", None, t, n)) if t > 1 else (lambda n: 0.0)
+    tp_f = [ar(act)] + [2 * ar(act)] * cfg.layers + [2 * ar(2 * mb * s * 4)]   # embedding g; blocks; loss sums
+    tp_b = [0.0] + [2 * ar(act)] * cfg.layers + [ar(act)]                      # head's f; blocks
+    korthikanti = activation_bytes_formula(s, 1, h, cfg.heads, t, False) / activation_bytes_formula(s, 1, h, cfg.heads)
+    scale = [1.0] + [korthikanti] * cfg.layers + [1 / t]
+    params = _layer_params(cfg, t)
+    cuts = stages(cfg, L.pp)
+
+    def run(fixed, per, i):                                             # one micro-batch through layer i
+        return (fixed[i] + per[i] * mb / t) * oversubscription
+    f = [sum(run(times.forward_fixed, times.forward_per_sample, i) for i in range(a, b)) for a, b in cuts]
+    b = [sum(run(times.backward_fixed, times.backward_per_sample, i) for i in range(a, b)) for a, b in cuts]
+    comm_f = [sum(tp_f[a:e]) for a, e in cuts]
+    comm_b = [sum(tp_b[a:e]) for a, e in cuts]
+    tf, tb = [x + c for x, c in zip(f, comm_f)], [x + c for x, c in zip(b, comm_b)]
+    if L.pp > 1:
+        sched = make_schedule(L.schedule, L.pp, L.m)
+        flush = simulate(sched, tf, tb).makespan
+        sim = simulate(sched, tf, tb, p2p_latency=fit.message_time(act))
+        makespan, held, send = sim.makespan, sim.peak_activations, sim.makespan - flush
+    else:
+        makespan, held, send = L.m * (tf[0] + tb[0]), [L.m], 0.0
+    slow = max(range(L.pp), key=lambda k: tf[k] + tb[k])
+    psi = [sum(params[a:e]) for a, e in cuts]
+
+    def state(k, pb, gb, ob):                                           # chapter 6's formula, one kind at a time
+        return model_state_bytes(L.zero, psi[k], L.dp, pb, gb, ob)
+    memory = []
+    for k, (a, e) in enumerate(cuts):
+        acts = held[k] * mb * sum(times.saved[i] * scale[i] for i in range(a, e)) * dtype_bytes
+        mem = {"params": state(k, dtype_bytes, 0, 0), "grads": state(k, 0, dtype_bytes, 0),
+               "optimizer": state(k, 0, 0, 2 * dtype_bytes), "activations": acts}     # Adam: 2 moments
+        mem["total"] = sum(mem.values())
+        memory.append(mem)
+    grads = max(psi) * dtype_bytes
+    dp = 0.0
+    if L.dp > 1:
+        if L.zero == 0:
+            dp = fit.predict("all_reduce", None, L.dp, grads)
+        else:
+            dp = fit.predict("reduce_scatter", None, L.dp, grads) + fit.predict("all_gather", None, L.dp, grads) \
+                * (2 if L.zero == 3 else 1)
+    owned = max(psi) / (L.dp if L.zero else 1)
+    opt = times.optimizer * owned * oversubscription
+    t_parts = {"compute": L.m * (f[slow] + b[slow]), "tp": L.m * (comm_f[slow] + comm_b[slow]),
+               "bubble": makespan - send - L.m * (tf[slow] + tb[slow]), "pp_send": send, "dp": dp, "optimizer": opt}
+    t_parts["total"] = makespan + dp + opt
+    return Prediction(layout, max(memory, key=lambda m: m["total"]), t_parts, memory)
+
+
+# ----------------------------------------------------------------------------------
+# Which layouts exist, which are valid, which fit, which is fastest
+
+
+def _divisors(n: int) -> list:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _why_not(cfg: GPTConfig, L: Layout, batch: int):
+    """Why this layout cannot run this model and batch, or None."""
+    if cfg.heads % L.tp or cfg.hidden % L.tp:
+        return f"tp={L.tp} does not divide the {cfg.heads} heads / hidden {cfg.hidden}"
+    if cfg.vocab < L.tp:
+        return f"a vocabulary of {cfg.vocab} cannot be split over tp={L.tp}"
+    if L.pp > cfg.layers + 2:
+        return f"pp={L.pp} stages but only {cfg.layers + 2} pipeline layers (embedding, {cfg.layers} blocks, head)"
+    if batch % (L.dp * L.m):
+        return f"a batch of {batch} does not split into dp·m = {L.dp}·{L.m} equal micro-batches"
+    return None
+
+
+def enumerate_layouts(cfg: GPTConfig, batch: int, world_size: int, zero_stages=(0, 1, 2, 3),
+                      schedule: str = "1f1b") -> tuple:
+    """(valid layouts, [(invalid layout, reason)]): every dp·tp·pp = world_size; m from the divisors
+    of the batch (1 without a pipeline); ZeRO stages only with dp > 1 (with dp = 1 they change nothing)."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise PlanError(f"world_size is a number of ranks, a whole number >= 1: got {world_size!r}")
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise PlanError(f"batch is a number of sequences per step, a whole number >= 1: got {batch!r}")
+    valid, rejected = [], []
+    for pp in _divisors(world_size):
+        for tp in _divisors(world_size // pp):
+            dp = world_size // (pp * tp)
+            for m in (_divisors(batch) if pp > 1 else [1]):
+                for z in (zero_stages if dp > 1 else [0]):
+                    L = Layout(dp, tp, pp, m, z, schedule)
+                    why = _why_not(cfg, L, batch)
+                    (rejected.append((L, why)) if why else valid.append(L))
+    return valid, rejected
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.3g} GB" if n >= 1e8 else f"{n / 1e6:.3g} MB"
+
+
+@dataclass
+class Plan:
+    ranked: list                    # Predictions that fit, fastest first
+    too_big: list                   # Predictions over the memory budget, smallest first
+    rejected: list                  # (Layout, reason) that cannot run at all
+    budget: float
+    notes: list = field(default_factory=list)
+
+    @property
+    def best(self) -> Prediction:
+        return self.ranked[0]
+
+    def table(self, rows=None) -> str:
+        rows = self.ranked if rows is None else rows
+        head = f"{'layout':28s} {'step ms':>8s} {'compute':>8s} {'tp':>6s} {'bubble':>7s} {'pp':>6s} {'dp':>6s} " \
+               f"{'memory':>9s} {'(act.)':>9s}"
+        lines = [head]
+        for p in rows:
+            t, m = p.time, p.memory
+            lines.append(f"{p.layout.name:28s} {t['total'] * 1e3:8.2f} {t['compute'] * 1e3:8.2f} {t['tp'] * 1e3:6.2f} "
+                         f"{t['bubble'] * 1e3:7.2f} {t['pp_send'] * 1e3:6.2f} {t['dp'] * 1e3:6.2f} "
+                         f"{_gb(m['total']):>9s} {_gb(m['activations']):>9s}")
+        return "\n".join(lines)
+
+    def __str__(self):
+        return (f"{len(self.ranked)} layouts fit {_gb(self.budget)} per rank ({len(self.too_big)} too big, "
+                f"{len(self.rejected)} impossible):\n" + self.table())
+
+
+def plan(cfg: GPTConfig, batch: int, world_size: int, memory_per_rank: float, fit, times: LayerTimes,
+         zero_stages=(0, 1, 2, 3), schedule: str = "1f1b", dtype_bytes: int = 4,
+         oversubscription: float = 1.0) -> Plan:
+    """Every valid layout that fits `memory_per_rank` bytes, fastest predicted step first."""
+    valid, rejected = enumerate_layouts(cfg, batch, world_size, zero_stages, schedule)
+    if not valid:
+        reasons = sorted({why for _, why in rejected})
+        raise PlanError(f"no layout of {world_size} ranks can run this model with a batch of {batch}: "
+                        + "; ".join(reasons[:4]) + ". Change the world size, the batch or the model.")
+    preds = [predict(cfg, L, batch, fit, times, dtype_bytes, oversubscription) for L in valid]
+    for p in preds:
+        p.fits = p.memory["total"] <= memory_per_rank
+    ranked = sorted((p for p in preds if p.fits), key=lambda p: (p.time["total"], p.memory["total"]))
+    too_big = sorted((p for p in preds if not p.fits), key=lambda p: p.memory["total"])
+    if not ranked:
+        s = too_big[0]
+        raise PlanError(f"no layout fits {_gb(memory_per_rank)}: the smallest needs {_gb(s.memory['total'])} per "
+                        f"rank at {s.layout.name}; give each rank more memory, or use more ranks")
+    return Plan(ranked, too_big, rejected, memory_per_rank)
+
+
+def compare(plan_or_predictions, measured: dict) -> str:
+    """Predicted next to measured: measured maps a layout name as pplab.hybrid.describe_layout writes it
+    ("dp=2×tp=2") to seconds per step; the first prediction of that dp×tp×pp is used."""
+    preds = plan_or_predictions.ranked + plan_or_predictions.too_big \
+        if isinstance(plan_or_predictions, Plan) else list(plan_or_predictions)
+    lines = [f"{'layout':28s} {'predicted ms':>13s} {'measured ms':>12s} {'ratio':>6s}"]
+    for name, seconds in measured.items():
+        p = next((p for p in preds if describe_layout(vars(p.layout)) == name), None)
+        if p is None:
+            lines.append(f"{name:28s} {'(not planned)':>13s} {seconds * 1e3:12.2f}")
+            continue
+        lines.append(f"{p.layout.name:28s} {p.time['total'] * 1e3:13.2f} {seconds * 1e3:12.2f} "
+                     f"{p.time['total'] / seconds:6.2f}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------
+# The planner as a widget
+
+MODELS = {"tiny GPT (the course's)": dict(layers=2, hidden=32, heads=4, vocab=None),
+          "GPT-2 small (124M)": dict(layers=12, hidden=768, heads=12, vocab=50257),
+          "GPT-2 XL (1.5B)": dict(layers=48, hidden=1600, heads=25, vocab=50257),
+          "7B (32 × 4096)": dict(layers=32, hidden=4096, heads=32, vocab=32000)}
+CHECKED = ("Checked against runs: parameters, gradients and optimizer state equal the bytes of the tensors "
+           "pplab.hybrid holds (tests/test_planner.py); step times of the tiny GPT at 4 ranks against "
+           "benchmarks/hybrid.py. Not checked: activations beyond the tiny GPT, and times of large models "
+           "(estimated from FLOPs), which no run here can reach.")
+_PARTS = ("params", "grads", "optimizer", "activations")
+_TIMES = ("compute", "tp", "bubble", "pp_send", "dp", "optimizer")
+
+
+def draw(pred: Prediction, budget: float | None = None):
+    """Stacked bars of memory per pipeline stage (one per rank of that stage) and the step time's parts."""
+    import matplotlib.pyplot as plt
+    fig, (mem, tim) = plt.subplots(1, 2, figsize=(10, 3.2), gridspec_kw={"width_ratios": [max(2, len(pred.stages)), 3]})
+    unit, scale = ("GB", 1e9) if pred.memory["total"] > 1e8 else ("MB", 1e6)
+    bottom = [0.0] * len(pred.stages)
+    for part in _PARTS:
+        values = [st[part] / scale for st in pred.stages]
+        mem.bar([f"stage {k}" for k in range(len(values))], values, bottom=bottom, label=part)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    if budget:
+        mem.axhline(budget / scale, color="k", ls="--", lw=1, label="budget")
+    mem.set_ylabel(f"{unit} per rank")
+    mem.legend(fontsize=7)
+    left = 0.0
+    for part in _TIMES:
+        tim.barh([0], [pred.time[part] * 1e3], left=left, label=part)
+        left += pred.time[part] * 1e3
+    tim.set_yticks([])
+    tim.set_xlabel("predicted step time (ms)")
+    tim.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.3))
+    fig.suptitle(f"{pred.layout.name}: {pred.memory['total'] / scale:.3g} {unit} per rank (worst stage), "
+                 f"{pred.time['total'] * 1e3:.3g} ms per step")
+    fig.tight_layout()
+    return fig
+
+
+def widget(fit=None, times: LayerTimes | None = None, flops_per_s: float = 2e10, vocab: int | None = None):
+    """Model size, sequence, batch, dp/tp/pp, micro-batches, ZeRO stage -> memory per rank and step time.
+
+    fit: a costmodel.Fit (default: costmodel.fit(), measured now); times: measured LayerTimes of the
+    tiny GPT (used for it only; other models are estimated from FLOPs at flops_per_s).
+    Returns an ipywidgets VBox; `.update()` redraws, `.prediction` is the last one shown."""
+    import base64
+    import html
+    import io
+
+    import ipywidgets as w
+    import matplotlib.pyplot as plt
+
+    from . import costmodel, data
+    fit = fit if fit is not None else costmodel.fit(sizes=(1024, 65536, 1 << 20), repeats=3)
+    controls = {"model": w.Dropdown(options=list(MODELS), description="model"),
+                "seq": w.IntSlider(16, 8, 4096, description="sequence"),
+                "batch": w.IntSlider(8, 1, 512, description="batch"),
+                "dp": w.IntSlider(2, 1, 16, description="dp"), "tp": w.IntSlider(2, 1, 8, description="tp"),
+                "pp": w.IntSlider(1, 1, 8, description="pp"), "m": w.IntSlider(1, 1, 64, description="micro-batches"),
+                "zero": w.Dropdown(options=[0, 1, 2, 3], value=0, description="ZeRO stage"),
+                "budget_gb": w.FloatLogSlider(2.0, base=10, min=-3, max=2.5, description="GB per rank")}
+    image, message = w.HTML(), w.HTML()
+    box = w.VBox([w.GridBox(list(controls.values()), layout=w.Layout(
+        grid_template_columns="repeat(auto-fill, minmax(260px, 1fr))")), message, image,
+        w.HTML(f"<small>{html.escape(CHECKED)}</small>")])
+    box.controls, box.prediction, box.error = controls, None, None
+
+    def update(change=None):
+        c = {k: wd.value for k, wd in controls.items()}
+        shape = dict(MODELS[c["model"]])
+        shape["vocab"] = shape["vocab"] or vocab or len(data.VOCAB)
+        cfg = GPTConfig(vocab=shape["vocab"], seq=c["seq"], hidden=shape["hidden"], heads=shape["heads"],
+                        ffn=(2 if shape["hidden"] == 32 else 4) * shape["hidden"], layers=shape["layers"])
+        L = Layout(c["dp"], c["tp"], c["pp"], c["m"] if c["pp"] > 1 else 1, c["zero"] if c["dp"] > 1 else 0)
+        why = _why_not(cfg, L, c["batch"])
+        if why:
+            box.error, message.value = why, f"<pre style='color:#b00'>cannot run: {html.escape(why)}</pre>"
+            return
+        lt = times if times is not None and shape["hidden"] == 32 else estimate(cfg, flops_per_s)
+        box.prediction = pred = predict(cfg, L, c["batch"], fit, lt)
+        fig = draw(pred, c["budget_gb"] * 1e9)
+        png = io.BytesIO()
+        fig.savefig(png, format="png", dpi=80, bbox_inches="tight")
+        plt.close(fig)
+        fits = pred.memory["total"] <= c["budget_gb"] * 1e9
+        box.error, message.value = None, (f"{cfg.parameters():,} parameters; compute {lt.source}; "
+                                          + ("fits" if fits else "<b>does not fit</b>") + " the budget")
+        image.value = (f'<img style="max-width: 100%" alt="{html.escape(pred.layout.name)}" '
+                       f'src="data:image/png;base64,{base64.b64encode(png.getvalue()).decode()}">')
+
+    for wd in controls.values():
+        wd.observe(update, names="value")
+    box.update = update
+    update()
+    return box

@@ -1,0 +1,197 @@
+"""pplab.planner: memory equal to the tensors a run holds, valid layouts only, rankings that follow
+the cost model, clear errors, and the widget.
+
+Memory is checked against pplab.hybrid's runs of the tiny GPT (float64, 4 ranks): parameters +
+gradients + Adam's state per rank (pplab.zero.held_bytes, counted from the tensors) equal the
+planner's figure exactly without ZeRO, and within ZeRO's padding (each flat buffer is padded to a
+multiple of dp elements) with it. Times are never asserted: rankings use synthetic fits and
+synthetic per-layer times, where the right order is known.
+"""
+import pytest
+import torch
+from torch import nn
+
+import pplab
+from pplab import costmodel, data, hybrid, planner
+from pplab.models.gpt import GPTConfig, gpt_layers, gpt_loss, parallel_layers
+from pplab.planner import Layout, LayerTimes, PlanError
+from pplab.zero import held_bytes
+
+CFG = GPTConfig(vocab=len(data.VOCAB), seq=16, hidden=32, heads=4, ffn=64, layers=2)   # vocab 31: uneven tp splits
+BATCH = 8
+
+
+def synthetic_times(cfg=CFG, per_sample=1e-3, fixed=0.0, saved=1000.0):
+    n = cfg.layers + 2
+    return LayerTimes([fixed] * n, [per_sample] * n, [fixed] * n, [2 * per_sample] * n, [saved] * n, 1e-9,
+                      source="synthetic")
+
+
+def synthetic_fit(alpha, beta=1e-10):
+    return costmodel.Fit(alpha, beta, 0.0, [1, 2], [alpha, alpha])
+
+
+# ----------------------------------------------------------------------------------
+# Memory: the planner's bytes against the tensors held
+
+
+def test_one_process_breakdown_equals_held_bytes():
+    model = nn.Sequential(*gpt_layers(CFG, 0, torch.float64))
+    opt = torch.optim.AdamW(model.parameters())
+    x, y = data.batch(BATCH, CFG.seq, 0, 0)
+    gpt_loss(model(x), y).backward()
+    opt.step()
+    held = held_bytes(model, opt)
+    pred = planner.predict(CFG, Layout(1, 1, 1), BATCH, synthetic_fit(0.0), synthetic_times(), dtype_bytes=8)
+    assert {k: pred.memory[k] for k in ("params", "grads", "optimizer")} == \
+        {k: held[k] for k in ("params", "grads", "optimizer")}
+    assert pred.memory["params"] == 8 * CFG.parameters()
+
+
+def tp_breakdown():
+    group = torch.distributed.group.WORLD
+    model = nn.Sequential(*parallel_layers(gpt_layers(CFG, 0, torch.float64), group))
+    opt = torch.optim.AdamW(model.parameters())
+    x, y = data.batch(BATCH, CFG.seq, 0, 0)
+    gpt_loss(model(x), y, group, CFG.vocab).backward()
+    opt.step()
+    return held_bytes(model, opt)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tensor_parallel_breakdown_equals_the_largest_shard_held(tp):
+    held = pplab.launch(tp_breakdown, world_size=tp, timeout=60)
+    pred = planner.predict(CFG, Layout(1, tp, 1), BATCH, synthetic_fit(0.0), synthetic_times(), dtype_bytes=8)
+    for kind in ("params", "grads", "optimizer"):
+        assert pred.memory[kind] == max(h[kind] for h in held), kind
+    assert len({h["params"] for h in held}) > 1          # 31 tokens do not split evenly: the maximum matters
+
+
+LAYOUTS = [Layout(4, 1, 1), Layout(2, 2, 1), Layout(1, 2, 2, m=2), Layout(2, 1, 2, m=2, zero=1),
+           Layout(4, 1, 1, zero=2), Layout(1, 1, 4, m=4)]
+
+
+def state_per_layout():
+    out = []
+    for L in LAYOUTS:
+        r = hybrid.train(CFG, {"dp": L.dp, "tp": L.tp, "pp": L.pp}, steps=1, batch_size=BATCH,
+                         microbatches=L.m if L.pp > 1 else None, zero=L.zero)
+        out.append((r["coords"]["pp"], r["state_bytes"]))
+    return out
+
+
+def test_model_state_per_rank_equals_hybrid_runs():
+    """Parameters and Adam's state; pplab.hybrid measures after opt.zero_grad(), when gradients are freed
+    (they are checked against held tensors above, and at every ZeRO stage in tests/test_zero.py)."""
+    results = pplab.launch(state_per_layout, world_size=4, timeout=120)
+    for i, L in enumerate(LAYOUTS):
+        pred = planner.predict(CFG, L, BATCH, synthetic_fit(0.0), synthetic_times(), dtype_bytes=8)
+        for stage, mem in enumerate(pred.stages):
+            held = max(r[i][1] for r in results if r[i][0] == stage)
+            want = mem["params"] + mem["optimizer"]     # hybrid measures after zero_grad: no gradients left
+            pad = 0 if L.zero == 0 else 4 * 8 * (L.dp - 1)      # params, grads, 2 moments: < dp elements each
+            assert abs(held - want) <= pad, (L.name, stage, held, want)
+
+
+def test_activations_scale_with_micro_batch_and_schedule():
+    t = synthetic_times(saved=100.0)
+    one = planner.predict(CFG, Layout(1, 1, 2, m=4), BATCH, synthetic_fit(0.0), t)
+    gpipe = planner.predict(CFG, Layout(1, 1, 2, m=4, schedule="gpipe"), BATCH, synthetic_fit(0.0), t)
+    assert gpipe.stages[0]["activations"] == 2 * one.stages[0]["activations"]   # m = 4 held vs min(m, p) = 2
+    assert one.stages[1]["activations"] == one.stages[0]["activations"] / 2 * \
+        (sum(t.saved[i] for i in range(*planner.stages(CFG, 2)[1])) / sum(t.saved[i] for i in range(*planner.stages(CFG, 2)[0])))
+    assert planner.predict(CFG, Layout(1, 1, 1), 4, synthetic_fit(0.0), t).memory["activations"] * 2 == \
+        planner.predict(CFG, Layout(1, 1, 1), 8, synthetic_fit(0.0), t).memory["activations"]
+
+
+def test_measured_saved_activations_are_what_the_model_saves():
+    from pplab.sequence_parallel import saved_activations
+    times = planner.measure(CFG, repeats=1)
+    model = nn.Sequential(*gpt_layers(CFG, 0, torch.float64))
+    x, y = data.batch(4, CFG.seq, 0, 0)
+    total = 0
+    for layer in model:                                  # layer by layer, as the planner adds them up
+        with saved_activations(layer.parameters()) as s:
+            out = layer(x.detach().requires_grad_(x.is_floating_point()))
+            if layer is model[-1]:
+                gpt_loss(out, y)
+        total, x = total + s.bytes, out.detach()
+    pred = planner.predict(CFG, Layout(1, 1, 1), 4, synthetic_fit(0.0), times, dtype_bytes=8)
+    assert pred.memory["activations"] == pytest.approx(total, rel=0.02)   # int64 ids counted as 8-byte elements
+
+
+# ----------------------------------------------------------------------------------
+# Which layouts, in which order
+
+
+def test_enumeration_keeps_only_valid_layouts_and_says_why_not():
+    valid, rejected = planner.enumerate_layouts(CFG, batch=4, world_size=8)
+    assert all(L.dp * L.tp * L.pp == 8 for L in valid + [L for L, _ in rejected])
+    assert all(CFG.heads % L.tp == 0 and L.pp <= CFG.layers + 2 and 4 % (L.dp * L.m) == 0 for L in valid)
+    reasons = dict(rejected)
+    assert "heads" in reasons[next(L for L in reasons if L.tp == 8)]
+    assert "pipeline layers" in reasons[next(L for L in reasons if L.pp == 8)]
+    assert "does not split" in reasons[next(L for L in reasons if L.dp == 8)]
+    assert {L.zero for L in valid if L.dp == 1} == {0}
+
+
+def test_huge_latency_prefers_data_parallel_over_tensor_parallel():
+    p = planner.plan(CFG, BATCH, 4, 1e9, synthetic_fit(alpha=1.0), synthetic_times())
+    assert p.best.layout.tp == 1            # (pp=2×dp=2 may win: 2 sends + a 2-rank ring beat a 4-rank ring's 6 α)
+    dp4 = min(x.time["total"] for x in p.ranked if x.layout.dp == 4)
+    assert all(x.time["total"] > dp4 for x in p.ranked if x.layout.tp > 1)
+
+
+def test_free_communication_and_pure_compute_make_tp_as_fast_as_dp():
+    p = planner.plan(CFG, BATCH, 4, 1e9, synthetic_fit(alpha=0.0, beta=0.0), synthetic_times())
+    best = p.best.time["total"]
+    tp4 = next(x for x in p.ranked if x.layout.tp == 4)
+    assert tp4.time["total"] == pytest.approx(best, rel=1e-3)
+    assert all(x.time["bubble"] > 0 for x in p.ranked if x.layout.pp > 1 and x.layout.m < 8)
+
+
+def test_tiny_memory_budget_needs_sharding():
+    t = synthetic_times()
+    full = planner.predict(CFG, Layout(4, 1, 1), BATCH, synthetic_fit(1e-5), t).memory["total"]
+    p = planner.plan(CFG, BATCH, 4, 0.9 * full, synthetic_fit(1e-5), t)
+    assert all(x.memory["total"] <= 0.9 * full for x in p.ranked)
+    assert all(x.layout.zero or x.layout.tp > 1 or x.layout.pp > 1 for x in p.ranked)
+    assert any(x.layout == Layout(4, 1, 1) for x in p.too_big)
+
+
+def test_clear_errors():
+    t, f = synthetic_times(), synthetic_fit(1e-5)
+    with pytest.raises(PlanError, match=r"no layout fits 0.01 MB: the smallest needs .* MB per rank at pp="):
+        planner.plan(CFG, BATCH, 4, 1e4, f, t)
+    with pytest.raises(PlanError, match="world_size"):
+        planner.plan(CFG, BATCH, 0, 1e9, f, t)
+    with pytest.raises(PlanError, match="batch"):
+        planner.plan(CFG, 0, 4, 1e9, f, t)
+    with pytest.raises(PlanError, match=r"no layout of 5 ranks .* batch of 4.*heads"):
+        planner.plan(CFG, 4, 5, 1e9, f, t)
+
+
+def test_compare_puts_predicted_next_to_measured():
+    p = planner.plan(CFG, BATCH, 4, 1e9, synthetic_fit(1e-5), synthetic_times(), zero_stages=(0,))
+    table = planner.compare(p, {"dp=4": 0.05, "dp=2×tp=2": 0.07, "cp=4": 0.1})
+    dp4 = next(x for x in p.ranked if x.layout == Layout(4, 1, 1))
+    assert f"{dp4.time['total'] * 1e3:.2f}" in table and f"{dp4.time['total'] / 0.05:.2f}" in table
+    assert "not planned" in table
+
+
+# ----------------------------------------------------------------------------------
+# The widget
+
+
+def test_widget_builds_and_redraws_when_a_control_changes():
+    box = planner.widget(fit=synthetic_fit(1e-5), times=synthetic_times())
+    first, image = box.prediction, box.children[2].value
+    assert first.layout == Layout(2, 2, 1) and image.startswith("<img")
+    box.controls["tp"].value = 1                                 # the observer redraws
+    assert box.prediction.layout == Layout(2, 1, 1) and box.children[2].value != image
+    assert box.prediction.memory["params"] > first.memory["params"]
+    box.controls["tp"].value = 3                                 # 4 heads: a message, not a traceback
+    assert "does not divide" in str(box.error)
+    box.controls["model"].value = "7B (32 × 4096)"               # estimated from FLOPs
+    box.controls["tp"].value = 4
+    assert box.error is None and box.prediction.memory["params"] > 1e9
