@@ -144,7 +144,7 @@ def train(cfg: GPTConfig, mesh, steps: int = 5, batch_size: int = 8, lr: float =
                 loss = runner.step(x, y)["loss"]
                 activation_bytes = max(activation_bytes, runner.peak_bytes)
             else:
-                with _saved_bytes() as saved:
+                with _saved_bytes(model.parameters()) as saved:
                     loss = loss_fn(model(x), y)
                 activation_bytes = max(activation_bytes, saved.total)
                 loss.backward()
@@ -165,13 +165,19 @@ def train(cfg: GPTConfig, mesh, steps: int = 5, batch_size: int = 8, lr: float =
 
 
 class _saved_bytes:
-    """Bytes autograd saves for backward inside the block (activations; the weights left out)."""
+    """Bytes autograd saves for backward inside the block: activations, not the weights (nor views
+    of them, such as the transposed weight a linear layer keeps), each tensor once."""
+
+    def __init__(self, params):
+        self.weights = {p.untyped_storage().data_ptr() for p in params}
 
     def __enter__(self):
-        self.total = 0
+        self.total, seen = 0, set()
 
         def pack(t):
-            if not isinstance(t, nn.Parameter):
+            key = (t.untyped_storage().data_ptr(), t.shape, t.stride())
+            if t.untyped_storage().data_ptr() not in self.weights and key not in seen:
+                seen.add(key)
                 self.total += t.numel() * t.element_size()
             return t
         self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
