@@ -6,37 +6,33 @@ tests/test_checks.py checks that every one of them fails with that message.
 """
 
 
+def _laid_out(rank, sizes, order):
+    """This rank's groups when ranks are numbered row-major over `order` (outer first), not (pp, dp, tp)."""
+    coords, r = {}, rank
+    for d in reversed(order):
+        r, coords[d] = divmod(r, sizes[d])
+
+    def number(c):
+        n = 0
+        for d in order:
+            n = n * sizes[d] + c[d]
+        return n
+    return {d: [number({**coords, d: i}) for i in range(sizes[d])] for d in ("pp", "dp", "tp")}
+
+
 def mesh_groups_tp_outermost(rank, pp, dp, tp):
     """Numbers the grid as (tp, dp, pp): tp varies slowest, so its groups are strided."""
-    i_tp, rest = divmod(rank, dp * pp)
-    i_dp, i_pp = divmod(rest, pp)
-
-    def at(p, d, t):
-        return (t * dp + d) * pp + p
-    return {"pp": [at(p, i_dp, i_tp) for p in range(pp)], "dp": [at(i_pp, d, i_tp) for d in range(dp)],
-            "tp": [at(i_pp, i_dp, t) for t in range(tp)]}
+    return _laid_out(rank, {"pp": pp, "dp": dp, "tp": tp}, ("tp", "dp", "pp"))
 
 
 def mesh_groups_dp_tp_swapped(rank, pp, dp, tp):
     """Order (pp, tp, dp): dp innermost, so the tp groups come out as the mesh's dp groups."""
-    i_pp, rest = divmod(rank, dp * tp)
-    i_tp, i_dp = divmod(rest, dp)
-
-    def at(p, d, t):
-        return (p * tp + t) * dp + d
-    return {"pp": [at(p, i_dp, i_tp) for p in range(pp)], "dp": [at(i_pp, d, i_tp) for d in range(dp)],
-            "tp": [at(i_pp, i_dp, t) for t in range(tp)]}
+    return _laid_out(rank, {"pp": pp, "dp": dp, "tp": tp}, ("pp", "tp", "dp"))
 
 
 def mesh_groups_dp_pp_swapped(rank, pp, dp, tp):
     """Order (dp, pp, tp): dp outermost."""
-    i_dp, rest = divmod(rank, pp * tp)
-    i_pp, i_tp = divmod(rest, tp)
-
-    def at(p, d, t):
-        return (d * pp + p) * tp + t
-    return {"pp": [at(p, i_dp, i_tp) for p in range(pp)], "dp": [at(i_pp, d, i_tp) for d in range(dp)],
-            "tp": [at(i_pp, i_dp, t) for t in range(tp)]}
+    return _laid_out(rank, {"pp": pp, "dp": dp, "tp": tp}, ("dp", "pp", "tp"))
 
 
 def mesh_groups_off_by_one(rank, pp, dp, tp):
