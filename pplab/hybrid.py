@@ -36,6 +36,7 @@ from torch import nn
 
 from . import data, trace
 from .data_parallel import DDP, shard
+from .launcher import device as rank_device
 from .mesh import DIMS, Mesh
 from .models.gpt import GPTConfig, gpt_layers, gpt_loss, parallel_layers
 from .pipeline import PipelineExecutor, make_schedule, partition
@@ -113,7 +114,8 @@ def train(cfg: GPTConfig, mesh, steps: int = 5, batch_size: int = 8, lr: float =
     mesh = mesh if isinstance(mesh, Mesh) else Mesh(**sizes)
     tp_group = mesh.tp_group if mesh.size("tp") > 1 else None
 
-    dense = gpt_layers(cfg, seed, dtype)
+    dev = rank_device()                # its GPU under NCCL, else the CPU
+    dense = [layer.to(dev) for layer in gpt_layers(cfg, seed, dtype)]
     layers = parallel_layers(dense, tp_group, sequence_parallel) if tp_group is not None else dense
 
     def loss_fn(logits, targets):
@@ -135,7 +137,7 @@ def train(cfg: GPTConfig, mesh, steps: int = 5, batch_size: int = 8, lr: float =
     last_stage = mesh.rank_in("pp") == pp - 1 and mesh.rank_in("tp") == 0
     losses, times, activation_bytes = [], [], 0
     for step in range(steps):
-        x, y = shard(data.batch(batch_size, cfg.seq, step, seed), mesh.rank_in("dp"), dp)
+        x, y = (t.to(dev) for t in shard(data.batch(batch_size, cfg.seq, step, seed), mesh.rank_in("dp"), dp))
         with (trace.paused() if trace_steps is not None and step not in trace_steps else contextlib.nullcontext()):
             with trace.paused():
                 dist.barrier()
@@ -154,7 +156,7 @@ def train(cfg: GPTConfig, mesh, steps: int = 5, batch_size: int = 8, lr: float =
             state_bytes = held_bytes(model, opt)["total"]      # at its peak: gradients still held
             opt.zero_grad()
         with trace.paused():             # the global loss, for the report: one number, untraced
-            total = torch.tensor([loss if last_stage and loss is not None else 0.0], dtype=torch.float64)
+            total = torch.tensor([loss if last_stage and loss is not None else 0.0], dtype=torch.float64, device=dev)
             dist.all_reduce(total)
         losses.append(total.item() / dp)
 
