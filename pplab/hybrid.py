@@ -99,41 +99,40 @@ def train(cfg: GPTConfig, mesh, steps: int = 5, batch_size: int = 8, lr: float =
     microbatches: per step and replica, for pp > 1 (default: 2·pp, as many as the batch allows).
     trace_steps: the steps whose events stay in the trace (default: all); others are paused, e.g.
     trace_steps={2} to draw one step after the first ones (which also check shapes) are done.
-    Returns {"losses": global batch's mean loss after each step (on every rank), "step_times":
+    Returns {"losses": the global batch's mean loss at each step (on every rank), "step_times":
     seconds per step (barrier to barrier), "state_bytes": parameters + gradients + optimizer state
-    this rank holds after the optimizer step, before zero_grad (pplab.zero.held_bytes), "activation_bytes": the most bytes autograd held for
-    backward at once, "params": {"layer.name": this rank's shard after training}, "coords"}.
+    this rank holds after the optimizer step, before zero_grad (pplab.zero.held_bytes),
+    "activation_bytes": the most bytes autograd held for backward at once, "params":
+    {"layer.name": this rank's shard after training}, "coords": its place in the mesh}.
     """
     sizes = mesh.sizes if isinstance(mesh, Mesh) else dict(mesh)
     world = dist.get_world_size() if dist.is_initialized() else 1
     pp, dp = sizes.get("pp", 1), sizes.get("dp", 1)
-    m = microbatches or (min(2 * pp, batch_size // max(dp, 1)) if pp > 1 else 1)
+    m = microbatches or (min(2 * pp, batch_size // dp) if pp > 1 else 1)
     check_layout(cfg, sizes, batch_size, m, zero, sequence_parallel, world)
-    setup = trace.paused() if trace_steps is not None else contextlib.nullcontext()
-    setup.__enter__()                  # building (broadcasts, checks) is not drawn when steps are chosen
-    mesh = mesh if isinstance(mesh, Mesh) else Mesh(**sizes)
-    tp_group = mesh.tp_group if mesh.size("tp") > 1 else None
-
     dev = rank_device()                # its GPU under NCCL, else the CPU
-    dense = [layer.to(dev) for layer in gpt_layers(cfg, seed, dtype)]
-    layers = parallel_layers(dense, tp_group, sequence_parallel) if tp_group is not None else dense
+    # building (broadcasts, shape checks) is not drawn when the steps to draw are chosen
+    with trace.paused() if trace_steps is not None else contextlib.nullcontext():
+        mesh = mesh if isinstance(mesh, Mesh) else Mesh(**sizes)
+        tp_group = mesh.tp_group if mesh.size("tp") > 1 else None
+        dense = [layer.to(dev) for layer in gpt_layers(cfg, seed, dtype)]
+        layers = parallel_layers(dense, tp_group, sequence_parallel) if tp_group is not None else dense
 
-    def loss_fn(logits, targets):
-        return gpt_loss(logits, targets, tp_group, cfg.vocab)
+        def loss_fn(logits, targets):
+            return gpt_loss(logits, targets, tp_group, cfg.vocab)
 
-    if pp > 1:
-        sched = make_schedule(schedule, num_stages=pp, num_microbatches=m)
-        cut = [e - s for s, e in partition(dense, sched, "params")]     # the dense counts: same cut on every rank
-        runner = PipelineExecutor(sched, layers, loss_fn, balance=cut, group=mesh.pp_group)
-        model = nn.ModuleList(runner.stages.values())
-        runner.optimizer = opt = _optimizer(model.parameters(), lr, zero, dp, mesh.dp_group)
-    else:
-        model = nn.Sequential(*layers)
-        if dp > 1 and zero == 0:
-            model = DDP(model, group=mesh.dp_group)
-        opt = _optimizer(model.parameters(), lr, zero, dp, mesh.dp_group)
+        if pp > 1:
+            sched = make_schedule(schedule, num_stages=pp, num_microbatches=m)
+            cut = [e - s for s, e in partition(dense, sched, "params")]   # the dense counts: one cut for all ranks
+            runner = PipelineExecutor(sched, layers, loss_fn, balance=cut, group=mesh.pp_group)
+            model = nn.ModuleList(runner.stages.values())
+            runner.optimizer = opt = _optimizer(model.parameters(), lr, zero, dp, mesh.dp_group)
+        else:
+            model = nn.Sequential(*layers)
+            if dp > 1 and zero == 0:
+                model = DDP(model, group=mesh.dp_group)
+            opt = _optimizer(model.parameters(), lr, zero, dp, mesh.dp_group)
 
-    setup.__exit__(None, None, None)
     last_stage = mesh.rank_in("pp") == pp - 1 and mesh.rank_in("tp") == 0
     losses, times, activation_bytes = [], [], 0
     for step in range(steps):
