@@ -133,7 +133,6 @@ def train(cfg: GPTConfig, mesh, steps: int = 5, batch_size: int = 8, lr: float =
                 model = DDP(model, group=mesh.dp_group)
             opt = _optimizer(model.parameters(), lr, zero, dp, mesh.dp_group)
 
-    last_stage = mesh.rank_in("pp") == pp - 1 and mesh.rank_in("tp") == 0
     losses, times, activation_bytes = [], [], 0
     for step in range(steps):
         x, y = (t.to(dev) for t in shard(data.batch(batch_size, cfg.seq, step, seed), mesh.rank_in("dp"), dp))
@@ -155,7 +154,8 @@ def train(cfg: GPTConfig, mesh, steps: int = 5, batch_size: int = 8, lr: float =
             state_bytes = held_bytes(model, opt)["total"]      # at its peak: gradients still held
             opt.zero_grad()
         with trace.paused():             # the global loss, for the report: one number, untraced
-            total = torch.tensor([loss if last_stage and loss is not None else 0.0], dtype=torch.float64, device=dev)
+            mine = loss if loss is not None and mesh.rank_in("tp") == 0 else 0.0   # the last stage's (V: on pp rank 0)
+            total = torch.tensor([mine], dtype=torch.float64, device=dev)
             dist.all_reduce(total)
         losses.append(total.item() / dp)
 

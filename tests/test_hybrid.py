@@ -48,6 +48,8 @@ LAYOUTS_4 = [({"dp": 4}, {}),                                        # DDP
              ({"pp": 2, "tp": 2}, {"schedule": "gpipe"}),
              ({"tp": 4}, {"sequence_parallel": True}),
              ({"pp": 4}, {"microbatches": 4}),
+             ({"pp": 2, "tp": 2}, {"schedule": "zb-v", "microbatches": 4}),      # the last stage on pp rank 0
+             ({"pp": 2, "dp": 2}, {"schedule": "interleaved-1f1b", "zero": 1}),
              ({"dp": 4}, {"zero": 2})]
 
 
