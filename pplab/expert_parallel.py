@@ -50,7 +50,7 @@ from torch import nn
 from . import collectives, comm, trace
 from .tensor_parallel_transformer import MLP
 
-__all__ = ["MoE", "TinyMoE", "all_to_all", "dispatch_plan", "capacity", "sync_gradients", "expert_ranks"]
+__all__ = ["MoE", "TinyMoE", "all_to_all", "dispatch_plan", "capacity", "sync_gradients", "expert_ranks", "steer"]
 
 
 def _ranks(group) -> list[int]:
@@ -117,8 +117,8 @@ class MoE(nn.Module):
     """A mixture-of-experts layer: x [..., hidden] -> [..., hidden], experts split over `group`.
 
     After each forward: `aux_loss` (the balancing loss of this rank's batch, in the graph),
-    `load` (choices kept per expert, all E, this rank's batch) and `dropped` (choices over
-    capacity). Outside a launch, or with a group of one rank, it holds every expert.
+    `load` (choices kept per expert, all E, this rank's batch), `dropped` (choices over
+    capacity), and `send_counts`/`recv_counts` (rows to and from each rank in the dispatch). Outside a launch, or with a group of one rank, it holds every expert.
     """
 
     def __init__(self, hidden, ffn, num_experts, k=1, capacity_factor: float | None = 1.25, group=None):
@@ -134,6 +134,10 @@ class MoE(nn.Module):
     @classmethod
     def from_dense(cls, moe: "MoE", group=None) -> "MoE":
         """This rank's part of a single-process MoE: the same router, its block of experts."""
+        if len(moe.experts) != moe.num_experts:
+            raise ValueError(f"MoE.from_dense needs a layer holding all {moe.num_experts} experts; this one holds "
+                             f"{len(moe.experts)}. Build the dense layer outside the launch (or with a group of "
+                             f"one rank) and pass it in.")
         fc1 = moe.experts[0].fc1
         m = cls(fc1.in_features, fc1.out_features, moe.num_experts, moe.k, moe.capacity_factor, group)
         m = m.to(fc1.weight.dtype)
@@ -185,9 +189,10 @@ class MoE(nn.Module):
         counts = torch.empty_like(per_expert)
         collectives.all_to_all_single(counts, per_expert, group=self.group)
         counts = counts.view(p, len(self.experts))                     # [source rank, my expert]
-        arrived = all_to_all(x[order % n], send_counts, counts.sum(1).tolist(), self.group)
+        self.send_counts, self.recv_counts = send_counts, counts.sum(1).tolist()
+        arrived = all_to_all(x[order % n], self.send_counts, self.recv_counts, self.group)
         out = self._run_experts(arrived, counts)
-        back = all_to_all(out, counts.sum(1).tolist(), send_counts, self.group)
+        back = all_to_all(out, self.recv_counts, self.send_counts, self.group)
         y = x.new_zeros(self.k * n, x.shape[1]).index_copy(0, order, back)   # dropped choices stay 0
         y = (y * weights.T.reshape(-1, 1)).view(self.k, n, -1).sum(0)
         return y.view(shape)
@@ -200,6 +205,22 @@ class MoE(nn.Module):
             parts = rows[by_expert].split(counts.sum(0).tolist())
             out = torch.cat([e(part) for e, part in zip(self.experts, parts)])
         return out[torch.argsort(by_expert)]
+
+
+def steer(moe: MoE, choices: torch.Tensor) -> torch.Tensor:
+    """Tokens that `moe`'s router sends where you say (for demonstrations of load and bytes).
+
+    Sets the router's weight to the identity (expert e scores feature e) and returns tokens
+    [n, hidden] whose j-th choice is choices[i, j] (choices [n, k], distinct per row)."""
+    E, hidden = moe.num_experts, moe.router.in_features
+    if hidden < E:
+        raise ValueError(f"steer needs hidden >= num_experts (one feature per expert): got {hidden} < {E}")
+    with torch.no_grad():
+        moe.router.weight.copy_(torch.eye(E, hidden))
+    x = torch.zeros(len(choices), hidden, dtype=moe.router.weight.dtype)
+    for j in range(choices.shape[1]):
+        x.scatter_(1, choices[:, j:j + 1], 8.0 / 2 ** j)       # the first choice scores highest
+    return x
 
 
 class TinyMoE(nn.Module):
