@@ -50,7 +50,7 @@ from torch import nn
 from . import collectives, comm, trace
 from .tensor_parallel_transformer import MLP
 
-__all__ = ["MoE", "TinyMoE", "all_to_all", "dispatch_plan", "capacity", "sync_gradients", "expert_ranks", "steer"]
+__all__ = ["MoE", "TinyMoE", "all_to_all", "dispatch_plan", "capacity", "sync_gradients", "expert_ranks", "steer", "all_to_all_bytes"]
 
 
 def _ranks(group) -> list[int]:
@@ -89,6 +89,14 @@ def dispatch_plan(expert: torch.Tensor, num_experts: int, world_size: int):
     per_rank = num_experts // world_size
     send_counts = torch.bincount(expert[kept] // per_rank, minlength=world_size)
     return send_counts.tolist(), order
+
+
+def all_to_all_bytes(tokens, k, num_experts, ranks, hidden, element_size) -> float:
+    """Bytes one rank sends in one forward, router even and nothing dropped: the int64 counts
+    of the other ranks' experts, then tokens·k·(ranks-1)/ranks rows out (dispatch) and as many
+    back (combine). Backward sends the two row exchanges again, without the counts."""
+    counts = (ranks - 1) * (num_experts // ranks) * 8
+    return counts + 2 * tokens * k * (ranks - 1) / ranks * hidden * element_size
 
 
 class _AllToAll(torch.autograd.Function):
