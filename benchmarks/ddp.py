@@ -12,7 +12,10 @@ under backward ("hidden") and how long the rank waited for communication after i
 backward compute ended ("exposed").
 
     python benchmarks/ddp.py [--ranks 2] [--width 1120] [--layers 8] [--batch 64]
-                             [--steps 15] [--caps 25 1 5 100] [--threads 1]
+                             [--steps 15] [--caps 25 1 5 100] [--threads 1] [--stand-in T_F]
+
+--stand-in T_F makes every layer's compute a timed wait (pplab.overlap.stand_in_compute),
+standing in for an accelerator: the cores are left to gloo, as on a GPU they would be.
 """
 import argparse
 import copy
@@ -27,6 +30,7 @@ from torch import nn
 import pplab
 from pplab import trace
 from pplab.data_parallel import DDP
+from pplab.overlap import overlap_per_step, stand_in_compute
 
 
 def mlp(width, layers):
@@ -50,31 +54,30 @@ def timed_step(model, opt, x, y, set_to_none=False):
 
 
 def overlap_stats(events):
-    """Per step (one "B" box each): fraction of all-reduce time under backward, and exposed wait."""
-    backs = [e for e in events if e.kind == "B"]
-    ars = [e for e in events if e.kind == "all_reduce"]
-    hidden, exposed = [], []
-    for b, nxt in zip(backs, backs[1:] + [None]):
-        mine = [a for a in ars if a.start >= b.start and (nxt is None or a.start < nxt.start)]
-        total = sum(a.end - a.start for a in mine)
-        under = sum(max(0.0, min(a.end, b.end) - a.start) for a in mine)
-        hidden.append(under / total if total else 0.0)
-        exposed.append(max(0.0, max(a.end for a in mine) - b.end) if mine else 0.0)
-    return statistics.median(hidden), statistics.median(exposed)
+    """Median over steps of: the fraction of all-reduce time (in flight) under backward, and exposed wait."""
+    steps = overlap_per_step(events)
+    return (statistics.median(s.hidden for s in steps), statistics.median(s.exposed for s in steps))
 
 
-def bench(width, layers, batch, steps, warmup, caps):
+def bench(width, layers, batch, steps, warmup, caps, stand_in=None):
     rank = dist.get_rank()
     torch.manual_seed(1 + rank)
     x, y = torch.randn(batch, width), torch.randn(batch, width)
     base = mlp(width, layers)
+
+    def fresh():                                     # a copy of the same start, timed waits on if asked
+        model = copy.deepcopy(base)
+        if stand_in:
+            stand_in_compute(model, stand_in)
+        return model
+
     n_params = sum(p.numel() for p in base.parameters())
 
-    theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=25)
+    theirs = nn.parallel.DistributedDataParallel(fresh(), bucket_cap_mb=25)
     variants = {"torch DDP": (theirs, torch.optim.SGD(theirs.parameters(), lr=1e-3))}
     for cap in caps:
         for overlap in ([True, False] if cap == caps[0] else [True]):
-            ours = DDP(copy.deepcopy(base), bucket_cap_mb=cap, overlap=overlap)
+            ours = DDP(fresh(), bucket_cap_mb=cap, overlap=overlap)
             name = f"pplab DDP {cap:g} MB" + ("" if overlap else " no overlap")
             variants[name] = (ours, torch.optim.SGD(ours.parameters(), lr=1e-3))
 
@@ -107,14 +110,19 @@ def main():
     ap.add_argument("--caps", type=float, nargs="+", default=[25, 1, 5, 100],
                     help="pplab bucket sizes in MiB; the first is also run with overlap=False")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--stand-in", type=float, default=None, metavar="T_F",
+                    help="make each layer a timed wait of T_F s forward, 2 T_F backward, standing in for an "
+                         "accelerator (pplab.overlap.stand_in_compute); try --stand-in 0.005 --batch 4")
     a = ap.parse_args()
-    res = pplab.launch(bench, a.width, a.layers, a.batch, a.steps, a.warmup, a.caps,
+    res = pplab.launch(bench, a.width, a.layers, a.batch, a.steps, a.warmup, a.caps, a.stand_in,
                        world_size=a.ranks, backend="gloo", threads_per_rank=a.threads, timeout=1200)
     n_params, medians, stats, buckets = res[0]
     print(f"torch {torch.__version__}, {os.cpu_count()} cores, {a.ranks} gloo ranks x {a.threads} thread(s); "
           f"MLP {a.layers} x Linear({a.width}, {a.width}) = {n_params / 1e6:.1f}M parameters "
           f"({n_params * 4 / 2**20:.0f} MiB of float32 gradients); local batch {a.batch}; "
-          f"median of {a.steps} steps after {a.warmup} warm-up\n")
+          f"median of {a.steps} steps after {a.warmup} warm-up"
+          + (f"; STAND-IN: each layer a timed wait of {a.stand_in * 1e3:g} ms forward, "
+             f"{2 * a.stand_in * 1e3:g} ms backward" if a.stand_in else "") + "\n")
     ref = medians["torch DDP"]
     print(f"{'':28} {'buckets':>7} {'step ms':>8} {'vs torch':>8} {'AR hidden':>9} {'exposed ms':>10}")
     for name, t in medians.items():

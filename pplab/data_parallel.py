@@ -53,6 +53,10 @@ DDP does (broadcast_buffers=True), rank 0's buffers are broadcast to every rank 
 start of each forward ("buf" in the comm lane), except right after a forward that ran
 under no_sync() or without grad (torch's rule). So rank 0's running stats are the
 model's, and every rank evaluates alike.
+
+Whether overlap pays depends on where backward runs: on a CPU the backend's threads
+take cores from backward. `pplab.overlap` measures it from the trace, and its
+`stand_in_compute` makes each layer a timed wait standing in for an accelerator.
 """
 from __future__ import annotations
 
@@ -334,3 +338,4 @@ class DDP(nn.Module):
             yield
         finally:
             self._sync = True
+
