@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 import pplab
 from pplab import trace
-from pplab.expert_parallel import MoE, TinyMoE, steer, sync_gradients
+from pplab.expert_parallel import MoE, TinyMoE, all_to_all_bytes, steer, sync_gradients
+from pplab.mesh import Mesh
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
@@ -96,36 +97,32 @@ def test_capacity_drops_later_choices_first_in_token_order():
     assert layer.dropped == 4 and layer.load.tolist() == [2, 2, 2, 2]
 
 
-def _train(dense, tokens, targets, steps, groups):
-    """EP (groups=None: every rank one ep group) or EP x DP (groups = (ep ranks, dp ranks))."""
+def _train(dense, tokens, targets, steps, dp):
+    """EP over every rank (dp=1), or EP x DP on a mesh: experts split over ep, copied over dp."""
     rank = dist.get_rank()
-    ep = dp = None
-    if groups:
-        ep = [dist.new_group(r) for r in groups[0]][next(i for i, r in enumerate(groups[0]) if rank in r)]
-        dp = [dist.new_group(r) for r in groups[1]][next(i for i, r in enumerate(groups[1]) if rank in r)]
-    model = TinyMoE.from_dense(dense, group=ep)
+    mesh = Mesh(dp=dp, ep=dist.get_world_size() // dp)
+    model = TinyMoE.from_dense(dense, group=mesh.ep_group)
     opt = torch.optim.SGD(model.parameters(), lr=0.2)
     losses = []
     for s in range(steps):
         opt.zero_grad()
         loss = model.loss(tokens[s][rank], targets[s][rank])
         loss.backward()
-        sync_gradients(model, batch_group=None, expert_replica_group=dp)
+        sync_gradients(model, batch_group=mesh.group("dp", "ep"), expert_replica_group=mesh.dp_group)
         opt.step()
         losses.append(loss.item())
     return losses, {k: v for k, v in model.state_dict().items()}, model.blocks[0].first
 
 
-@pytest.mark.parametrize("p, groups", [(2, None), (4, None), (4, ([[0, 1], [2, 3]], [[0, 2], [1, 3]]))],
-                         ids=["ep2", "ep4", "ep2xdp2"])
-def test_tiny_moe_trains_like_one_process(p, groups):
+@pytest.mark.parametrize("p, dp", [(2, 1), (4, 1), (4, 2)], ids=["ep2", "ep4", "ep2xdp2"])
+def test_tiny_moe_trains_like_one_process(p, dp):
     torch.manual_seed(1)
     V, E, steps = 11, 4, 3
     dense = TinyMoE(V, H, FFN, E, k=2, capacity_factor=1.0, layers=2).double()
     g = torch.Generator().manual_seed(2)
     tokens = torch.randint(0, V, (steps, p, 2, 5), generator=g)         # step, rank, batch, sequence
     targets = torch.randint(0, V, (steps, p, 2, 5), generator=g)
-    res = pplab.launch(_train, dense, tokens, targets, steps, groups, world_size=p, timeout=90)
+    res = pplab.launch(_train, dense, tokens, targets, steps, dp, world_size=p, timeout=90)
     opt = torch.optim.SGD(dense.parameters(), lr=0.2)
     for s in range(steps):
         opt.zero_grad()
@@ -135,7 +132,7 @@ def test_tiny_moe_trains_like_one_process(p, groups):
         for rank in range(p):
             assert abs(res[rank][0][s] - losses[rank].item()) < TOL, (s, rank)
     ref = dense.state_dict()
-    per_rank = E // (p if groups is None else len(groups[0][0]))
+    per_rank = E // (p // dp)
     for rank, (_, state, first) in enumerate(res):
         for name, value in state.items():
             if ".experts." in name:              # blocks.b.experts.i.<rest>: expert first + i of the dense model
@@ -181,7 +178,7 @@ def test_all_to_all_bytes_per_rank_equal_the_formula(skewed):
         assert _sent(tl, rank, "forward") == counts_bytes + rows * h * es
         assert _sent(tl, rank, "backward") == rows * h * es                # the same exchanges reversed
         if not skewed:
-            assert _sent(tl, rank, "forward") == counts_bytes + 2 * n * k * (p - 1) // p * h * es
+            assert _sent(tl, rank, "forward") == all_to_all_bytes(n, k, E, p, h, es)
     if skewed:
         assert res[0][1][0] > 2 * res[1][1][1]        # rank 0 keeps far more rows than the others
 
