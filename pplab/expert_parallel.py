@@ -50,14 +50,15 @@ from torch import nn
 from . import collectives, comm, trace
 from .tensor_parallel_transformer import MLP
 
-__all__ = ["MoE", "TinyMoE", "all_to_all", "dispatch_plan", "capacity", "sync_gradients", "expert_ranks", "steer", "all_to_all_bytes"]
+__all__ = ["MoE", "TinyMoE", "all_to_all", "dispatch_plan", "capacity", "sync_gradients", "my_experts", "steer",
+           "all_to_all_bytes"]
 
 
 def _ranks(group) -> list[int]:
     return collectives._group_ranks(group)
 
 
-def expert_ranks(num_experts: int, group=None) -> tuple[int, int]:
+def my_experts(num_experts: int, group=None) -> tuple[int, int]:
     """(first, count): the experts this rank holds, E/p of them, in a contiguous block."""
     p = len(_ranks(group))
     if num_experts % p:
@@ -126,7 +127,8 @@ class MoE(nn.Module):
 
     After each forward: `aux_loss` (the balancing loss of this rank's batch, in the graph),
     `load` (choices kept per expert, all E, this rank's batch), `dropped` (choices over
-    capacity), and `send_counts`/`recv_counts` (rows to and from each rank in the dispatch). Outside a launch, or with a group of one rank, it holds every expert.
+    capacity), and `send_counts`/`recv_counts` (rows to and from each rank in the dispatch).
+    Outside a launch, or with a group of one rank, it holds every expert.
     """
 
     def __init__(self, hidden, ffn, num_experts, k=1, capacity_factor: float | None = 1.25, group=None):
@@ -134,7 +136,7 @@ class MoE(nn.Module):
         if not 1 <= k <= num_experts:
             raise ValueError(f"MoE: k={k} experts per token must be between 1 and num_experts={num_experts}")
         self.group, self.num_experts, self.k, self.capacity_factor = group, num_experts, k, capacity_factor
-        self.first, count = expert_ranks(num_experts, group)
+        self.first, count = my_experts(num_experts, group)
         self.router = nn.Linear(hidden, num_experts, bias=False)
         self.experts = nn.ModuleList(MLP(hidden, ffn) for _ in range(count))
         self._agree(hidden, ffn)
@@ -249,6 +251,17 @@ class TinyMoE(nn.Module):
         m.head.load_state_dict(model.head.state_dict())
         m.blocks = nn.ModuleList(MoE.from_dense(b, group) for b in model.blocks)
         return m
+
+    def dense_state_dict(self) -> dict:
+        """This rank's state under the single-process model's names (local expert i = expert first + i)."""
+        out = {}
+        for name, value in self.state_dict().items():
+            if ".experts." in name:                   # blocks.b.experts.i.rest
+                head, rest = name.split(".experts.")
+                i, tail = rest.split(".", 1)
+                name = f"{head}.experts.{self.blocks[int(head.split('.')[1])].first + int(i)}.{tail}"
+            out[name] = value
+        return out
 
     def forward(self, tokens):
         x = self.embed(tokens)

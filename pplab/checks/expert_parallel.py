@@ -163,7 +163,8 @@ def _check_answer(seen, rank, experts, plans, E, p, where):
 
 def _check_received(seen, rank, experts, plans, p, where):
     if seen["error"] or seen["received"] is None:
-        raise Fail(f"{where}: the all-to-all with these counts failed: {seen['error'] or 'another rank had no answer'}.")
+        why = seen["error"] or "another rank had no usable answer"
+        raise Fail(f"{where}: the all-to-all with these counts failed: {why}.")
     want = torch.cat([_rows(i, len(experts[i]))[plans[i][1]].split(plans[i][0])[rank] for i in range(p)])
     if not torch.equal(seen["received"], want):
         raise Fail(f"{where} received the rows {seen['received'].long().tolist()} ([source rank, choice]), expected "
