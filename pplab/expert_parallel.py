@@ -279,6 +279,15 @@ def expert_parameters(model: nn.Module) -> set:
     return {id(q) for m in model.modules() if isinstance(m, MoE) for q in m.experts.parameters()}
 
 
+def _all_reduce_flat(grads, group) -> None:
+    """One all-reduce (sum) for a list of gradients: flattened into one buffer, copied back."""
+    if grads:
+        flat = torch.cat([g.flatten() for g in grads])
+        comm.all_reduce(flat, group=group)
+        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(part.view_as(g))
+
+
 def sync_gradients(model: nn.Module, batch_group=None, expert_replica_group=None) -> None:
     """After backward: .grad = the gradient of the mean of the losses of `batch_group`'s ranks.
 
@@ -286,13 +295,11 @@ def sync_gradients(model: nn.Module, batch_group=None, expert_replica_group=None
     mesh). Dense gradients are summed over it; expert gradients are summed over
     `expert_replica_group` (the ranks holding copies of the same experts: dp; None = no
     copies), having already received every ep rank's part through the all-to-all. Both are
-    then divided by the number of batch ranks."""
-    experts, ranks = expert_parameters(model), len(_ranks(batch_group))
-    for q in model.parameters():
-        if q.grad is None:
-            continue
-        if id(q) not in experts:
-            comm.all_reduce(q.grad, group=batch_group)
-        elif expert_replica_group is not None:
-            comm.all_reduce(q.grad, group=expert_replica_group)
-        q.grad /= ranks
+    then divided by the number of batch ranks. One all-reduce per group, of all its gradients."""
+    experts = expert_parameters(model)
+    with_grad = [q for q in model.parameters() if q.grad is not None]
+    _all_reduce_flat([q.grad for q in with_grad if id(q) not in experts], batch_group)
+    if expert_replica_group is not None:
+        _all_reduce_flat([q.grad for q in with_grad if id(q) in experts], expert_replica_group)
+    for q in with_grad:
+        q.grad /= len(_ranks(batch_group))
