@@ -16,9 +16,10 @@ from wrong_solutions_hybrid import WRONG as WRONG_HYBRID
 from wrong_solutions_sequence_parallel import WRONG as WRONG_SEQUENCE_PARALLEL
 from wrong_solutions_tensor_parallel import WRONG as WRONG_TENSOR_PARALLEL
 from wrong_solutions_zero import WRONG as WRONG_ZERO
+from wrong_solutions_experts import WRONG as WRONG_EXPERTS
 
 WRONG_CHAPTERS = {**WRONG_CHAPTERS, **WRONG_TENSOR_PARALLEL, **WRONG_ZERO, **WRONG_SEQUENCE_PARALLEL, **WRONG_HARD,
-                  **WRONG_HYBRID}
+                  **WRONG_HYBRID, **WRONG_EXPERTS}
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
