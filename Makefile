@@ -42,7 +42,7 @@ exercises: $(STAMP)          # regenerate exercises/ from solutions/ (the one so
 	$(BIN)/pplab exercises
 
 benchmarks: $(STAMP)        # figures recorded in benchmarks/README.md (10-15 minutes)
-	for b in launch swimlane collectives ddp pipeline tensor_parallel zero sequence_parallel hybrid; do $(BIN)/python benchmarks/$$b.py || exit 1; done
+	for b in launch swimlane collectives ddp pipeline tensor_parallel zero sequence_parallel expert_parallel hybrid; do $(BIN)/python benchmarks/$$b.py || exit 1; done
 
 # Opens 04_pipeline in JupyterLab (free port, token), runs it in chromium, drives the explorer.
 # Installs Debian's chromium if missing (no browser download) and playwright (pip, the

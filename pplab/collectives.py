@@ -11,7 +11,8 @@ moves is in the trace, and the swimlane shows who talks to whom, step by step.
     gather(tensor, gather_list, dst)        each rank sends to the root
     all_gather(tensor_list, tensor)         ring (also all_gather_into_tensor(output, input))
     reduce_scatter_tensor(output, input)    ring, on p equal pieces of the flattened input
-    all_to_all_single(output, input)        pairwise exchange, p equal pieces
+    all_to_all_single(output, input)        pairwise exchange, p equal pieces, or rows split
+        (..., output_split_sizes, input_split_sizes)   in sizes that differ per rank (MoE)
     all_reduce(tensor, op, algorithm)       naive | tree | ring | recursive_doubling | halving_doubling
 
 Every one also takes group= (from dist.new_group); src and dst are global ranks, as in
@@ -231,9 +232,24 @@ def _pairwise_all_to_all(outs, ins, ranks, me, group):
 
 
 @torch.no_grad()
-def all_to_all_single(output, input, group=None):
-    """Split `input` into p equal pieces; piece j goes to the j-th rank of the group, which
-    puts the piece from the i-th rank at the i-th place of its `output`."""
+def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None):
+    """Split `input` into p pieces; piece j goes to the j-th rank of the group, which puts
+    the piece from the i-th rank at the i-th place of its `output`.
+
+    Without split sizes: p equal pieces of the flattened tensor. With them (torch's
+    signature): pieces of rows (dim 0), input_split_sizes[j] rows for rank j, and
+    output_split_sizes[i] rows expected from rank i; they may differ per rank and per
+    call, and be 0. Rank i's input_split_sizes[j] must equal rank j's output_split_sizes[i]:
+    a receiver learns its sizes beforehand, usually by an all-to-all of the counts.
+    Cost: each rank sends the rows it does not keep, Σ_{j≠me} input_split_sizes[j] rows.
+    """
+    if output_split_sizes is None and input_split_sizes is None:
+        _equal_all_to_all(output, input, group)
+    else:
+        _uneven_all_to_all(output, input, output_split_sizes, input_split_sizes, group)
+
+
+def _equal_all_to_all(output, input, group):
     p = len(_group_ranks(group))
     problems = _output_problem(output, input.dtype, input.numel(), "input.numel()")
     if input.numel() % p:
@@ -242,6 +258,33 @@ def all_to_all_single(output, input, group=None):
     if input.numel():
         n = input.numel() // p
         _pairwise_all_to_all(output.view(-1).split(n), input.view(-1).split(n), ranks, me, group)
+
+
+def _uneven_all_to_all(output, input, output_split_sizes, input_split_sizes, group):
+    p = len(_group_ranks(group))
+    sizes = {"output": (output, output_split_sizes), "input": (input, input_split_sizes)}
+    problems = []
+    for name, (t, split) in sizes.items():
+        if t.dim() == 0 or not t.is_contiguous():
+            problems.append(f"{name} must be a contiguous tensor of rows (at least 1-d), got {_describe(t)}")
+        elif split is None or len(split) != p or any(int(n) < 0 for n in split) or sum(split) != len(t):
+            problems.append(f"{name}_split_sizes={None if split is None else list(split)} must be {p} "
+                            f"numbers >= 0 (one per rank of the group) adding up to {name}'s {len(t)} rows")
+    if output.dtype != input.dtype or output.shape[1:] != input.shape[1:]:
+        problems.append(f"output is {_describe(output)} and input {_describe(input)}: "
+                        f"their dtypes and all dimensions but the first must agree")
+    row = input[:0] if input.dim() else input                 # every rank must agree on dtype and row shape
+    splits = [list(map(int, output_split_sizes or [])), list(map(int, input_split_sizes or []))]
+    ranks, me = _setup("all_to_all", group, row.contiguous(), problems, across=(splits, _splits_agree))
+    _pairwise_all_to_all(output.split(splits[0]), input.split(splits[1]), ranks, me, group)
+
+
+def _splits_agree(everyone) -> list[str]:
+    """Rank i sends input_split_sizes[j] rows to rank j, which must expect output_split_sizes[i] of them."""
+    return [f"rank {i} sends {sends[j]} rows to rank {j}, which expects {everyone[j][0][i]} "
+            f"(its output_split_sizes[{i}]): exchange the counts first"
+            for i, (_, sends) in enumerate(everyone) for j in range(len(everyone))
+            if sends[j] != everyone[j][0][i]]
 
 
 # ----------------------------------------------------------------------------------
@@ -417,13 +460,15 @@ def _output_problem(output, dtype, numel, formula) -> list[str]:
             f"{formula} = {numel:g} elements"]
 
 
-def _setup(kind, group, tensor, problems=(), **call):
+def _setup(kind, group, tensor, problems=(), across=None, **call):
     """Check the call on every rank of the group; return (ranks, me): its global ranks, my index.
 
     `tensor` must have the same shape and dtype on every rank, and `call` (root, op,
     algorithm) the same values. Every rank hands the others a description of its call
     (dist.all_gather_object, not traced: it is bookkeeping, not the algorithm), so all
     see the same facts and raise the same error: no rank is left waiting for a message.
+    across=(facts, agree): my facts that may differ between ranks, and a function of every
+    rank's facts returning problems (the uneven all-to-all's split sizes must match).
     Inside `unchecked()` that exchange is skipped.
     """
     ranks = _group_ranks(group)
@@ -435,12 +480,15 @@ def _setup(kind, group, tensor, problems=(), **call):
         problems.append("the tensor is not contiguous: pass tensor.contiguous()")
     if call.get("op", "sum") not in OPS:
         problems.append(f"unknown op {call['op']!r}: use one of {', '.join(OPS)}")
-    mine = {"problems": problems, "call": {"collective": kind, **call}, "tensor": _describe(tensor)}
+    mine = {"problems": problems, "call": {"collective": kind, **call}, "tensor": _describe(tensor),
+            "facts": across[0] if across else None}
     everyone = [mine]
     if len(ranks) > 1 and _checking["on"]:
         everyone = [None] * len(ranks)
         dist.all_gather_object(everyone, mine, group=group)
     found = [f"rank {r}: {msg}" for r, d in zip(ranks, everyone) for msg in d["problems"]]
+    if across and not found and (len(ranks) == 1 or _checking["on"]):
+        found = across[1]([d["facts"] for d in everyone])
     if found:
         raise ValueError(f"{kind}: " + "; ".join(found))
     for key, what in (("call", "the call"), ("tensor", "the tensor's dtype and shape")):

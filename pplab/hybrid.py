@@ -36,12 +36,13 @@ from torch import nn
 
 from . import data, trace
 from .data_parallel import DDP, shard
+from .launcher import device as rank_device
 from .mesh import DIMS, Mesh
 from .models.gpt import GPTConfig, gpt_layers, gpt_loss, parallel_layers
 from .pipeline import PipelineExecutor, make_schedule, partition
 from .zero import ZeroOptimizer, held_bytes
 
-__all__ = ["train", "train_single", "check_layout", "GPTConfig"]
+__all__ = ["train", "train_single", "check_layout", "comm_rows", "draw_mesh", "layouts", "describe_layout", "GPTConfig"]
 
 
 def check_layout(cfg: GPTConfig, sizes: dict, batch_size: int, microbatches: int = 1, zero: int = 0,
@@ -98,41 +99,43 @@ def train(cfg: GPTConfig, mesh, steps: int = 5, batch_size: int = 8, lr: float =
     microbatches: per step and replica, for pp > 1 (default: 2·pp, as many as the batch allows).
     trace_steps: the steps whose events stay in the trace (default: all); others are paused, e.g.
     trace_steps={2} to draw one step after the first ones (which also check shapes) are done.
-    Returns {"losses": global batch's mean loss after each step (on every rank), "step_times":
+    Returns {"losses": the global batch's mean loss at each step (on every rank), "step_times":
     seconds per step (barrier to barrier), "state_bytes": parameters + gradients + optimizer state
-    this rank holds (pplab.zero.held_bytes), "activation_bytes": the most bytes autograd held for
-    backward at once, "params": {"layer.name": this rank's shard after training}, "coords"}.
+    this rank holds after the optimizer step, before zero_grad (pplab.zero.held_bytes),
+    "activation_bytes": the most bytes autograd held for backward at once, "params":
+    {"layer.name": this rank's shard after training}, "coords": its place in the mesh}.
     """
     sizes = mesh.sizes if isinstance(mesh, Mesh) else dict(mesh)
     world = dist.get_world_size() if dist.is_initialized() else 1
     pp, dp = sizes.get("pp", 1), sizes.get("dp", 1)
-    m = microbatches or (min(2 * pp, batch_size // max(dp, 1)) if pp > 1 else 1)
+    m = microbatches or (min(2 * pp, batch_size // dp) if pp > 1 else 1)
     check_layout(cfg, sizes, batch_size, m, zero, sequence_parallel, world)
-    mesh = mesh if isinstance(mesh, Mesh) else Mesh(**sizes)
-    tp_group = mesh.tp_group if mesh.size("tp") > 1 else None
+    dev = rank_device()                # its GPU under NCCL, else the CPU
+    # building (broadcasts, shape checks) is not drawn when the steps to draw are chosen
+    with trace.paused() if trace_steps is not None else contextlib.nullcontext():
+        mesh = mesh if isinstance(mesh, Mesh) else Mesh(**sizes)
+        tp_group = mesh.tp_group if mesh.size("tp") > 1 else None
+        dense = [layer.to(dev) for layer in gpt_layers(cfg, seed, dtype)]
+        layers = parallel_layers(dense, tp_group, sequence_parallel) if tp_group is not None else dense
 
-    dense = gpt_layers(cfg, seed, dtype)
-    layers = parallel_layers(dense, tp_group, sequence_parallel) if tp_group is not None else dense
+        def loss_fn(logits, targets):
+            return gpt_loss(logits, targets, tp_group, cfg.vocab)
 
-    def loss_fn(logits, targets):
-        return gpt_loss(logits, targets, tp_group, cfg.vocab)
+        if pp > 1:
+            sched = make_schedule(schedule, num_stages=pp, num_microbatches=m)
+            cut = [e - s for s, e in partition(dense, sched, "params")]   # the dense counts: one cut for all ranks
+            runner = PipelineExecutor(sched, layers, loss_fn, balance=cut, group=mesh.pp_group)
+            model = nn.ModuleList(runner.stages.values())
+            runner.optimizer = opt = _optimizer(model.parameters(), lr, zero, dp, mesh.dp_group)
+        else:
+            model = nn.Sequential(*layers)
+            if dp > 1 and zero == 0:
+                model = DDP(model, group=mesh.dp_group)
+            opt = _optimizer(model.parameters(), lr, zero, dp, mesh.dp_group)
 
-    if pp > 1:
-        sched = make_schedule(schedule, num_stages=pp, num_microbatches=m)
-        cut = [e - s for s, e in partition(dense, sched, "params")]     # the dense counts: same cut on every rank
-        runner = PipelineExecutor(sched, layers, loss_fn, balance=cut, group=mesh.pp_group)
-        model = nn.ModuleList(runner.stages.values())
-        runner.optimizer = opt = _optimizer(model.parameters(), lr, zero, dp, mesh.dp_group)
-    else:
-        model = nn.Sequential(*layers)
-        if dp > 1 and zero == 0:
-            model = DDP(model, group=mesh.dp_group)
-        opt = _optimizer(model.parameters(), lr, zero, dp, mesh.dp_group)
-
-    last_stage = mesh.rank_in("pp") == pp - 1 and mesh.rank_in("tp") == 0
     losses, times, activation_bytes = [], [], 0
     for step in range(steps):
-        x, y = shard(data.batch(batch_size, cfg.seq, step, seed), mesh.rank_in("dp"), dp)
+        x, y = (t.to(dev) for t in shard(data.batch(batch_size, cfg.seq, step, seed), mesh.rank_in("dp"), dp))
         with (trace.paused() if trace_steps is not None and step not in trace_steps else contextlib.nullcontext()):
             with trace.paused():
                 dist.barrier()
@@ -141,33 +144,41 @@ def train(cfg: GPTConfig, mesh, steps: int = 5, batch_size: int = 8, lr: float =
                 loss = runner.step(x, y)["loss"]
                 activation_bytes = max(activation_bytes, runner.peak_bytes)
             else:
-                with _saved_bytes() as saved:
+                with _saved_bytes(model.parameters()) as saved:
                     loss = loss_fn(model(x), y)
                 activation_bytes = max(activation_bytes, saved.total)
                 loss.backward()
                 opt.step()
                 loss = loss.item()
-            opt.zero_grad()
             times.append(time.perf_counter() - start)
+            state_bytes = held_bytes(model, opt)["total"]      # at its peak: gradients still held
+            opt.zero_grad()
         with trace.paused():             # the global loss, for the report: one number, untraced
-            total = torch.tensor([loss if last_stage and loss is not None else 0.0], dtype=torch.float64)
+            mine = loss if loss is not None and mesh.rank_in("tp") == 0 else 0.0   # the last stage's (V: on pp rank 0)
+            total = torch.tensor([mine], dtype=torch.float64, device=dev)
             dist.all_reduce(total)
         losses.append(total.item() / dp)
 
     named = runner.named_parameters() if pp > 1 else getattr(model, "module", model).named_parameters()
     return {"losses": losses, "step_times": times, "coords": mesh.coords,
-            "state_bytes": held_bytes(model, opt)["total"], "activation_bytes": activation_bytes,
+            "state_bytes": state_bytes, "activation_bytes": activation_bytes,
             "params": {n: p.detach().clone() for n, p in named}}
 
 
 class _saved_bytes:
-    """Bytes autograd saves for backward inside the block (activations; the weights left out)."""
+    """Bytes autograd saves for backward inside the block: activations, not the weights (nor views
+    of them, such as the transposed weight a linear layer keeps), each tensor once."""
+
+    def __init__(self, params):
+        self.weights = {p.untyped_storage().data_ptr() for p in params}
 
     def __enter__(self):
-        self.total = 0
+        self.total, seen = 0, set()
 
         def pack(t):
-            if not isinstance(t, nn.Parameter):
+            key = (t.untyped_storage().data_ptr(), t.shape, t.stride())
+            if t.untyped_storage().data_ptr() not in self.weights and key not in seen:
+                seen.add(key)
                 self.total += t.numel() * t.element_size()
             return t
         self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
@@ -193,6 +204,53 @@ def train_single(cfg: GPTConfig, steps: int = 5, batch_size: int = 8, lr: float 
         opt.zero_grad()
         losses.append(loss.item())
     return losses, layers
+
+
+def comm_rows(sizes: dict) -> dict:
+    """For swimlane.draw(comm_rows=...): each rank's traffic on the row of the mesh dimension it
+    serves. TP: collectives over the rank's tp group; PP: sends and receives; DP: collectives over
+    its dp group (DDP's all-reduces, ZeRO's reduce-scatters and all-gathers)."""
+    from .mesh import groups
+    full = {d: sizes.get(d, 1) for d in DIMS}
+
+    def over(dim):
+        mine = {r: tuple(g) for g in groups(dim, **full) for r in g}
+        return lambda e: e.group is not None and tuple(e.group) == mine[e.rank] and len(e.group) > 1
+    return {"TP": over("tp"), "PP": lambda e: e.kind in ("send", "recv"), "DP": over("dp")}
+
+
+def draw_mesh(sizes: dict, dims=("tp", "dp", "pp")):
+    """The mesh as a picture: every global rank a square, one pp stage per block of dp rows × tp
+    columns; one panel per dimension, its groups told apart by colour. Returns the figure."""
+    import matplotlib.pyplot as plt
+    from .mesh import groups
+    full = {d: sizes.get(d, 1) for d in DIMS}
+    pp, dp, tp = full["pp"], full["dp"], full["tp"]
+    where = {r: (c % (pp * dp * tp) // (dp * tp) * (tp + 1) + c % tp, c // tp % dp)
+             for r, c in enumerate(range(pp * dp * tp))}
+    fig, axes = plt.subplots(1, len(dims), figsize=(2.2 * len(dims) * max(1, (pp * (tp + 1)) / 3.5), 0.9 + 0.8 * dp),
+                             squeeze=False)
+    colours = plt.get_cmap("tab10").colors
+    for ax, dim in zip(axes[0], dims):
+        for i, g in enumerate(groups(dim, **full)):
+            for r in g:
+                x, y = where[r]
+                ax.add_patch(plt.Rectangle((x, -y), 0.9, -0.9, color=colours[i % 10], alpha=0.85))
+                ax.text(x + 0.45, -y - 0.45, str(r), ha="center", va="center", fontsize=11, color="white",
+                        weight="bold")
+        ax.set_xlim(-0.2, pp * (tp + 1) - 0.8)
+        ax.set_ylim(-dp - 0.4, 0.5)
+        ax.set_aspect("equal")
+        ax.axis("off")
+        n = len(groups(dim, **full))
+        ax.set_title(f"{dim}: {n} group{'s' * (n > 1)} of {full[dim]}, one colour each", fontsize=10)
+        if pp > 1:
+            for st in range(pp):
+                ax.text(st * (tp + 1) + tp / 2 - 0.05, 0.25, f"stage {st}", ha="center", fontsize=8, color="#555555")
+    fig.suptitle(f"{describe_layout(full)}: global ranks, rows = dp index, columns = tp index", fontsize=10)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
 
 
 def layouts(world_size: int, pp_max: int | None = None) -> list[dict]:

@@ -29,6 +29,10 @@ How to read one:
 * **Utilisation.** At the right end of each lane: busy / total, the share of the run
   that rank spent computing (communication does not count as busy). In the title:
   the overall figure, busy time summed over ranks / (ranks x makespan).
+* **Comm rows** (`comm_rows={"TP": is_tp, "PP": is_pp, "DP": is_dp}`): the comm lane of
+  each rank is cut into one row per named kind of traffic (a function of the event says
+  which; an event none claims goes to a row "other"), e.g. a hybrid run's tensor-parallel
+  all-reduces, pipeline sends and data-parallel gradient sync each on a row of their own.
 * **Arrows** (`arrows=True`) join the end of each send to the end of its receive.
   **Memory** (`memory=True`) plots what each rank holds over time (activations kept
   for the backward pass, from `trace.hold`/`trace.release`), one small panel per rank
@@ -111,9 +115,10 @@ def _ink(color) -> str:
     return "black" if 0.299 * r + 0.587 * g + 0.114 * b > 0.55 else "white"
 
 
-def _row(rank: int, e, mode: str) -> tuple[float, float]:
+def _row(p, e) -> tuple[float, float]:
     """(top, height) of the strip that event e is drawn in."""
-    compute, comm = _STRIPS[mode]
+    compute, comms = p.strips
+    comm = comms[p.row_of(e)]
     if e.category == "compute":
         y, h = compute
     elif e.kind == "send":
@@ -122,7 +127,7 @@ def _row(rank: int, e, mode: str) -> tuple[float, float]:
         y, h = comm[0] + comm[1] / 2, comm[1] / 2
     else:
         y, h = comm
-    return rank + y, h
+    return e.rank + y, h
 
 
 def _fmt_bytes(n: float) -> str:
@@ -167,7 +172,7 @@ def _time_range(time_range, makespan, unit):
 class _Panel:
     """One timeline's lanes: which events show, in which layout."""
 
-    def __init__(self, tl, comm_lanes, t0, t1):
+    def __init__(self, tl, comm_lanes, t0, t1, comm_rows=None):
         has_comm = any(e.category == "comm" for e in tl.events)
         has_compute = any(e.category == "compute" for e in tl.events)
         if comm_lanes == "auto":
@@ -179,9 +184,31 @@ class _Panel:
                       ((e.end > t0 and e.start < t1) or (e.start == e.end and t0 <= e.start <= t1))]
         chunks = {e.meta.get("chunk", 0) for e in tl.events if e.category == "compute"}
         self.chunked = bool(chunks - {0, None})
+        self.rows, self._rows = ["comm"], {}
+        if comm_rows and self.mode != "compute":
+            self.rows = list(comm_rows)
+            for e in self.shown:
+                if e.category == "comm":
+                    claimed = [i for i, f in enumerate(comm_rows.values()) if f(e)]
+                    if not claimed and "other" not in self.rows:
+                        self.rows.append("other")
+                    self._rows[id(e)] = claimed[0] if claimed else self.rows.index("other")
+        compute, comm = _STRIPS[self.mode]
+        k = len(self.rows)
+        if k > 1:                                      # the comm strip, cut into k rows
+            compute = (0.0, 0.40) if compute else None
+            top, height = (0.44, 0.48) if compute else (0.0, 0.82)
+            comm = [(top + i * height / k, 0.9 * height / k) for i in range(k)]
+        else:
+            comm = [comm]
+        self.strips = (compute, comm)
+
+    def row_of(self, e) -> int:
+        return self._rows.get(id(e), 0)
 
     def lane_height(self):                     # inches
-        return 0.55 + self.n * {"both": 0.5, "compute": 0.36, "comm": 0.36}[self.mode]
+        extra = 0.16 * (len(self.rows) - 1)
+        return 0.55 + self.n * ({"both": 0.5, "compute": 0.36, "comm": 0.36}[self.mode] + extra)
 
 
 def _auto_figsize(panels, memory, t0, t1):
@@ -204,7 +231,8 @@ def _auto_figsize(panels, memory, t0, t1):
 
 
 def draw(timeline, *, ax=None, comm_lanes="auto", arrows=False, memory=False, time_range=None,
-         title=None, titles=None, labels="auto", colors=None, figsize=None, path="auto") -> Figure:
+         title=None, titles=None, labels="auto", colors=None, figsize=None, path="auto",
+         comm_rows=None) -> Figure:
     """Draw `timeline` (a pplab.trace.Timeline) as swimlanes; return the figure.
 
     timeline: one Timeline, or a list of them to stack on one time axis (e.g. GPipe
@@ -224,6 +252,8 @@ def draw(timeline, *, ax=None, comm_lanes="auto", arrows=False, memory=False, ti
       timeline is); for a list of timelines, a title over all of them.
     path: the micro-batch whose forward is followed through the stages by a line
       ("auto": micro-batch 0 when ranks hold several chunks; None: no line).
+    comm_rows: {row name: function(event) -> bool}: cut each comm lane into these rows, an
+      event going to the first row whose function is true (or to a row "other").
 
     A figure draw makes is closed in pyplot before it is returned: in a notebook it
     shows as the value of a cell (or with display(fig)); in a script, fig.savefig(...).
@@ -247,7 +277,11 @@ def draw(timeline, *, ax=None, comm_lanes="auto", arrows=False, memory=False, ti
     _check_options(labels, colors)
     makespan = max(tl.makespan for tl in tls)
     t0, t1 = _time_range(time_range, makespan, tls[0].unit)
-    panels = [_Panel(tl, comm_lanes, t0, t1) for tl in tls]
+    if comm_rows is not None and not (isinstance(comm_rows, dict) and comm_rows
+                                      and all(callable(f) for f in comm_rows.values())):
+        raise ValueError("comm_rows must be a non-empty dict {row name: function(event) -> bool}, e.g. "
+                         "{'TP': lambda e: e.kind == 'all_reduce', 'PP': lambda e: e.kind in ('send', 'recv')}")
+    panels = [_Panel(tl, comm_lanes, t0, t1, comm_rows) for tl in tls]
 
     # -- the figure and its axes: per timeline its lanes, then (memory) one row per rank
     own_figure = ax is None
@@ -327,7 +361,8 @@ def _draw_lanes(ax, p, t0, t1, head, zoomed, colors, arrows, labels):
     """One timeline's lanes into `ax`; returns the labels to place once the layout is known."""
     tl, mode, n = p.tl, p.mode, p.n
     makespan = tl.makespan
-    compute, comm = _STRIPS[mode]
+    compute, comms = p.strips
+    comm = comms[0] if mode != "compute" else None
     main = compute or comm                 # the strip that carries the rank's name
     ax.set_label("swimlanes")
     ax.set_xlim(t0, t1)
@@ -338,8 +373,8 @@ def _draw_lanes(ax, p, t0, t1, head, zoomed, colors, arrows, labels):
     for r in range(n):
         if compute:
             ax.broken_barh(span, (r + compute[0], compute[1]), facecolors=IDLE, zorder=0, gid="idle")
-        if comm:
-            ax.broken_barh(span, (r + comm[0], comm[1]), facecolors=COMM_IDLE if compute else IDLE,
+        for c in (comms if comm else []):
+            ax.broken_barh(span, (r + c[0], c[1]), facecolors=COMM_IDLE if compute else IDLE,
                            zorder=0, gid="idle")
 
     # -- the boxes: one collection per (strip, kind, chunk) keeps 10,000 boxes fast -----
@@ -347,7 +382,7 @@ def _draw_lanes(ax, p, t0, t1, head, zoomed, colors, arrows, labels):
     groups = defaultdict(list)
     for e in p.shown:
         chunk = (e.meta.get("chunk") or 0) if e.category == "compute" else 0
-        groups[(_row(e.rank, e, mode), e.kind, chunk)].append((e.start, e.end - e.start))
+        groups[(_row(p, e), e.kind, chunk)].append((e.start, e.end - e.start))
     for ((y, h), kind, chunk), spans in groups.items():
         thin = np.median([d for _, d in spans]) * pt_per_unit < 3      # white edges would hide them
         color = color_of(kind, colors)
@@ -363,8 +398,8 @@ def _draw_lanes(ax, p, t0, t1, head, zoomed, colors, arrows, labels):
         for s, rv in tl.messages():
             if max(s.end, rv.end) < t0 or min(s.end, rv.end) > t1:
                 continue
-            ys = _row(s.rank, s, mode) if comm else (s.rank + main[0], main[1])
-            yr = _row(rv.rank, rv, mode) if comm else (rv.rank + main[0], main[1])
+            ys = _row(p, s) if comm else (s.rank + main[0], main[1])
+            yr = _row(p, rv) if comm else (rv.rank + main[0], main[1])
             segs.append((s.end, ys[0] + ys[1] / 2, rv.end, yr[0] + yr[1] / 2))
         if segs:
             x, y, x2, y2 = np.array(segs).T
@@ -383,7 +418,7 @@ def _draw_lanes(ax, p, t0, t1, head, zoomed, colors, arrows, labels):
                  for r in range(n)]
     ax.set_yticks([r + main[0] + main[1] / 2 for r in range(n)], names)
     if mode == "both":
-        ax.set_yticks([r + comm[0] + comm[1] / 2 for r in range(n)], ["comm"] * n, minor=True)
+        ax.set_yticks([r + c[0] + c[1] / 2 for r in range(n) for c in comms], p.rows * n, minor=True)
         ax.tick_params(axis="y", which="minor", labelsize=6, labelcolor="#777777", length=0)
     ax.tick_params(axis="y", which="major", length=0, labelsize=8 if n <= 16 else 6)
     for side in ("top", "right", "left"):
@@ -426,7 +461,7 @@ def _draw_lanes(ax, p, t0, t1, head, zoomed, colors, arrows, labels):
             tries = [f"step {step[e.rank]} {text}", f"{step[e.rank]} {text}", f"{step[e.rank]}"]
         else:
             tries = _shorter(text)
-        y, h = _row(e.rank, e, mode)
+        y, h = _row(p, e)
         a, b, size = max(e.start, t0), min(e.end, t1), _LABEL_PT if e.category == "compute" else _LABEL_PT - 1
         if labels is True or 1.5 * (b - a) * pt_per_unit >= 0.45 * size * min(map(len, tries)):
             jobs.append((ax, (e.rank, y), a, b, y, h, tries, size, _ink(color_of(e.kind, colors))))
@@ -487,7 +522,7 @@ def _draw_path(ax, p, microbatch) -> bool:
                    if e.kind == "F" and e.meta.get("microbatch") == microbatch and "stage" in e.meta)
     if len(boxes) < 2:
         return False
-    y, h = _STRIPS[p.mode][0] or _STRIPS[p.mode][1]
+    y, h = p.strips[0] or p.strips[1][0]
     xs = [(e.start + e.end) / 2 for _, e in boxes]
     ys = [e.rank + y + 0.18 * h for _, e in boxes]
     line, = ax.plot(xs, ys, color="black", linewidth=1.5, marker="o", markersize=4, zorder=5, gid="path",

@@ -12,12 +12,15 @@ from notebook_answers import solution, solution_notebook, stub
 from wrong_solutions import WRONG
 from wrong_solutions_chapters import WRONG as WRONG_CHAPTERS
 from wrong_solutions_hard import WRONG as WRONG_HARD
+from wrong_solutions_hybrid import WRONG as WRONG_HYBRID
 from wrong_solutions_sequence_parallel import WRONG as WRONG_SEQUENCE_PARALLEL
 from wrong_solutions_tensor_parallel import WRONG as WRONG_TENSOR_PARALLEL
 from wrong_solutions_zero import WRONG as WRONG_ZERO
+from wrong_solutions_experts import WRONG as WRONG_EXPERTS
 from wrong_solutions_planner import WRONG as WRONG_PLANNER
 
-WRONG_CHAPTERS = {**WRONG_CHAPTERS, **WRONG_TENSOR_PARALLEL, **WRONG_ZERO, **WRONG_SEQUENCE_PARALLEL, **WRONG_HARD, **WRONG_PLANNER}
+WRONG_CHAPTERS = {**WRONG_CHAPTERS, **WRONG_TENSOR_PARALLEL, **WRONG_ZERO, **WRONG_SEQUENCE_PARALLEL, **WRONG_HARD,
+                  **WRONG_HYBRID, **WRONG_EXPERTS, **WRONG_PLANNER}
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 

@@ -460,3 +460,75 @@ def test_sent_and_received_by_hand_for_rooted_collectives():
             inside = [e for e in tl.select(r, "comm") if span.start <= e.start and e.end <= span.end]
             measured.append((sum(e.bytes_sent for e in inside), sum(e.bytes_recv for e in inside)))
         assert measured == expected, name
+
+
+# ----------------------------------------------------------------------------------
+# The all-to-all with split sizes that differ per rank (chapter 8's mixture of experts).
+
+
+def _uneven_sizes(p, seed):
+    """sizes[i][j] = rows rank i sends rank j: random 0..3, so some pieces are empty."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 4, (p, p), generator=g).tolist()
+
+
+def _uneven_vs_torch():
+    rank, p = dist.get_rank(), dist.get_world_size()
+    out = []
+    for seed, dtype, row in ((1, torch.float32, (3,)), (2, torch.float64, (2, 2)), (3, torch.int64, ())):
+        sizes = _uneven_sizes(p, seed)
+        sends, expects = sizes[rank], [sizes[i][rank] for i in range(p)]
+        x = (torch.arange(sum(sends) * math.prod(row)) + 1000 * rank).to(dtype).view(sum(sends), *row)
+        ours, ref = x.new_empty((sum(expects), *row)), x.new_empty((sum(expects), *row))
+        with trace.span("case", label="a2a"):
+            C.all_to_all_single(ours, x, expects, sends)
+        dist.all_to_all_single(ref, x, expects, sends)
+        out.append((sizes, ours, ref))
+    return out
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+def test_uneven_all_to_all_equals_torch_with_the_rows_it_sends(p):
+    res = pplab.launch(_uneven_vs_torch, world_size=p, timeout=60)
+    for rank, cases in enumerate(res):
+        for sizes, ours, ref in cases:
+            assert torch.equal(ours, ref), (rank, sizes)
+    if p > 1:                                                   # the seeds give empty pieces between ranks
+        assert any(sizes[i][j] == 0 for sizes, _, _ in res[0] for i in range(p) for j in range(p) if i != j)
+    measured = _measured(res.timeline)
+    for (rank, i), (label, meta, sent, sends, peers, got, recvs, crossed) in measured.items():
+        sizes, ours, _ = res[rank][i]
+        row_bytes = ours[:1].numel() * ours.element_size() if len(ours) else None
+        if row_bytes is None:
+            continue
+        off_rank = [j for j in range(p) if j != rank]
+        assert sent == sum(sizes[rank][j] for j in off_rank) * row_bytes            # only rows it does not keep
+        assert sends == sum(1 for j in off_rank if sizes[rank][j])                  # empty pieces are not sent
+        assert got == sum(sizes[j][rank] for j in off_rank) * row_bytes
+
+
+def test_uneven_all_to_all_refuses_sizes_that_do_not_match():
+    def f():
+        rank, errors = dist.get_rank(), {}
+        x = torch.ones(3, 2)
+        cases = {"mismatch": lambda: C.all_to_all_single(torch.empty(3, 2), x, [1, 2, 0], [1, 1, 1]),
+                 "sum": lambda: C.all_to_all_single(torch.empty(3, 2), x, [1, 1, 1], [1, 1, 2 if rank == 1 else 1]),
+                 "row shape": lambda: C.all_to_all_single(torch.empty(3, 2 + (rank == 2)), torch.ones(3, 2 + (rank == 2)),
+                                                          [1, 1, 1], [1, 1, 1])}
+        for name, call in cases.items():
+            try:
+                call()
+                errors[name] = None
+            except ValueError as exc:
+                errors[name] = str(exc)
+        y = torch.empty(3, 2)
+        C.all_to_all_single(y, x * rank, [1, 1, 1], [1, 1, 1])       # still in step afterwards
+        return errors, y[:, 0].tolist()
+
+    for rank, (errors, y) in enumerate(pplab.launch(f, world_size=3, timeout=30)):
+        assert y == [0.0, 1.0, 2.0]
+        assert "rank 1 sends 1 rows to rank 0, which expects 2" in errors["mismatch"]
+        assert "exchange the counts first" in errors["mismatch"]
+        assert "rank 1: input_split_sizes=[1, 1, 2] must be 3 numbers" in errors["sum"]
+        assert "adding up to input's 3 rows" in errors["sum"]
+        assert "disagree" in errors["row shape"] and "float32[0, 3]" in errors["row shape"]

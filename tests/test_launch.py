@@ -313,9 +313,11 @@ def test_ranks_failing_together_end_the_launch_at_once():
             with pytest.raises(pplab.LaunchError) as info:
                 pplab.launch(f, world_size=4, timeout=600)
             signal.alarm(0)
-            assert info.value.rank == 0 and not info.value.running
+            # under load a rank may still be connecting when the others have raised and gone: it is
+            # then reported as having lost the connection, which is true; the first rank that raised leads
+            assert 0 <= info.value.rank < 4 and not info.value.running
             head = str(info.value).split("\n\n")[0]        # before the traceback
-            assert head.startswith("rank") and " 0" in head.split(" raised")[0]
+            assert head.startswith("rank") and str(info.value.rank) in head.split(" raised")[0]
             assert head.count("raised NotImplementedError: every rank") == 1      # said once, not per rank
     finally:
         signal.alarm(0)

@@ -257,8 +257,23 @@ def test_timeline_matches_the_simulation(name, p, m):
 
 def test_bubble_fraction():
     assert bubble_fraction(4, 8) == 3 / 8 and bubble_fraction(4, 8, v=2) == 3 / 16
+    assert bubble_fraction(4, 2, v=2) == (3 + 1 * 2) / 4          # m < p: (v-1)(p-m) more chunk-times
     with pytest.raises(ValueError, match="p, m, v >= 1"):
         bubble_fraction(4, 0)
+
+
+@pytest.mark.parametrize("p,v,m", [(4, 2, 1), (4, 2, 3), (4, 2, 4), (4, 2, 6), (4, 3, 2), (4, 3, 4),
+                                   (4, 3, 9), (5, 4, 3), (5, 4, 5), (5, 4, 7), (3, 2, 2), (6, 2, 12)])
+def test_bubble_fraction_is_what_the_simulator_measures(p, v, m):
+    """m < p, m = p and m > p: the formula against the interleaved schedule played out
+    (idle / useful time), for two ratios of t_b to t_f."""
+    for t_f, t_b in ((1.0, 2.0), (1.0, 1.0)):
+        r = simulate(make_schedule("interleaved-1f1b", p, m, chunks=v), t_f=t_f, t_b=t_b)
+        useful = m * (t_f + t_b)
+        assert (r.makespan - useful) / useful == pytest.approx(bubble_fraction(p, m, v), abs=1e-9)
+    for name in ("gpipe", "1f1b"):                                 # v = 1, m < p included
+        r = simulate(make_schedule(name, p, m), t_f=1.0, t_b=2.0)
+        assert (r.makespan - 3.0 * m) / (3.0 * m) == pytest.approx(bubble_fraction(p, m), abs=1e-9)
 
 
 # ----------------------------------------------------------------------------------
@@ -365,8 +380,7 @@ def test_interleaved_runs_any_number_of_microbatches(v):
             ideal = 3.0 * m
             expected = ((p - 1) + (v - 1) * max(0, p - m)) / (v * m)
             assert (r.makespan - ideal) / ideal == pytest.approx(expected, abs=1e-9), (p, m, v)
-            if m >= p:
-                assert expected == pytest.approx(bubble_fraction(p, m, v))
+            assert expected == pytest.approx(bubble_fraction(p, m, v))
 
 
 def test_interleaved_groups_follow_torchs_rounds():
@@ -396,3 +410,12 @@ def test_large_schedules_are_built_in_time_linear_in_actions():
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
     assert sum(map(len, s.actions)) == 200_000 and s.stages_of(99_999) == [99_999]
+
+
+def test_explorer_title_quotes_the_formula_that_holds():
+    from pplab.pipeline.explorer import pipeline_timeline
+    for m, formula in ((2, "((p-1)+(v-1)(p-m))/(v·m)"), (4, "(p-1)/(v·m)"), (8, "(p-1)/(v·m)")):
+        title = pipeline_timeline("interleaved-1f1b", 4, m, 2, 1.0, 2.0, 0.0).title
+        value = bubble_fraction(4, m, 2)
+        assert f"bubble {value:.1%} of useful time, {formula} = {value:.1%}" in title, title
+        assert "does not hold" not in title

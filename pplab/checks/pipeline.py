@@ -129,13 +129,16 @@ _BUBBLE_MISTAKES = [
 @exercise("bubble_fraction", "The bubble fraction of a flushed pipeline", answer="bubble_fraction",
           notebook="04c_bubble_fraction")
 def check_bubble_fraction(fn, seed: int, timeout: float) -> str:
-    """bubble_fraction(p, m, v) = (p-1)/(v·m), as pplab.pipeline.bubble_fraction."""
+    """bubble_fraction(p, m, v) = (p-1)/(v·m), as pplab.pipeline.bubble_fraction (m >= p when v > 1)."""
     from ..pipeline import bubble_fraction as reference
     require_function(fn, "bubble_fraction", "p, m, v", 4, 8, 1)
     refuse_library(fn, "bubble_fraction", "the bubble fraction", {"bubble_fraction": reference},
                    "pplab.pipeline.bubble_fraction")
     rng = random.Random(seed)
-    cases = [(rng.randint(3, 16), rng.randint(1, 64), v) for v in (1, 1, 2, 3, 4, rng.randint(2, 8))]
+    # With chunks (v > 1) the exercise's formula needs m >= p: interleaving with fewer
+    # micro-batches than ranks idles more (pplab.pipeline.bubble_fraction, chapter 4).
+    cases = [(p, rng.randint(1 if v == 1 else p, 64), v)
+             for p, v in ((rng.randint(3, 16), v) for v in (1, 1, 2, 3, 4, rng.randint(2, 8)))]
     for p, m, v in cases:
         where = f"p={p}, m={m}, v={v}: "
         got, expected = call_answer(fn, p, m, v, where=where), reference(p, m, v)
@@ -149,4 +152,4 @@ def check_bubble_fraction(fn, seed: int, timeout: float) -> str:
             hint = f" That is {hint}." if hint else \
                 " The fill and the drain cost (p-1)(t_f+t_b)/v; the work is m(t_f+t_b)."
             raise Fail(f"{where}{failure}{hint}") from None
-    return f"on {len(cases)} seeded (p, m, v), v = 1 to 8 (relative tolerance 1e-9)"
+    return f"on {len(cases)} seeded (p, m, v), v = 1 to 8, m >= p when v > 1 (relative tolerance 1e-9)"

@@ -128,9 +128,10 @@ class PipelineExecutor:
         self.rank, world = comm.rank(group), comm.world_size(group)
         self.peers = dist.get_process_group_ranks(group) if group is not None else list(range(world))
         if world != schedule.num_ranks:
+            fix = (f"give it a group of {schedule.num_ranks} ranks (e.g. a mesh with pp={schedule.num_ranks})"
+                   if group is not None else f"launch with world_size={schedule.num_ranks}")
             raise PipelineError(f"the schedule has {schedule.num_ranks} ranks but {world} are running"
-                                f"{' in the pipeline group' if group is not None else ''}: launch with "
-                                f"world_size={schedule.num_ranks}, or give it a group of that size")
+                                f"{' in the pipeline group' if group is not None else ''}: {fix}")
         self.pad = _durations(compute_time, schedule.chunks)
         self.device = rank_device()
         layers = _as_layers(layers)

@@ -55,6 +55,8 @@ def _bubble_line(schedule, p, m, chunks, bubble, t_f, t_b, t_w):
     elif schedule in _SPLIT:
         return (f"{said} (no closed form for ZB-V that holds for every t_f, t_I, t_W; "
                 f"1F1B would idle (p-1)/m = {bubble_fraction(p, m):.1%})")
+    elif chunks > 1 and m < p:                   # interleaved with fewer micro-batches than ranks
+        formula, value = "((p-1)+(v-1)(p-m))/(v·m)", bubble_fraction(p, m, chunks)
     else:
         formula, value = "(p-1)/(v·m)", bubble_fraction(p, m, chunks)
     agrees = abs(value - bubble) < 1e-9

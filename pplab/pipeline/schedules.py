@@ -180,7 +180,7 @@ def interleaved_1f1b(p, m, v):
     or uneven groups. For m < p there is one group of m < p micro-batches, and at each of
     the v-1 turns from a chunk to the next, rank 0 has sent all m micro-batches on before
     the first comes back from rank p-1: it waits p-m chunk-times, forward and backward.
-    The bubble becomes ((p-1) + (v-1)(p-m)) / (v*m); bubble_fraction gives the m >= p one.
+    The bubble becomes ((p-1) + (v-1)(p-m)) / (v*m), as bubble_fraction gives it.
     """
     ranks = []
     order = []                                       # (micro-batch, chunk) of the k-th chunk-forward

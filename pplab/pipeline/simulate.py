@@ -25,17 +25,20 @@ from .schedules import KINDS, Action, Schedule, ScheduleError
 
 
 def bubble_fraction(p: int, m: int, v: int = 1) -> float:
-    """Idle time / useful time of a flushed pipeline: (p-1)/(v*m).
+    """Idle time / useful time of a flushed pipeline: (p-1)/(v*m) when m >= p.
 
     p stages, m micro-batches, v chunks per rank. The fill and drain cost (p-1)(t_f+t_b)/v
-    per rank, against m(t_f+t_b) of work: GPipe and 1F1B have v = 1. For interleaved
-    1F1B this needs m >= p: with fewer micro-batches than ranks each of the v-1 turns
-    between chunks adds p-m chunk-times, and the bubble is ((p-1) + (v-1)(p-m))/(v*m)
-    (see schedules.interleaved_1f1b).
+    per rank, against m(t_f+t_b) of work: GPipe and 1F1B have v = 1. Interleaved 1F1B
+    with fewer micro-batches than ranks (m < p) pays more: at each of the v-1 turns from
+    one chunk to the next, rank 0 has sent all m micro-batches on before the first one
+    comes back from rank p-1, and waits p-m chunk-times, forward and backward (see
+    schedules.interleaved_1f1b). So, as simulate measures:
+
+        ((p-1) + (v-1) * max(0, p-m)) / (v*m)
     """
     if min(p, m, v) < 1:
         raise ValueError(f"bubble_fraction needs p, m, v >= 1, got p={p}, m={m}, v={v}")
-    return (p - 1) / (v * m)
+    return ((p - 1) + (v - 1) * max(0, p - m)) / (v * m)
 
 
 # ----------------------------------------------------------------------------------

@@ -1,0 +1,124 @@
+"""Checks of chapter 7's exercises: the groups of a device mesh.
+
+    mesh_groups      mesh_groups(rank, pp, dp, tp) -> {"pp": [...], "dp": [...], "tp": [...]}
+
+mesh_groups runs on real ranks, three launches of 4, 6 and 8 ranks whose (pp, dp, tp) sizes
+are drawn from the seed (one dimension of size 1 among them, uneven sizes such as 3). Each
+rank calls the answer with its own global rank and builds pplab.mesh.Mesh of the same sizes;
+the job only returns both. Here, every rank's three groups must equal the mesh's (global
+ranks, in order along the dimension). A wrong answer is named when it matches a common
+mistake: tp not the innermost dimension, dp and pp swapped, groups right only on rank 0.
+"""
+from __future__ import annotations
+
+import random
+
+import torch.distributed as dist
+
+from .core import Fail, Forbidden, exercise, refuse_library, require_function, run_on_ranks
+
+DIMS = ("pp", "dp", "tp")
+_SIZES = {4: [(1, 2, 2), (2, 2, 1), (2, 1, 2), (1, 1, 4), (4, 1, 1)],
+          6: [(1, 3, 2), (1, 2, 3), (3, 1, 2), (2, 3, 1), (3, 2, 1)],
+          8: [(2, 2, 2)]}
+
+
+def _cases(seed: int) -> list[tuple[int, int, int]]:
+    rng = random.Random(seed)
+    return [rng.choice(_SIZES[4]), rng.choice(_SIZES[6]), (2, 2, 2)]
+
+
+class _UsedLibrary(Exception):
+    pass
+
+
+_LIBRARY = "<used pplab.mesh>"
+
+
+def _mesh_rank(fn, sizes, progress_dir):
+    """In each rank: what the answer says about this rank, and what pplab.mesh made."""
+    from .. import mesh as library
+    pp, dp, tp = sizes
+    rank = dist.get_rank()
+    mesh = library.Mesh(pp=pp, dp=dp, tp=tp)
+    saved = {n: getattr(library, n) for n in ("groups", "grid", "describe", "Mesh")}
+
+    def refused(*args, **kwargs):
+        raise _UsedLibrary()
+    for n in saved:                              # an import inside the answer gets these
+        setattr(library, n, refused)
+    try:
+        got = fn(rank, pp, dp, tp)
+    except _UsedLibrary:
+        return {"answer": _LIBRARY, "mesh": {}}
+    finally:
+        for n, f in saved.items():
+            setattr(library, n, f)
+    if isinstance(got, dict):
+        got = {k: list(v) if isinstance(v, (list, tuple, range)) else v for k, v in got.items()}
+        got = {k: [int(r) if hasattr(r, "__int__") else r for r in v] if isinstance(v, list) else repr(v)
+               for k, v in got.items() if isinstance(k, str)}
+    else:
+        got = repr(got)
+    return {"answer": got, "mesh": {d: mesh.ranks(d) for d in DIMS}}
+
+
+def _diagnose(answers: dict, meshes: dict, sizes) -> str:
+    """A hint when every rank's answer matches a known mistake."""
+    pp, dp, tp = sizes
+    def all_ranks(pred):
+        return all(pred(answers[r], meshes[r]) for r in answers)
+    if tp > 1 and dp > 1 and all_ranks(lambda a, m: a.get("tp") == m["dp"] and a.get("dp") == m["tp"]):
+        return (" Your tp groups are the mesh's dp groups and the other way round: tp is the innermost "
+                "dimension, so the ranks of a tp group are neighbours (rank = (pp·dp + dp_index)·tp + tp_index).")
+    if pp > 1 and dp > 1 and all_ranks(lambda a, m: a.get("pp") == m["dp"] and a.get("dp") == m["pp"]):
+        return (" Your dp and pp groups are swapped: pp is the outermost dimension (it varies slowest), dp "
+                "sits between pp and tp.")
+    if all_ranks(lambda a, m: a.get("tp") == m["tp"]) and \
+            not all_ranks(lambda a, m: a.get("dp") == m["dp"]):
+        return (" The tp groups are right: check the stride of dp (tp ranks apart) and of pp (dp·tp ranks "
+                "apart).")
+    return ""
+
+
+@exercise("mesh_groups", "The dp, tp and pp groups of a device mesh", answer="mesh_groups",
+          notebook="07a_mesh_groups")
+def check_mesh_groups(fn, seed: int, timeout: float) -> str:
+    """mesh_groups(rank, pp, dp, tp) -> this rank's pp, dp and tp groups as lists of global ranks."""
+    require_function(fn, "mesh_groups", "rank, pp, dp, tp", 0, 1, 2, 2)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from .. import mesh
+    refuse_library(fn, "mesh_groups", "the groups of a mesh",
+                   {"groups": mesh.groups, "grid": mesh.grid, "Mesh": mesh.Mesh, "describe": mesh.describe,
+                    "init_device_mesh": init_device_mesh}, "pplab.mesh (or torch's DeviceMesh)")
+    cases = _cases(seed)
+    for sizes in cases:
+        pp, dp, tp = sizes
+        world = pp * dp * tp
+        where = f"pp={pp}, dp={dp}, tp={tp} on {world} ranks: "
+        results = run_on_ranks(_mesh_rank, fn, sizes, world_size=world, timeout=timeout, answer=fn,
+                               describe=lambda w, i, where=where: where.rstrip(": "))
+        answers, meshes = {}, {}
+        for rank in range(world):
+            try:
+                got, want = results[rank]["answer"], results[rank]["mesh"]
+            except (KeyError, TypeError, IndexError):
+                raise Fail(f"{where}what rank {rank} returned could not be read.") from None
+            if got == _LIBRARY:
+                raise Forbidden("exercise 'mesh_groups' asks you to work out the groups of a mesh yourself; "
+                                "you use pplab.mesh, the library's answer.")
+            if not isinstance(got, dict) or set(got) != set(DIMS):
+                raise Fail(f"{where}{fn.__name__} must return a dict with keys 'pp', 'dp', 'tp' (each a list of "
+                           f"global ranks); rank {rank} got {got if isinstance(got, str) else sorted(got)}.",
+                           seed_matters=False)
+            answers[rank], meshes[rank] = got, want
+        wrong = [r for r in range(world) if answers[r] != meshes[r]]
+        if wrong:
+            r = wrong[0]
+            dim = next(d for d in DIMS if answers[r][d] != meshes[r][d])
+            only0 = " (rank 0's groups are right: do the others depend on the rank?)" if 0 not in wrong else ""
+            raise Fail(f"{where}rank {r}'s {dim} group is {answers[r][dim]}, expected {meshes[r][dim]}"
+                       f"{only0}.{_diagnose(answers, meshes, sizes)}")
+    shown = ", ".join(f"pp={a}×dp={b}×tp={c}" for a, b, c in cases)
+    return f"on real ranks: {shown} (every rank's three groups equal pplab.mesh's)"

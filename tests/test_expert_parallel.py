@@ -1,0 +1,206 @@
+"""pplab.expert_parallel: the MoE layer with its experts split over ranks equals the same layer
+on one process, token for token and gradient for gradient; a tiny MoE model trains alike;
+the all-to-all moves exactly the rows the formula counts; bad setups get a clear error.
+
+The reference is `MoE` outside a launch (every expert on one process) run on each rank's
+batch in turn: capacity and the balancing loss are per rank-local batch on both sides, so
+the same tokens are dropped. float64 throughout; tolerance 1e-12 (absolute and relative):
+only the order of additions differs (the router's gradient is summed over ranks).
+"""
+import pytest
+import torch
+import torch.distributed as dist
+
+import pplab
+from pplab import trace
+from pplab.expert_parallel import MoE, TinyMoE, all_to_all, all_to_all_bytes, steer, sync_gradients
+from pplab.mesh import Mesh
+
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")
+
+TOL = 1e-12
+H, FFN = 6, 10
+
+
+def _close(a, b):
+    return a.shape == b.shape and torch.allclose(a, b, rtol=TOL, atol=TOL)
+
+
+def _batches(p, seed, hidden=H):
+    """Each rank its own number of tokens (9, 11, 13, ...): uneven splits every step."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(9 + 2 * r, hidden, generator=g, dtype=torch.float64) for r in range(p)]
+
+
+def _loss(layer, x, w):
+    y = layer(x)
+    return y, (y * w).sum() + 0.1 * layer.aux_loss
+
+
+CASES = [(1, 1.0), (2, 0.75), (2, None)]        # (k, capacity_factor): drops, drops, none
+
+
+def _layers(E):
+    torch.manual_seed(E)
+    return [MoE(H, FFN, E, k, cf).double() for k, cf in CASES]
+
+
+def _ep_layer(dense, xs, ws):
+    rank = dist.get_rank()
+    out = []
+    for layer in dense:
+        ep = MoE.from_dense(layer)
+        x = xs[rank].clone().requires_grad_(True)
+        y, loss = _loss(ep, x, ws[rank])
+        loss.backward()
+        out.append({"y": y.detach(), "x.grad": x.grad, "router": ep.router.weight.grad, "first": ep.first,
+                    "experts": [[q.grad for q in e.parameters()] for e in ep.experts],
+                    "load": ep.load, "dropped": ep.dropped})
+    return out
+
+
+@pytest.mark.parametrize("p, E", [(1, 4), (2, 4), (3, 6), (4, 4), (4, 8)])
+def test_layer_equals_one_process(p, E):
+    dense, xs = _layers(E), _batches(p, 10 * p + E)
+    ws = [torch.randn_like(x) for x in xs]
+    res = pplab.launch(_ep_layer, dense, xs, ws, world_size=p, timeout=60)
+    dropped_somewhere = False
+    for c, layer in enumerate(dense):
+        layer.zero_grad()
+        for rank in range(p):
+            x = xs[rank].clone().requires_grad_(True)
+            y, loss = _loss(layer, x, ws[rank])
+            loss.backward()
+            got = res[rank][c]
+            assert _close(got["y"], y.detach()), (c, rank)
+            assert _close(got["x.grad"], x.grad), (c, rank)
+            assert torch.equal(got["load"], layer.load) and got["dropped"] == layer.dropped, (c, rank)
+            dropped_somewhere |= layer.dropped > 0
+        router = sum(res[rank][c]["router"] for rank in range(p))      # each rank's part: its tokens
+        assert _close(router, layer.router.weight.grad), c
+        for rank in range(p):
+            first = res[rank][c]["first"]
+            assert first == rank * E // p
+            for i, grads in enumerate(res[rank][c]["experts"]):
+                want = [q.grad for q in layer.experts[first + i].parameters()]
+                assert all(_close(a, b) for a, b in zip(grads, want)), (c, rank, i)
+    assert dropped_somewhere                        # capacity was binding: drops compared too
+
+
+def test_all_to_all_backward_is_the_reverse_exchange():
+    def f():
+        rank, p = dist.get_rank(), dist.get_world_size()
+        sizes = [[2, 0, 1], [1, 3, 0], [0, 2, 2]]                  # rows rank i sends rank j
+        x = torch.randn(sum(sizes[rank]), 2, dtype=torch.float64, requires_grad=True)
+        y = all_to_all(x, sizes[rank], [sizes[i][rank] for i in range(p)])
+        w = torch.randn_like(y)
+        (y * w).sum().backward()
+        return x.detach(), y.detach(), w, x.grad
+
+    res = pplab.launch(f, world_size=3, timeout=30)
+    sizes = [[2, 0, 1], [1, 3, 0], [0, 2, 2]]
+    for j in range(3):           # y_j = rows from rank 0, 1, 2 in order; dL/dx_i = w's rows sent back to rank i
+        assert torch.equal(res[j][1], torch.cat([res[i][0].split(sizes[i])[j] for i in range(3)]))
+    for i in range(3):
+        back = [res[j][2].split([sizes[r][j] for r in range(3)])[i] for j in range(3)]
+        assert torch.equal(res[i][3], torch.cat(back))
+
+
+def test_capacity_drops_later_choices_first_in_token_order():
+    torch.manual_seed(0)
+    layer = MoE(4, 5, 4, k=2, capacity_factor=0.5).double()       # C = ceil(0.5 * 6 * 2 / 4) = 2
+    x = steer(layer, torch.tensor([[0, 1], [0, 2], [0, 1], [1, 0], [3, 2], [1, 3]]))
+    _, _, expert = layer.route(x)
+    # choices numbered j·n + i; expert 0 takes tokens 0, 1 (first choices) and drops 2's, and 3's second
+    assert expert.view(2, 6).tolist() == [[0, 0, -1, 1, 3, 1], [-1, 2, -1, -1, 2, 3]]
+    assert layer.dropped == 4 and layer.load.tolist() == [2, 2, 2, 2]
+
+
+def _train(dense, tokens, targets, steps, dp):
+    """EP over every rank (dp=1), or EP x DP on a mesh: experts split over ep, copied over dp."""
+    rank = dist.get_rank()
+    mesh = Mesh(dp=dp, ep=dist.get_world_size() // dp)
+    model = TinyMoE.from_dense(dense, group=mesh.ep_group)
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    losses = []
+    for s in range(steps):
+        opt.zero_grad()
+        loss = model.loss(tokens[s][rank], targets[s][rank])
+        loss.backward()
+        sync_gradients(model, batch_group=mesh.group("dp", "ep"), expert_replica_group=mesh.dp_group)
+        opt.step()
+        losses.append(loss.item())
+    return losses, model.dense_state_dict(), len(model.blocks[0].experts)
+
+
+@pytest.mark.parametrize("p, dp", [(2, 1), (4, 1), (4, 2)], ids=["ep2", "ep4", "ep2xdp2"])
+def test_tiny_moe_trains_like_one_process(p, dp):
+    torch.manual_seed(1)
+    V, E, steps = 11, 4, 3
+    dense = TinyMoE(V, H, FFN, E, k=2, capacity_factor=1.0, layers=2).double()
+    g = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, V, (steps, p, 2, 5), generator=g)         # step, rank, batch, sequence
+    targets = torch.randint(0, V, (steps, p, 2, 5), generator=g)
+    res = pplab.launch(_train, dense, tokens, targets, steps, dp, world_size=p, timeout=90)
+    opt = torch.optim.SGD(dense.parameters(), lr=0.2)
+    for s in range(steps):
+        opt.zero_grad()
+        losses = [dense.loss(tokens[s][r], targets[s][r]) for r in range(p)]   # per rank-local batch
+        (sum(losses) / p).backward()
+        opt.step()
+        for rank in range(p):
+            assert abs(res[rank][0][s] - losses[rank].item()) < TOL, (s, rank)
+    ref = dense.state_dict()
+    for rank, (_, state, local) in enumerate(res):
+        assert local == E // (p // dp)                  # E/ep experts per rank
+        assert set(state) <= set(ref) and len(state) == len(ref) - (E - local) * 4 * len(dense.blocks)
+        for name, value in state.items():
+            assert _close(value, ref[name]), (rank, name)
+
+
+def _bytes_of_one_step(E, k, n, choices):
+    rank, p = dist.get_rank(), dist.get_world_size()
+    layer = MoE(2 * H, FFN, E, k, capacity_factor=None).double()          # experts split over the ranks
+    x = steer(layer, choices[rank]).requires_grad_(True)
+    with trace.span("case", label="forward"):
+        y = layer(x)
+    with trace.span("case", label="backward"):
+        y.sum().backward()
+    return layer.send_counts, layer.recv_counts
+
+
+def _sent(timeline, rank, label):
+    (span,) = [s for s in timeline.select(rank, "compute", "case") if s.label == label]
+    return sum(e.bytes_sent for e in timeline.select(rank, "comm") if span.start <= e.start and e.end <= span.end)
+
+
+@pytest.mark.parametrize("skewed", [False, True], ids=["even", "skewed"])
+def test_all_to_all_bytes_per_rank_equal_the_formula(skewed):
+    p, E, k, n, es, h = 4, 8, 2, 16, 8, 2 * H
+    if skewed:       # every token's first choice is expert 0 or 1 (rank 0's): rank 0 receives most rows
+        choices = torch.stack([torch.stack([torch.arange(n) % 2, 2 + (torch.arange(n) + r) % 6], 1) for r in range(p)])
+    else:            # token i chooses experts i and i+1 (mod E): every rank sends every rank n·k/p rows
+        choices = torch.stack([torch.stack([torch.arange(n) % E, (torch.arange(n) + 1) % E], 1)] * p)
+    res = pplab.launch(_bytes_of_one_step, E, k, n, choices, world_size=p, timeout=60)
+    tl = res.timeline
+    counts_bytes = (p - 1) * (E // p) * 8
+    for rank, (sends, recvs) in enumerate(res):
+        off = [j for j in range(p) if j != rank]
+        rows = sum(sends[j] for j in off) + sum(recvs[j] for j in off)   # dispatch out + combine back
+        assert sum(sends) == n * k and sum(recvs[j] for j in range(p)) == sum(res[j][0][rank] for j in range(p))
+        assert _sent(tl, rank, "forward") == counts_bytes + rows * h * es
+        assert _sent(tl, rank, "backward") == rows * h * es                # the same exchanges reversed
+        if not skewed:
+            assert _sent(tl, rank, "forward") == all_to_all_bytes(n, k, E, p, h, es)
+    if skewed:
+        assert res[0][1][0] > 2 * res[1][1][1]        # rank 0 keeps far more rows than the others
+
+
+def test_bad_setups_are_refused_clearly():
+    with pytest.raises(pplab.LaunchError, match=r"6 experts cannot be split evenly over 4 ranks.*"
+                                                r"ep group of \[1, 2, 3, 6\] ranks"):
+        pplab.launch(lambda: MoE(H, FFN, 6), world_size=4, timeout=30)
+    with pytest.raises(pplab.LaunchError, match=r"build different layers.*rank 1: \(6, 10, 4, 2, 1.25\)"):
+        pplab.launch(lambda: MoE(H, FFN, 4, k=1 + dist.get_rank() % 2), world_size=2, timeout=30)
+    with pytest.raises(ValueError, match=r"k=3 experts per token must be between 1 and num_experts=2"):
+        MoE(H, FFN, 2, k=3)
