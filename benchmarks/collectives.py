@@ -62,29 +62,6 @@ def time_both(sizes, repeats):
     return out
 
 
-def time_all_reduces(sizes, algorithms, repeats):
-    """On every rank: {(algorithm, size): [seconds per try]}, pplab's all-reduce, warm-up dropped."""
-    out = {}
-    with trace.paused(), C.unchecked():
-        for n in sizes:
-            x = torch.ones(n // 4)
-            for algorithm in algorithms:
-                times = []
-                for _ in range(1 + repeats * (4 if n <= 2 ** 18 else 1)):   # small sizes: more tries
-                    dist.barrier()
-                    start = time.perf_counter()
-                    C.all_reduce(x, algorithm=algorithm)
-                    times.append(time.perf_counter() - start)
-                out[algorithm, n] = times[1:]
-    return out
-
-
-def measured_all_reduces(p, sizes, repeats, algorithms=MODEL_ALGORITHMS):
-    """{(algorithm, size): mean over tries of the slowest rank's time}, on p ranks."""
-    ranks = pplab.launch(time_all_reduces, sizes, algorithms, repeats, world_size=p, timeout=600)
-    return {key: statistics.fmean(max(tries) for tries in zip(*(r[key] for r in ranks))) for key in ranks[0]}
-
-
 def model_against_clock(ranks, sizes, repeats):
     """Fit (timed), then measure and print measured / predicted with the goal for each."""
     start = time.perf_counter()
@@ -96,7 +73,7 @@ def model_against_clock(ranks, sizes, repeats):
     print(f"{'':>10} | " + " | ".join(f"{'measured':>9} {'model':>8} {'ratio':>8}" for _ in MODEL_ALGORITHMS))
     inside = total = 0
     for p in ranks:
-        measured = measured_all_reduces(p, sizes, repeats)
+        measured = costfit.time_all_reduces(p, sizes, MODEL_ALGORITHMS, repeats)
         goal = 1.5 if p <= fit.cores else 2.0
         cells = {}
         for (algorithm, n), t in measured.items():

@@ -176,7 +176,7 @@ class Timings:
     one_way: list                # seconds, a ping-pong's round trip / 2, per size
     exchange: list               # seconds, two ranks sending to each other at once, per size
     add_per_byte: float          # γ: seconds per byte of a float32 add
-    fresh_per_byte: float        # μ: seconds per byte of filling new memory, less filling old
+    fresh_per_byte: float        # μ: seconds per byte of receiving into new memory, less into old
     tiny_ranks: int              # ranks of the tiny steps below (2c), 0 if not measured
     tiny_steps: dict             # {kind of step: seconds per step of tiny messages on tiny_ranks}
 
@@ -230,8 +230,8 @@ def _mean_time(fn, repeats):
 
 
 def _measure_on_ranks(sizes, repeats):
-    """On every rank of 2 or 2c: ping-pong and exchange (ranks 0, 1), add and fresh memory
-    (rank 0), tiny steps (all). pplab.comm's own calls, as pplab.collectives makes them."""
+    """On every rank of 2 or 2c: ping-pong and exchange (ranks 0, 1), tiny steps (all),
+    an exchange into fresh memory (ranks 0, 1) and an add (rank 0). pplab.comm's own calls, as pplab.collectives makes them."""
     rank, p = dist.get_rank(), dist.get_world_size()
     one_way, exchange = [], []
     with trace.paused(), collectives.unchecked():
@@ -255,25 +255,30 @@ def _measure_on_ranks(sizes, repeats):
             for k in range(steps):
                 (comm.send(tiny, rank ^ 1) if (rank + k) % 2 else comm.recv(got, rank ^ 1))
 
-        def tiny_swap():                           # ranks 2i, 2i+1 send to each other at once
-            for _ in range(steps):
-                collectives._sendrecv(tiny, rank ^ 1, got, rank ^ 1, None)
+        def tiny_swap():                           # partners r ^ 1, r ^ 2, r ^ 4, ... as in halving-doubling
+            masks = [1 << k for k in range((p & -p).bit_length() - 1)]   # (on the largest power of 2 dividing p)
+            for k in range(steps):
+                collectives._sendrecv(tiny, rank ^ masks[k % len(masks)], got, rank ^ masks[k % len(masks)], None)
 
         def tiny_ring():                           # every rank sends right while receiving from the left
             for _ in range(steps):
                 collectives._sendrecv(tiny, (rank + 1) % p, got, (rank - 1) % p, None)
         tiny_steps = {kind: _mean_time(run, 4 * repeats) / steps for kind, run in
                       (("one-way", tiny_one_way), ("swap", tiny_swap), ("ring", tiny_ring))} if p > 2 else {}
+        n = FRESH_FROM                             # μ: receiving into new memory, less into memory in use,
+        out, warm = torch.zeros(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)   # in turns
+
+        def swap_into(fresh):
+            if rank < 2:
+                collectives._sendrecv(out, 1 - rank, torch.empty_like(warm) if fresh else warm, 1 - rank, None)
+        extra = statistics.median(_mean_time(lambda: swap_into(True), 1) - _mean_time(lambda: swap_into(False), 1)
+                                  for _ in range(5))
     if rank:
         return None
     n = max(sizes) // 4                           # γ: a float32 add of the largest size, in place
     a, b = torch.rand(n), torch.rand(n)
     add = min(_timed(lambda: a.add_(b)) for _ in range(repeats))
-    n = 2 * FRESH_FROM // 4                       # μ: filling new memory, less filling memory in use
-    old = torch.ones(n)
-    new = min(_timed(lambda: torch.empty(n).fill_(1.0)) for _ in range(3))
-    old = min(_timed(lambda: old.fill_(1.0)) for _ in range(3))
-    return one_way, exchange, add / (4 * a.numel()), (new - old) / (4 * n), tiny_steps
+    return one_way, exchange, add / (4 * a.numel()), extra / n, tiny_steps
 
 
 def _timed(fn):
@@ -284,7 +289,7 @@ def _timed(fn):
 
 def measure(sizes=SIZES, repeats: int = 7, world_size: int | None = None, timeout: float = 300.0) -> Timings:
     """Time, on this machine: a ping-pong and a two-way exchange at each size, a float32 add,
-    filling fresh memory, and tiny steps of each kind (one-way, swap, ring) on 2c ranks (c = the cores we may use;
+    an exchange into fresh memory, and tiny steps of each kind (one-way, swap, ring) on 2c ranks (c = the cores we may use;
     skipped above 8 cores, where 2c processes would take longer than the rest together)."""
     cores = len(os.sched_getaffinity(0))
     if world_size is None:
@@ -292,6 +297,21 @@ def measure(sizes=SIZES, repeats: int = 7, world_size: int | None = None, timeou
     out = launch(_measure_on_ranks, sizes, repeats, world_size=world_size, timeout=timeout)[0]
     one_way, exchange, add, fresh, tiny_steps = out
     return Timings(cores, list(sizes), one_way, exchange, add, fresh, world_size if tiny_steps else 0, tiny_steps)
+
+
+def _time_on_ranks(sizes, algorithms, repeats):
+    with trace.paused(), collectives.unchecked():
+        return {(algorithm, n): _mean_time(lambda: collectives.all_reduce(x, algorithm=algorithm),
+                                           repeats * (4 if n <= 2 ** 18 else 1))
+                for n in sizes for x in [torch.ones(n // 4)] for algorithm in algorithms}
+
+
+def time_all_reduces(p: int, sizes, algorithms=("ring", "tree", "halving_doubling"), repeats: int = 5,
+                     timeout: float = 600.0) -> dict:
+    """{(algorithm, n_bytes): seconds} for pplab's all-reduces of float32 tensors on p ranks,
+    measured as the model predicts them: the mean over tries (4x as many up to 256 KB) of
+    the slowest rank's time, checks and tracing off. What a prediction is compared with."""
+    return launch(_time_on_ranks, list(sizes), tuple(algorithms), repeats, world_size=p, timeout=timeout)[0]
 
 
 def fit(world_size: int | None = None, sizes=SIZES, repeats: int = 7, timeout: float = 300.0) -> Fit:
