@@ -176,7 +176,7 @@ class Timings:
     one_way: list                # seconds, a ping-pong's round trip / 2, per size
     exchange: list               # seconds, two ranks sending to each other at once, per size
     add_per_byte: float          # γ: seconds per byte of a float32 add
-    fresh_per_byte: float        # μ: seconds per byte of receiving into new memory, less into old
+    fresh_per_byte: float        # μ: seconds per byte of writing new memory, less writing old
     tiny_ranks: int              # ranks of the tiny steps below (2c), 0 if not measured
     tiny_steps: dict             # {kind of step: seconds per step of tiny messages on tiny_ranks}
 
@@ -231,7 +231,7 @@ def _mean_time(fn, repeats):
 
 def _measure_on_ranks(sizes, repeats):
     """On every rank of 2 or 2c: ping-pong and exchange (ranks 0, 1), tiny steps (all),
-    an exchange into fresh memory (ranks 0, 1) and an add (rank 0). pplab.comm's own calls, as pplab.collectives makes them."""
+    an add and a write to fresh memory (rank 0). pplab.comm's own calls, as pplab.collectives makes them."""
     rank, p = dist.get_rank(), dist.get_world_size()
     one_way, exchange = [], []
     with trace.paused(), collectives.unchecked():
@@ -265,20 +265,16 @@ def _measure_on_ranks(sizes, repeats):
                 collectives._sendrecv(tiny, (rank + 1) % p, got, (rank - 1) % p, None)
         tiny_steps = {kind: _mean_time(run, 4 * repeats) / steps for kind, run in
                       (("one-way", tiny_one_way), ("swap", tiny_swap), ("ring", tiny_ring))} if p > 2 else {}
-        n = FRESH_FROM                             # μ: receiving into new memory, less into memory in use,
-        out, warm = torch.zeros(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)   # in turns
-
-        def swap_into(fresh):
-            if rank < 2:
-                collectives._sendrecv(out, 1 - rank, torch.empty_like(warm) if fresh else warm, 1 - rank, None)
-        extra = statistics.median(_mean_time(lambda: swap_into(True), 1) - _mean_time(lambda: swap_into(False), 1)
-                                  for _ in range(5))
     if rank:
         return None
     n = max(sizes) // 4                           # γ: a float32 add of the largest size, in place
     a, b = torch.rand(n), torch.rand(n)
     add = min(_timed(lambda: a.add_(b)) for _ in range(repeats))
-    return one_way, exchange, add / (4 * a.numel()), extra / n, tiny_steps
+    n = FRESH_FROM // 4                           # μ: writing new memory (page faults), less writing memory in use
+    old = torch.ones(n)
+    new = min(_timed(lambda: torch.empty(n).fill_(1.0)) for _ in range(3))
+    old = min(_timed(lambda: old.fill_(1.0)) for _ in range(3))
+    return one_way, exchange, add / (4 * a.numel()), (new - old) / (4 * n), tiny_steps
 
 
 def _timed(fn):
@@ -289,7 +285,7 @@ def _timed(fn):
 
 def measure(sizes=SIZES, repeats: int = 7, world_size: int | None = None, timeout: float = 300.0) -> Timings:
     """Time, on this machine: a ping-pong and a two-way exchange at each size, a float32 add,
-    an exchange into fresh memory, and tiny steps of each kind (one-way, swap, ring) on 2c ranks (c = the cores we may use;
+    a write to fresh memory, and tiny steps of each kind (one-way, swap, ring) on 2c ranks (c = the cores we may use;
     skipped above 8 cores, where 2c processes would take longer than the rest together)."""
     cores = len(os.sched_getaffinity(0))
     if world_size is None:
