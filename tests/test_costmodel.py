@@ -176,6 +176,7 @@ def test_monotonic_in_size_and_in_powers_of_two_ranks():
     (lambda: cm.bytes_sent_per_rank("broadcast", "tree", 3, 16, root=3), "root=3.*0..2"),
     (lambda: cm.fit(world_size=1), "world_size must be >= 2"),
     (lambda: cm.fit(sizes=[1024]), "at least two different message sizes"),
+    (lambda: cm.fit(world_size=3), "world_size must be even, got 3"),
 ])
 def test_bad_input_says_what_to_change(call, match):
     with pytest.raises(ValueError, match=match):
