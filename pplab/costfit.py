@@ -178,7 +178,7 @@ class Timings:
     add_per_byte: float          # γ: seconds per byte of a float32 add
     fresh_per_byte: float        # μ: seconds per byte of writing new memory, less writing old
     tiny_ranks: int              # ranks of the tiny steps below (2c), 0 if not measured
-    tiny_steps: dict             # {kind of step: seconds per step of tiny messages on tiny_ranks}
+    tiny_steps: dict             # {kind of step: (seconds per tiny step on 2 ranks, on tiny_ranks)}
 
 
 def _fit_line(sizes, times):
@@ -201,10 +201,9 @@ def fit_timings(t: Timings) -> Fit:
     alpha, beta = _fit_line(t.sizes, t.one_way)
     alpha2, beta2 = _fit_line(t.sizes, t.exchange)
     sigma = {}
-    if t.tiny_ranks > t.cores:                    # a tiny step on b ranks = α' + σ'·(1 - c/b)
+    if t.tiny_ranks > t.cores:                    # a tiny step on b ranks takes σ'·(1 - c/b) more than on 2
         w = 1 - t.cores / t.tiny_ranks
-        sigma = {kind: max(0.0, (seconds - (alpha if kind == "one-way" else alpha2)) / w)
-                 for kind, seconds in t.tiny_steps.items()}
+        sigma = {kind: max(0.0, (on_all - on_two) / w) for kind, (on_two, on_all) in t.tiny_steps.items()}
     return Fit(alpha, beta, t.add_per_byte, list(t.sizes), list(t.one_way), alpha2, beta2, sigma,
                max(0.0, t.fresh_per_byte), t.cores, list(t.exchange))
 
@@ -251,22 +250,7 @@ def _measure_on_ranks(sizes, repeats):
                     collectives._sendrecv(buf, 1 - rank, into, 1 - rank, None)
             one_way.append(_mean_time(ping_pong, tries) / 2)
             exchange.append(_mean_time(swap, tries))
-        tiny, got, steps = torch.zeros(1), torch.zeros(1), 2 * (p - 1)   # as many steps as a ring all-reduce
-
-        def tiny_one_way():                        # ranks 2i, 2i+1 pass a message back and forth
-            for k in range(steps):
-                (comm.send(tiny, rank ^ 1) if (rank + k) % 2 else comm.recv(got, rank ^ 1))
-
-        def tiny_swap():                           # partners r ^ 1, r ^ 2, r ^ 4, ... as in halving-doubling
-            masks = [1 << k for k in range((p & -p).bit_length() - 1)]   # (on the largest power of 2 dividing p)
-            for k in range(steps):
-                collectives._sendrecv(tiny, rank ^ masks[k % len(masks)], got, rank ^ masks[k % len(masks)], None)
-
-        def tiny_ring():                           # every rank sends right while receiving from the left
-            for _ in range(steps):
-                collectives._sendrecv(tiny, (rank + 1) % p, got, (rank - 1) % p, None)
-        tiny_steps = {kind: _mean_time(run, 4 * repeats) / steps for kind, run in
-                      (("one-way", tiny_one_way), ("swap", tiny_swap), ("ring", tiny_ring))} if p > 2 else {}
+        tiny_steps = _tiny_steps(rank, p, repeats) if p > 2 else {}
     if rank:
         return None
     n = max(sizes) // 4                           # γ: a float32 add of the largest size, in place
@@ -277,6 +261,37 @@ def _measure_on_ranks(sizes, repeats):
     new = min(_timed(lambda: torch.empty(n).fill_(1.0)) for _ in range(3))
     old = min(_timed(lambda: old.fill_(1.0)) for _ in range(3))
     return one_way, exchange, add / (4 * a.numel()), (new - old) / (4 * n), tiny_steps
+
+
+def _tiny_steps(rank, p, repeats):
+    """{kind: (seconds per step on ranks 0 and 1 alone, on all p)}, 4-byte messages, as many
+    steps as a ring all-reduce on p. The two take turns, so that a change of load from
+    elsewhere falls on both: their difference is the waiting for a core."""
+    tiny, got, steps = torch.zeros(1), torch.zeros(1), 2 * (p - 1)
+
+    def one_way(q):                                # ranks 2i, 2i+1 pass a message back and forth
+        for k in range(steps):
+            if rank < q:
+                (comm.send(tiny, rank ^ 1) if (rank + k) % 2 else comm.recv(got, rank ^ 1))
+
+    def swap(q):                                   # partners r ^ 1, r ^ 2, r ^ 4, ... as in halving-doubling
+        masks = [1 << k for k in range((q & -q).bit_length() - 1)]   # (on the largest power of 2 dividing q)
+        for k in range(steps):
+            if rank < q:
+                collectives._sendrecv(tiny, rank ^ masks[k % len(masks)], got, rank ^ masks[k % len(masks)], None)
+
+    def ring(q):                                   # every rank sends right while receiving from the left
+        for _ in range(steps):
+            if rank < q:
+                collectives._sendrecv(tiny, (rank + 1) % q, got, (rank - 1) % q, None)
+    result = {}
+    for kind, run in (("one-way", one_way), ("swap", swap), ("ring", ring)):
+        times = {2: [], p: []}
+        for _ in range(repeats):
+            for q in (2, p):
+                times[q].append(_mean_time(lambda: run(q), 3) / steps)
+        result[kind] = (statistics.fmean(times[2]), statistics.fmean(times[p]))
+    return result
 
 
 def _timed(fn):
