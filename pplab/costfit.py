@@ -6,7 +6,7 @@ the critical path (Thakur, Rabenseifner & Gropp). The classic model prices them 
 and receive at full speed at once. On a CPU, where "the network" is the processor copying
 memory, four more things cost time. The model here keeps the table and adds them:
 
-    T = A·(α' + σ'·w) + s·(B·β' + C·γ + F·μ),      s = max(1, b/c),  w = max(0, 1 - c/b)
+    T = s·(A·α' + B·β' + C·γ + F·μ) + A·σ'·w,      s = max(1, b/c),  w = max(0, 1 - c/b)
 
     α', β'   a step's start-up time and time per byte. For algorithms whose steps send
              and receive at once (ring, halving/doubling, all-gather, ...) these are
@@ -17,7 +17,8 @@ memory, four more things cost time. The model here keeps the table and adds them
     b, c     b ranks busy at once (p for the ring and halving-doubling; fewer for a tree,
              where each round only some ranks talk) on c cores.
     s        ranks per core. While b > c the ranks take turns, so everything a rank does
-             on the CPU in a step (copies, additions, page faults) takes s times longer.
+             on the CPU (its per-message work, copies, additions, page faults) takes s
+             times longer.
     σ', w    a rank whose message has arrived may find its core taken by another rank
              (a share w = 1 - c/b of the busy ranks have no core of their own) and then
              waits for a time slice (up to a scheduler tick). How long depends on the kind
@@ -145,7 +146,7 @@ class Fit:
         busy = busy_ranks(collective, algorithm, p)
         cores = self.cores or busy
         s, w = max(1.0, busy / cores), max(0.0, 1 - cores / busy)
-        return {"latency A·α'": c.latency_rounds * a,
+        return {"latency s·A·α'": s * c.latency_rounds * a,
                 "scheduling A·σ'·w": c.latency_rounds * sigma * w,
                 "bytes s·B·β'": s * c.bytes * b,
                 "combining s·C·γ": s * c.reduce_bytes * self.gamma,
@@ -201,9 +202,9 @@ def fit_timings(t: Timings) -> Fit:
     alpha, beta = _fit_line(t.sizes, t.one_way)
     alpha2, beta2 = _fit_line(t.sizes, t.exchange)
     sigma = {}
-    if t.tiny_ranks > t.cores:                    # a tiny step on b ranks takes σ'·(1 - c/b) more than on 2
-        w = 1 - t.cores / t.tiny_ranks
-        sigma = {kind: max(0.0, (on_all - on_two) / w) for kind, (on_two, on_all) in t.tiny_steps.items()}
+    if t.tiny_ranks > t.cores:                    # a tiny step on b ranks: s·(its time on 2) + σ'·w
+        s, w = t.tiny_ranks / t.cores, 1 - t.cores / t.tiny_ranks
+        sigma = {kind: max(0.0, (on_all - s * on_two) / w) for kind, (on_two, on_all) in t.tiny_steps.items()}
     return Fit(alpha, beta, t.add_per_byte, list(t.sizes), list(t.one_way), alpha2, beta2, sigma,
                max(0.0, t.fresh_per_byte), t.cores, list(t.exchange))
 
