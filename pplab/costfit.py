@@ -213,44 +213,63 @@ def fit_timings(t: Timings) -> Fit:
 # Measuring: a few seconds on this machine
 
 
-def _mean_time(fn, repeats):
-    """The mean of `repeats` timed calls (after one to warm up), each started together on
-    every rank and timed by the slowest. The mean, not the median or the best: a step
-    sometimes waits a whole scheduler tick for its core, and only means add up step by
-    step into a collective's mean time. The slowest tenth of the tries is left out: a
-    rare burst from another program on a shared machine is not what the model is about."""
+def _tries(fn, tries):
+    """This rank's times of `tries` calls of fn, each started together on every rank."""
     times = []
-    for _ in range(repeats + 1):
+    for _ in range(tries):
         dist.barrier()
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    slowest = torch.tensor(times[1:], dtype=torch.float64)
+    return times
+
+
+def _slowest(times):
+    """Each try's time on its slowest rank (every rank passes its own times of the same tries)."""
+    slowest = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    kept = sorted(slowest.tolist())[:repeats - repeats // 10]
-    return statistics.fmean(kept)
+    return slowest.tolist()
+
+
+def _trimmed_mean(times):
+    """The mean, not the median or the best: a step sometimes waits a whole scheduler tick
+    for its core, and only means add up step by step into a collective's mean time. The
+    slowest tenth is left out: a rare burst from another program on a shared machine is
+    not what the model is about."""
+    return statistics.fmean(sorted(times)[:len(times) - len(times) // 10])
+
+
+def _mean_time(fn, repeats):
+    """The trimmed mean of `repeats` timed calls of fn, after one to warm up."""
+    _tries(fn, 1)
+    return _trimmed_mean(_slowest(_tries(fn, repeats)))
 
 
 def _measure_on_ranks(sizes, repeats):
     """On every rank of 2 or 2c: ping-pong and exchange (ranks 0, 1), tiny steps (all),
     an add and a write to fresh memory (rank 0). pplab.comm's own calls, as pplab.collectives makes them."""
     rank, p = dist.get_rank(), dist.get_world_size()
-    one_way, exchange = [], []
+    bufs = {n: [torch.zeros(n if rank < 2 else 0, dtype=torch.uint8) for _ in range(2)] for n in sizes}
+
+    def ping_pong(n):                              # 0 → 1, then 1 → 0
+        if rank < 2:
+            (comm.send, comm.recv)[rank](bufs[n][0], 1 - rank)
+            (comm.recv, comm.send)[rank](bufs[n][0], 1 - rank)
+
+    def swap(n):                                   # 0 → 1 and 1 → 0 at once
+        if rank < 2:
+            collectives._sendrecv(bufs[n][0], 1 - rank, bufs[n][1], 1 - rank, None)
+    tries = [(run, n) for n in sizes for run in (ping_pong, swap) for _ in range(4 if n <= 2 ** 18 else 1)]
     with trace.paused(), collectives.unchecked():
-        for n in sizes:
-            tries = repeats * (4 if n <= 2 ** 18 else 1)   # small ones are cheap: more tries, a steadier mean
-            buf, into = torch.zeros(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
-
-            def ping_pong():
-                if rank < 2:                       # 0 → 1, then 1 → 0
-                    (comm.send, comm.recv)[rank](buf, 1 - rank)
-                    (comm.recv, comm.send)[rank](buf, 1 - rank)
-
-            def swap():
-                if rank < 2:
-                    collectives._sendrecv(buf, 1 - rank, into, 1 - rank, None)
-            one_way.append(_mean_time(ping_pong, tries) / 2)
-            exchange.append(_mean_time(swap, tries))
+        for run, n in tries:                       # a warm-up
+            run(n)
+        mine = [t for _ in range(repeats) for run, n in tries for t in _tries(lambda: run(n), 1)]
+        slowest = _slowest(mine)                   # the sizes take turns, so a burst of load falls on all;
+        times = {key: [] for key in tries}         # small sizes are cheap: 4 tries a round
+        for key, t in zip(tries * repeats, slowest):
+            times[key].append(t)
+        one_way = [_trimmed_mean(times[ping_pong, n]) / 2 for n in sizes]
+        exchange = [_trimmed_mean(times[swap, n]) for n in sizes]
         tiny_steps = _tiny_steps(rank, p, repeats) if p > 2 else {}
     if rank:
         return None
