@@ -179,7 +179,7 @@ class Timings:
     add_per_byte: float          # γ: seconds per byte of a float32 add
     fresh_per_byte: float        # μ: seconds per byte of writing new memory, less writing old
     tiny_ranks: int              # ranks of the tiny steps below (2c), 0 if not measured
-    tiny_steps: dict             # {kind of step: (seconds per tiny step on 2 ranks, on tiny_ranks)}
+    tiny_steps: dict             # {kind of step: seconds per tiny step on tiny_ranks}
 
 
 def _fit_line(sizes, times):
@@ -202,9 +202,10 @@ def fit_timings(t: Timings) -> Fit:
     alpha, beta = _fit_line(t.sizes, t.one_way)
     alpha2, beta2 = _fit_line(t.sizes, t.exchange)
     sigma = {}
-    if t.tiny_ranks > t.cores:                    # a tiny step on b ranks: s·(its time on 2) + σ'·w
+    if t.tiny_ranks > t.cores:                    # a tiny step on b = 2c ranks takes s·α' + σ'·w
         s, w = t.tiny_ranks / t.cores, 1 - t.cores / t.tiny_ranks
-        sigma = {kind: max(0.0, (on_all - s * on_two) / w) for kind, (on_two, on_all) in t.tiny_steps.items()}
+        sigma = {kind: max(0.0, (seconds - s * (alpha if kind == "one-way" else alpha2)) / w)
+                 for kind, seconds in t.tiny_steps.items()}
     return Fit(alpha, beta, t.add_per_byte, list(t.sizes), list(t.one_way), alpha2, beta2, sigma,
                max(0.0, t.fresh_per_byte), t.cores, list(t.exchange))
 
@@ -251,25 +252,28 @@ def _measure_on_ranks(sizes, repeats):
     rank, p = dist.get_rank(), dist.get_world_size()
     bufs = {n: [torch.zeros(n if rank < 2 else 0, dtype=torch.uint8) for _ in range(2)] for n in sizes}
 
+    def steps(n):                                  # a collective's steps follow one another, and a step
+        return 4 if n <= 2 ** 18 else 1            # right after a barrier is faster than the next ones
+
     def ping_pong(n):                              # 0 → 1, then 1 → 0
-        if rank < 2:
+        for _ in range(steps(n) if rank < 2 else 0):
             (comm.send, comm.recv)[rank](bufs[n][0], 1 - rank)
             (comm.recv, comm.send)[rank](bufs[n][0], 1 - rank)
 
     def swap(n):                                   # 0 → 1 and 1 → 0 at once
-        if rank < 2:
+        for _ in range(steps(n) if rank < 2 else 0):
             collectives._sendrecv(bufs[n][0], 1 - rank, bufs[n][1], 1 - rank, None)
-    tries = [(run, n) for n in sizes for run in (ping_pong, swap) for _ in range(4 if n <= 2 ** 18 else 1)]
+    tries = [(run, n) for n in sizes for run in (ping_pong, swap)]
     with trace.paused(), collectives.unchecked():
         for run, n in tries:                       # a warm-up
             run(n)
         mine = [t for _ in range(repeats) for run, n in tries for t in _tries(lambda: run(n), 1)]
-        slowest = _slowest(mine)                   # the sizes take turns, so a burst of load falls on all;
-        times = {key: [] for key in tries}         # small sizes are cheap: 4 tries a round
+        slowest = _slowest(mine)                   # the sizes take turns, so a burst of load falls on all
+        times = {key: [] for key in tries}
         for key, t in zip(tries * repeats, slowest):
             times[key].append(t)
-        one_way = [_trimmed_mean(times[ping_pong, n]) / 2 for n in sizes]
-        exchange = [_trimmed_mean(times[swap, n]) for n in sizes]
+        one_way = [_trimmed_mean(times[ping_pong, n]) / (2 * steps(n)) for n in sizes]
+        exchange = [_trimmed_mean(times[swap, n]) / steps(n) for n in sizes]
         tiny_steps = _tiny_steps(rank, p, repeats) if p > 2 else {}
     if rank:
         return None
@@ -284,34 +288,28 @@ def _measure_on_ranks(sizes, repeats):
 
 
 def _tiny_steps(rank, p, repeats):
-    """{kind: (seconds per step on ranks 0 and 1 alone, on all p)}, 4-byte messages, as many
-    steps as a ring all-reduce on p. The two take turns, so that a change of load from
-    elsewhere falls on both: their difference is the waiting for a core."""
+    """{kind: seconds per step on all p ranks}, 4-byte messages, as many steps as a ring
+    all-reduce on p; the kinds take turns, so a burst of load falls on all three."""
     tiny, got, steps = torch.zeros(1), torch.zeros(1), 2 * (p - 1)
+    masks = [1 << k for k in range((p & -p).bit_length() - 1)]   # r ^ 1, r ^ 2, ... (p even: at least 1)
 
-    def one_way(q):                                # ranks 2i, 2i+1 pass a message back and forth
+    def one_way():                                 # ranks 2i, 2i+1 pass a message back and forth
         for k in range(steps):
-            if rank < q:
-                (comm.send(tiny, rank ^ 1) if (rank + k) % 2 else comm.recv(got, rank ^ 1))
+            (comm.send(tiny, rank ^ 1) if (rank + k) % 2 else comm.recv(got, rank ^ 1))
 
-    def swap(q):                                   # partners r ^ 1, r ^ 2, r ^ 4, ... as in halving-doubling
-        masks = [1 << k for k in range((q & -q).bit_length() - 1)]   # (on the largest power of 2 dividing q)
+    def swap():                                    # partners r ^ 1, r ^ 2, r ^ 4, ... as in halving-doubling
         for k in range(steps):
-            if rank < q:
-                collectives._sendrecv(tiny, rank ^ masks[k % len(masks)], got, rank ^ masks[k % len(masks)], None)
+            collectives._sendrecv(tiny, rank ^ masks[k % len(masks)], got, rank ^ masks[k % len(masks)], None)
 
-    def ring(q):                                   # every rank sends right while receiving from the left
+    def ring():                                    # every rank sends right while receiving from the left
         for _ in range(steps):
-            if rank < q:
-                collectives._sendrecv(tiny, (rank + 1) % q, got, (rank - 1) % q, None)
-    result = {}
-    for kind, run in (("one-way", one_way), ("swap", swap), ("ring", ring)):
-        times = {2: [], p: []}
-        for _ in range(repeats):
-            for q in (2, p):
-                times[q].append(_mean_time(lambda: run(q), 3) / steps)
-        result[kind] = (statistics.fmean(times[2]), statistics.fmean(times[p]))
-    return result
+            collectives._sendrecv(tiny, (rank + 1) % p, got, (rank - 1) % p, None)
+    kinds = {"one-way": one_way, "swap": swap, "ring": ring}
+    for run in kinds.values():                     # a warm-up
+        run()
+    mine = [t for _ in range(2 * repeats) for run in kinds.values() for t in _tries(run, 1)]
+    slowest = _slowest(mine)
+    return {kind: _trimmed_mean(slowest[i::len(kinds)]) / steps for i, kind in enumerate(kinds)}
 
 
 def _timed(fn):

@@ -222,15 +222,14 @@ def _timings_from(known, noise, seed):
     def off(t):
         return t * rng.uniform(1 - noise, 1 + noise)
     sizes = list(costfit.SIZES)
-    ranks = 2 * known.cores                             # tiny steps on 2 ranks, and on 2c: a share 1 - c/2c waits
+    ranks = 2 * known.cores                             # tiny steps on 2c ranks: s = 2, a share 1 - c/2c waits
     tiny = {"one-way": known.alpha, "swap": known.alpha2, "ring": known.alpha2}   # + 4 bytes: negligible
     return costfit.Timings(
         cores=known.cores, sizes=sizes,
         one_way=[off(known.alpha + known.beta * n) for n in sizes],
         exchange=[off(known.alpha2 + known.beta2 * n) for n in sizes],
         add_per_byte=off(known.gamma), fresh_per_byte=off(known.mu), tiny_ranks=ranks,
-        tiny_steps={k: (off(tiny[k]), off(ranks / known.cores * tiny[k] + known.sigma[k] * (1 - known.cores / ranks)))
-                    for k in costfit.STEPS})
+        tiny_steps={k: off(ranks / known.cores * tiny[k] + known.sigma[k] * (1 - known.cores / ranks)) for k in costfit.STEPS})
 
 
 @pytest.mark.parametrize("seed", range(5))
