@@ -33,8 +33,9 @@ GPU, so σ never applies; its buffers are reused; NVLink and InfiniBand send and
 at once at full speed.
 
 `fit()` = `measure()` (a few seconds on this machine: ping-pongs and exchanges from 1 KB to
-64 MB, an add, a write to fresh memory, tiny steps of each kind on 2c ranks) then `fit_timings()` (pure arithmetic on those timings, testable without
-ranks). Neither looks at a collective's own time: that is what the predictions are for.
+64 MB, an add, a write to fresh memory, tiny steps of each kind on 2c ranks) then
+`fit_timings()` (pure arithmetic on those timings, testable without ranks). Neither looks
+at a collective's own time: that is what the predictions are for.
 """
 from __future__ import annotations
 
@@ -159,8 +160,8 @@ class Fit:
     def __str__(self):
         return (f"α = {self.alpha * 1e6:.1f} µs, β = {self.beta * 1e9:.3f} ns/B ({self.bandwidth:.2f} GB/s) one way; "
                 f"α₂ = {self.alpha2 * 1e6:.1f} µs, β₂ = {self.beta2 * 1e9:.3f} ns/B exchanging; "
-                f"γ = {self.gamma * 1e9:.3f} ns/B; σ = " + ", ".join(f"{self.sigma.get(k, 0) * 1e6:.0f} µs ({k})" for k in STEPS)
-                + f" per step waiting for a core (c = {self.cores}); μ = {self.mu * 1e9:.3f} ns/B fresh; "
+                f"γ = {self.gamma * 1e9:.3f} ns/B; σ = "
+                + ", ".join(f"{self.sigma.get(k, 0) * 1e6:.0f} µs ({k})" for k in STEPS) + f" per step waiting for a core (c = {self.cores}); μ = {self.mu * 1e9:.3f} ns/B fresh; "
                 f"from {len(self.sizes)} sizes, {self.sizes[0]:,} to {self.sizes[-1]:,} bytes")
 
 

@@ -229,7 +229,8 @@ def _timings_from(known, noise, seed):
         one_way=[off(known.alpha + known.beta * n) for n in sizes],
         exchange=[off(known.alpha2 + known.beta2 * n) for n in sizes],
         add_per_byte=off(known.gamma), fresh_per_byte=off(known.mu), tiny_ranks=ranks,
-        tiny_steps={k: off(ranks / known.cores * tiny[k] + known.sigma[k] * (1 - known.cores / ranks)) for k in costfit.STEPS})
+        tiny_steps={k: off(ranks / known.cores * tiny[k] + known.sigma[k] * (1 - known.cores / ranks))
+                    for k in costfit.STEPS})
 
 
 @pytest.mark.parametrize("seed", range(5))
