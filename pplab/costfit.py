@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from . import collectives, comm, trace
 from .costmodel import cost
-from .launcher import launch
+from .launcher import device, launch
 
 SIZES = tuple(4 ** k * 1024 for k in range(9))    # 1 KB, 4 KB, ..., 64 MB
 FRESH_FROM = 32 * 2 ** 20                          # glibc's malloc takes buffers this large from the OS each time
@@ -158,10 +158,11 @@ class Fit:
         return sum(self.terms(collective, algorithm, p, n_bytes).values())
 
     def __str__(self):
+        sigma = ", ".join(f"{self.sigma.get(k, 0) * 1e6:.0f} µs ({k})" for k in STEPS)
         return (f"α = {self.alpha * 1e6:.1f} µs, β = {self.beta * 1e9:.3f} ns/B ({self.bandwidth:.2f} GB/s) one way; "
                 f"α₂ = {self.alpha2 * 1e6:.1f} µs, β₂ = {self.beta2 * 1e9:.3f} ns/B exchanging; "
-                f"γ = {self.gamma * 1e9:.3f} ns/B; σ = "
-                + ", ".join(f"{self.sigma.get(k, 0) * 1e6:.0f} µs ({k})" for k in STEPS) + f" per step waiting for a core (c = {self.cores}); μ = {self.mu * 1e9:.3f} ns/B fresh; "
+                f"γ = {self.gamma * 1e9:.3f} ns/B; σ = {sigma} per step waiting for a core (c = {self.cores}); "
+                f"μ = {self.mu * 1e9:.3f} ns/B fresh; "
                 f"from {len(self.sizes)} sizes, {self.sizes[0]:,} to {self.sizes[-1]:,} bytes")
 
 
@@ -173,7 +174,7 @@ class Fit:
 class Timings:
     """What measure() measured: the only input fit_timings() needs."""
 
-    cores: int                   # c
+    cores: int | None            # c (None: one GPU per rank, nothing shared)
     sizes: list                  # message sizes (bytes)
     one_way: list                # seconds, a ping-pong's round trip / 2, per size
     exchange: list               # seconds, two ranks sending to each other at once, per size
@@ -203,7 +204,7 @@ def fit_timings(t: Timings) -> Fit:
     alpha, beta = _fit_line(t.sizes, t.one_way)
     alpha2, beta2 = _fit_line(t.sizes, t.exchange)
     sigma = {}
-    if t.tiny_ranks > t.cores:                    # a tiny step on b = 2c ranks takes s·α' + σ'·w
+    if t.cores and t.tiny_ranks > t.cores:                    # a tiny step on b = 2c ranks takes s·α' + σ'·w
         s, w = t.tiny_ranks / t.cores, 1 - t.cores / t.tiny_ranks
         sigma = {kind: max(0.0, (seconds - s * (alpha if kind == "one-way" else alpha2)) / w)
                  for kind, seconds in t.tiny_steps.items()}
@@ -222,13 +223,20 @@ def _tries(fn, tries):
         dist.barrier()
         start = time.perf_counter()
         fn()
+        _wait_for_gpu()
         times.append(time.perf_counter() - start)
     return times
 
 
+def _wait_for_gpu():
+    """Under NCCL a call returns before the GPU has finished: wait for it before reading the clock."""
+    if device().type == "cuda":
+        torch.cuda.synchronize()
+
+
 def _slowest(times):
     """Each try's time on its slowest rank (every rank passes its own times of the same tries)."""
-    slowest = torch.tensor(times, dtype=torch.float64)
+    slowest = torch.tensor(times, dtype=torch.float64, device=device())
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return slowest.tolist()
 
@@ -251,7 +259,7 @@ def _measure_on_ranks(sizes, repeats):
     """On every rank of 2 or 2c: ping-pong and exchange (ranks 0, 1), tiny steps (all),
     an add and a write to fresh memory (rank 0). pplab.comm's own calls, as pplab.collectives makes them."""
     rank, p = dist.get_rank(), dist.get_world_size()
-    bufs = {n: [torch.zeros(n if rank < 2 else 0, dtype=torch.uint8) for _ in range(2)] for n in sizes}
+    bufs = {n: [torch.zeros(n if rank < 2 else 0, dtype=torch.uint8, device=device()) for _ in range(2)] for n in sizes}
 
     def steps(n):                                  # a collective's steps follow one another, and a step
         return 4 if n <= 2 ** 18 else 1            # right after a barrier is faster than the next ones
@@ -279,19 +287,19 @@ def _measure_on_ranks(sizes, repeats):
     if rank:
         return None
     n = max(sizes) // 4                           # γ: a float32 add of the largest size, in place
-    a, b = torch.rand(n), torch.rand(n)
+    a, b = torch.rand(n, device=device()), torch.rand(n, device=device())
     add = min(_timed(lambda: a.add_(b)) for _ in range(repeats))
     n = FRESH_FROM // 4                           # μ: writing new memory (page faults), less writing memory in use
-    old = torch.ones(n)
-    new = min(_timed(lambda: torch.empty(n).fill_(1.0)) for _ in range(3))
+    old = torch.ones(n, device=device())
+    new = min(_timed(lambda: torch.empty(n, device=device()).fill_(1.0)) for _ in range(3))
     old = min(_timed(lambda: old.fill_(1.0)) for _ in range(3))
-    return one_way, exchange, add / (4 * a.numel()), (new - old) / (4 * n), tiny_steps
+    return one_way, exchange, add / (4 * a.numel()), (new - old) / (4 * n), tiny_steps, device().type
 
 
 def _tiny_steps(rank, p, repeats):
     """{kind: seconds per step on all p ranks}, 4-byte messages, as many steps as a ring
     all-reduce on p; the kinds take turns, so a burst of load falls on all three."""
-    tiny, got, steps = torch.zeros(1), torch.zeros(1), 2 * (p - 1)
+    tiny, got, steps = torch.zeros(1, device=device()), torch.zeros(1, device=device()), 2 * (p - 1)
     masks = [1 << k for k in range((p & -p).bit_length() - 1)]   # r ^ 1, r ^ 2, ... (p even: at least 1)
 
     def one_way():                                 # ranks 2i, 2i+1 pass a message back and forth
@@ -316,18 +324,22 @@ def _tiny_steps(rank, p, repeats):
 def _timed(fn):
     start = time.perf_counter()
     fn()
+    _wait_for_gpu()
     return time.perf_counter() - start
 
 
 def measure(sizes=SIZES, repeats: int = 7, world_size: int | None = None, timeout: float = 300.0) -> Timings:
     """Time, on this machine: a ping-pong and a two-way exchange at each size, a float32 add,
-    a write to fresh memory, and tiny steps of each kind (one-way, swap, ring) on 2c ranks (c = the cores we may use;
-    skipped above 8 cores, where 2c processes would take longer than the rest together)."""
+    a write to fresh memory, and tiny steps of each kind (one-way, swap, ring) on 2c ranks
+    (c = the cores we may use; skipped above 8 cores, where 2c processes would take longer
+    than the rest together, and under NCCL, where each rank has a GPU of its own)."""
     cores = len(os.sched_getaffinity(0))
     if world_size is None:
         world_size = 2 * cores if cores <= 8 else 2
     out = launch(_measure_on_ranks, sizes, repeats, world_size=world_size, timeout=timeout)[0]
-    one_way, exchange, add, fresh, tiny_steps = out
+    one_way, exchange, add, fresh, tiny_steps, where = out
+    if where == "cuda":                           # NCCL, one process per GPU: no core is shared
+        cores, tiny_steps = None, {}
     return Timings(cores, list(sizes), one_way, exchange, add, fresh, world_size if tiny_steps else 0, tiny_steps)
 
 
@@ -335,7 +347,7 @@ def _time_on_ranks(sizes, algorithms, repeats):
     with trace.paused(), collectives.unchecked():
         return {(algorithm, n): _mean_time(lambda: collectives.all_reduce(x, algorithm=algorithm),
                                            repeats * (4 if n <= 2 ** 18 else 1))
-                for n in sizes for x in [torch.ones(n // 4)] for algorithm in algorithms}
+                for n in sizes for x in [torch.ones(n // 4, device=device())] for algorithm in algorithms}
 
 
 def time_all_reduces(p: int, sizes, algorithms=("ring", "tree", "halving_doubling"), repeats: int = 5,
