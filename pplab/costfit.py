@@ -261,28 +261,25 @@ def _measure_on_ranks(sizes, repeats):
     rank, p = dist.get_rank(), dist.get_world_size()
     bufs = {n: [torch.zeros(n if rank < 2 else 0, dtype=torch.uint8, device=device()) for _ in range(2)] for n in sizes}
 
-    def steps(n):                                  # a collective's steps follow one another, and a step
-        return 4 if n <= 2 ** 18 else 1            # right after a barrier is faster than the next ones
-
     def ping_pong(n):                              # 0 → 1, then 1 → 0
-        for _ in range(steps(n) if rank < 2 else 0):
+        if rank < 2:
             (comm.send, comm.recv)[rank](bufs[n][0], 1 - rank)
             (comm.recv, comm.send)[rank](bufs[n][0], 1 - rank)
 
     def swap(n):                                   # 0 → 1 and 1 → 0 at once
-        for _ in range(steps(n) if rank < 2 else 0):
+        if rank < 2:
             collectives._sendrecv(bufs[n][0], 1 - rank, bufs[n][1], 1 - rank, None)
-    tries = [(run, n) for n in sizes for run in (ping_pong, swap)]
+    tries = [(run, n) for n in sizes for run in (ping_pong, swap) for _ in range(4 if n <= 2 ** 18 else 1)]
     with trace.paused(), collectives.unchecked():
         for run, n in tries:                       # a warm-up
             run(n)
         mine = [t for _ in range(repeats) for run, n in tries for t in _tries(lambda: run(n), 1)]
-        slowest = _slowest(mine)                   # the sizes take turns, so a burst of load falls on all
-        times = {key: [] for key in tries}
+        slowest = _slowest(mine)                   # the sizes take turns, so a burst of load falls on all;
+        times = {key: [] for key in tries}         # small ones are cheap: 4 tries a round
         for key, t in zip(tries * repeats, slowest):
             times[key].append(t)
-        one_way = [_trimmed_mean(times[ping_pong, n]) / (2 * steps(n)) for n in sizes]
-        exchange = [_trimmed_mean(times[swap, n]) / steps(n) for n in sizes]
+        one_way = [_trimmed_mean(times[ping_pong, n]) / 2 for n in sizes]
+        exchange = [_trimmed_mean(times[swap, n]) for n in sizes]
         tiny_steps = _tiny_steps(rank, p, repeats) if p > 2 else {}
     if rank:
         return None
