@@ -4,8 +4,7 @@ For each number of ranks and each tensor size (1 KB to 64 MB, x4 steps), every r
 pplab.collectives.all_reduce(algorithm="ring") and dist.all_reduce on copies of the same
 float32 data, one after the other (which goes first alternates), each after a barrier.
 A try takes as long as its slowest rank; we report the median and the best of --repeats
-tries after a warm-up, the ratio ours / gloo (goal: below 2 from 1 MB up), and what the
-α-β-γ model predicts for the ring from a ping-pong fit (pplab.costmodel.fit) made first.
+tries after a warm-up, and the ratio ours / gloo (goal: below 2 from 1 MB up).
 On a loaded machine the median carries other programs' noise, and ours more than gloo's:
 our ring is 2(p-1) separate sends and receives, and a rank that waits on each one may
 wait for the CPU each time, where gloo's all-reduce is one call. The best try is closer
@@ -14,7 +13,16 @@ to what the algorithms themselves cost.
 Ours runs inside collectives.unchecked() (no argument exchange before each call) and
 trace.paused() (nothing recorded): the algorithm and its messages only, as gloo's are.
 
+Then the cost model against the clock: pplab.costfit fits its parameters from a few cheap
+measurements (ping-pong, exchange, an add, a tiny ring; no all-reduce), and we time
+pplab's ring, tree and halving_doubling all-reduces at p = 2, 4, 8 from 1 KB to 64 MB
+(mean of --repeats tries, 4x as many up to 256 KB, each as long as its slowest rank;
+the mean because a step sometimes waits a whole scheduler tick, and means add up) and print measured /
+predicted. Goal: within 1.5x where p <= cores, within 2x beyond. Run it at normal
+priority; the load average printed with it says how busy the machine was.
+
     python benchmarks/collectives.py [--ranks 2 4] [--max-size-mb 64] [--repeats 9]
+                                     [--model-ranks 2 4 8] [--only-model]
 """
 import argparse
 import os
@@ -26,7 +34,9 @@ import torch.distributed as dist
 
 import pplab
 from pplab import collectives as C
-from pplab import costmodel, trace
+from pplab import costfit, trace
+
+MODEL_ALGORITHMS = ("ring", "tree", "halving_doubling")
 
 
 def time_both(sizes, repeats):
@@ -52,6 +62,31 @@ def time_both(sizes, repeats):
     return out
 
 
+def model_against_clock(ranks, sizes, repeats):
+    """Fit (timed), then measure and print measured / predicted with the goal for each."""
+    start = time.perf_counter()
+    fit = costfit.fit()
+    print(f"cost model fit in {time.perf_counter() - start:.1f} s: {fit}")
+    print(f"goal: measured / predicted within 1.5x for p <= {fit.cores} cores, 2x beyond; "
+          f"load average before: {os.getloadavg()[0]:.2f}")
+    print(f"{'p':>3} {'size':>6} | " + " | ".join(f"{a:^27}" for a in MODEL_ALGORITHMS))
+    print(f"{'':>10} | " + " | ".join(f"{'measured':>9} {'model':>8} {'ratio':>8}" for _ in MODEL_ALGORITHMS))
+    inside = total = 0
+    for p in ranks:
+        measured = costfit.time_all_reduces(p, sizes, MODEL_ALGORITHMS, repeats)
+        goal = 1.5 if p <= fit.cores else 2.0
+        cells = {}
+        for (algorithm, n), t in measured.items():
+            ratio = t / fit.predict("all_reduce", algorithm, p, n)
+            ok = 1 / goal <= ratio <= goal
+            inside, total = inside + ok, total + 1
+            cells[algorithm, n] = f"{t * 1e3:>9.2f} {t / ratio * 1e3:>8.2f} {ratio:>7.2f}{' ' if ok else '!'}"
+        for n in sizes:
+            print(f"{p:>3} {human(n):>6} | " + " | ".join(cells[a, n] for a in MODEL_ALGORITHMS))
+        print(f"    load average after p = {p}: {os.getloadavg()[0]:.2f}")
+    print(f"{inside} of {total} within the goal (! marks the others); times in ms")
+
+
 def human(n):
     return f"{n // 2 ** 20} MB" if n >= 2 ** 20 else f"{n // 1024} KB"
 
@@ -61,25 +96,30 @@ def main():
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--max-size-mb", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--model-ranks", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--only-model", action="store_true", help="skip the ring against gloo")
     args = ap.parse_args()
     sizes = [1024 * 4 ** k for k in range(20) if 1024 * 4 ** k <= args.max_size_mb * 2 ** 20]
 
-    print(f"torch {torch.__version__}, gloo, {os.cpu_count()} cores, one process per rank (1 thread each)")
-    fit = costmodel.fit(sizes=sizes, repeats=2 * args.repeats)
-    print(f"ping-pong fit: {fit}\n")
-    print(f"{'':>12} | {'median of tries, ms':^31} | {'best try, ms':^31} | {'α-β-γ model':^20}")
+    print(f"torch {torch.__version__}, gloo, {len(os.sched_getaffinity(0))} cores, one process per rank "
+          f"(1 thread each); load average {os.getloadavg()[0]:.2f}")
+    if not args.only_model:
+        ring_against_gloo(args.ranks, sizes, args.repeats)
+    model_against_clock(args.model_ranks, sizes[::2], args.repeats)
+
+
+def ring_against_gloo(ranks, sizes, repeats):
+    print(f"{'':>12} | {'median of tries, ms':^31} | {'best try, ms':^31}")
     print(f"{'ranks':>5} {'size':>6} | {'pplab ring':>10} {'gloo':>9} {'ring/gloo':>10} | "
-          f"{'pplab ring':>10} {'gloo':>9} {'ring/gloo':>10} | {'ms':>8} {'best/model':>11}")
-    for p in args.ranks:
-        results = pplab.launch(time_both, sizes, args.repeats, world_size=p, timeout=600)
+          f"{'pplab ring':>10} {'gloo':>9} {'ring/gloo':>10}")
+    for p in ranks:
+        results = pplab.launch(time_both, sizes, repeats, world_size=p, timeout=600)
         for k, n in enumerate(sizes):
             slowest = [[max(tries) for tries in zip(*(r[k][j] for r in results))] for j in (0, 1)]
             ours, gloo = (statistics.median(t) * 1e3 for t in slowest)
             ours_best, gloo_best = (min(t) * 1e3 for t in slowest)
-            model = fit.predict("all_reduce", "ring", p, n) * 1e3
             print(f"{p:>5} {human(n):>6} | {ours:>10.3f} {gloo:>9.3f} {ours / gloo:>10.2f} | "
-                  f"{ours_best:>10.3f} {gloo_best:>9.3f} {ours_best / gloo_best:>10.2f} | "
-                  f"{model:>8.3f} {ours_best / model:>11.2f}")
+                  f"{ours_best:>10.3f} {gloo_best:>9.3f} {ours_best / gloo_best:>10.2f}")
         print()
 
 

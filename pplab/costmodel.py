@@ -39,17 +39,11 @@ but the server sends (and receives) them one message at a time, so A = 2(p-1), n
 `cost` and `predict` are the formulas; `bytes_sent_per_rank` counts exactly what each rank
 of pplab.collectives sends (chunks differ by an element when p does not divide the
 tensor), to compare with a trace; `messages_on_critical_path` reads A off a trace; and
-`fit` measures α, β (and γ) on this machine with a ping-pong between two ranks.
+`fit` measures α, β, γ on this machine, with what a CPU adds to them (pplab.costfit).
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
-
-import torch
-import torch.distributed as dist
-
-from .launcher import launch
 
 COLLECTIVES = {      # collective: its algorithms in pplab.collectives (the first is the default)
     "broadcast": ("tree",), "reduce": ("tree",), "scatter": ("linear",), "gather": ("linear",),
@@ -229,100 +223,17 @@ def messages_on_critical_path(messages) -> int:
 
 
 # ----------------------------------------------------------------------------------
-# Measuring α, β and γ here
-
-SIZES = tuple(4 ** k * 1024 for k in range(9))    # 1 KB, 4 KB, ..., 64 MB
+# Measuring α, β, γ (and what a CPU adds) on this machine: pplab.costfit
 
 
-def _ping_pong(sizes, repeats):
-    """On every rank: ranks 0 and 1 bounce n bytes back and forth; one-way time = round trip / 2.
-
-    torch.distributed directly: nothing recorded, nothing checked, only the messages. We
-    keep the best of `repeats` tries: other programs can only add time, never take it away,
-    so the fastest try is the closest to what the machine itself costs (as `timeit` does).
-    The sizes take turns, so a burst of load from elsewhere does not hit one size's tries.
-    """
-    rank = dist.get_rank()
-    bufs, best = [torch.zeros(n, dtype=torch.uint8) for n in sizes], [float("inf")] * len(sizes)
-    for i in range(repeats + 1):                  # round 0 warms the connections up
-        for k, buf in enumerate(bufs):
-            dist.barrier()
-            start = time.perf_counter()
-            if rank == 0:
-                dist.send(buf, 1)
-                dist.recv(buf, 1)
-            elif rank == 1:
-                dist.recv(buf, 0)
-                dist.send(buf, 0)
-            if i:
-                best[k] = min(best[k], (time.perf_counter() - start) / 2)
-    if rank != 0:
-        return None
-    a, b = torch.rand(max(sizes) // 4), torch.rand(max(sizes) // 4)   # γ: a float32 add, in place
-    add = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a.add_(b)
-        add = min(add, time.perf_counter() - start)
-    return best, add / (4 * a.numel())
+def fit(world_size=None, sizes=None, repeats: int = 7, timeout: float = 300.0):
+    """The model fitted to this machine in a few seconds: see pplab.costfit.fit."""
+    from . import costfit
+    return costfit.fit(world_size, costfit.SIZES if sizes is None else sizes, repeats, timeout)
 
 
-def _fit_line(sizes, times):
-    """α, β minimising the *relative* error Σ((α + βn - t)/t)²: small and large sizes count alike."""
-    w = [1 / t ** 2 for t in times]
-    sw, sn = sum(w), sum(wi * n for wi, n in zip(w, sizes))
-    snn = sum(wi * n * n for wi, n in zip(w, sizes))
-    st, snt = sum(wi * t for wi, t in zip(w, times)), sum(wi * n * t for wi, n, t in zip(w, sizes, times))
-    det = sw * snn - sn * sn
-    alpha, beta = (st * snn - sn * snt) / det, (sw * snt - sn * st) / det
-    if alpha <= 0:                                # noise can push one below 0: fit the other alone
-        alpha, beta = 0.0, snt / snn
-    elif beta <= 0:
-        alpha, beta = st / sw, 0.0
-    return alpha, beta
-
-
-@dataclass
-class Fit:
-    """α, β, γ measured on this machine, with the points they were fitted to."""
-
-    alpha: float                 # seconds per message
-    beta: float                  # seconds per byte
-    gamma: float                 # seconds per byte combined (a float32 add)
-    sizes: list                  # message sizes measured (bytes)
-    times: list                  # the best one-way time of each (seconds)
-
-    @property
-    def bandwidth(self) -> float:
-        """GB/s, 1/β."""
-        return 1 / self.beta / 1e9 if self.beta > 0 else float("inf")
-
-    def message_time(self, n_bytes: float) -> float:
-        return self.alpha + self.beta * n_bytes
-
-    def predict(self, collective: str, algorithm: str | None, p: int, n_bytes: float) -> float:
-        return predict(collective, algorithm, p, n_bytes, self.alpha, self.beta, self.gamma)
-
-    def __str__(self):
-        return (f"α = {self.alpha * 1e6:.1f} µs, β = {self.beta * 1e9:.3f} ns/B ({self.bandwidth:.2f} GB/s), "
-                f"γ = {self.gamma * 1e9:.3f} ns/B; from {len(self.sizes)} sizes, "
-                f"{self.sizes[0]:,} to {self.sizes[-1]:,} bytes")
-
-
-def fit(world_size: int = 2, sizes=SIZES, repeats: int = 7, timeout: float = 300.0) -> Fit:
-    """Measure α and β with a ping-pong between ranks 0 and 1 (of `world_size` launched),
-    best of `repeats` round trips per size, and γ from a float32 add of the largest size.
-
-    A ping-pong sends one way at a time. On one machine the "network" is the CPU copying
-    memory, so a rank sending and receiving at once, or more ranks than cores, share it:
-    collectives there take longer than α and β from a ping-pong predict.
-    """
-    sizes = sorted(int(n) for n in sizes)
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
-        raise ValueError(f"a ping-pong needs two ranks: world_size must be >= 2, got {world_size!r}")
-    if len(sizes) < 2 or sizes[0] < 4 or len(set(sizes)) < len(sizes):
-        raise ValueError(f"fit needs at least two different message sizes of 4 bytes or more, got {sizes}")
-    if not (isinstance(repeats, int) and repeats >= 1):
-        raise ValueError(f"repeats must be a whole number >= 1, got {repeats!r}")
-    times, gamma = launch(_ping_pong, sizes, repeats, world_size=world_size, timeout=timeout)[0]
-    return Fit(*_fit_line(sizes, times), gamma, sizes, times)
+def __getattr__(name):                            # Fit, SIZES, _fit_line live in pplab.costfit
+    if name in ("Fit", "SIZES", "_fit_line", "fit_timings", "measure", "Timings"):
+        from . import costfit
+        return getattr(costfit, name)
+    raise AttributeError(f"module 'pplab.costmodel' has no attribute {name!r}")

@@ -1,0 +1,374 @@
+"""The α-β-γ model fitted to *this* machine: measure a few cheap things, fit, predict.
+
+pplab.costmodel counts, for each collective, A messages, B bytes and C bytes combined on
+the critical path (Thakur, Rabenseifner & Gropp). The classic model prices them with one
+α, β and γ. That is right for NCCL on a GPU cluster: one process per GPU, links that send
+and receive at full speed at once. On a CPU, where "the network" is the processor copying
+memory, four more things cost time. The model here keeps the table and adds them:
+
+    T = s·(A·α' + B·β' + C·γ + F·μ) + A·σ'·w,      s = max(1, b/c),  w = max(0, 1 - c/b)
+
+    α', β'   a step's start-up time and time per byte. For algorithms whose steps send
+             and receive at once (ring, halving/doubling, all-gather, ...) these are
+             α₂, β₂ of a simultaneous exchange: a core that sends *and* receives copies
+             twice. For one-way steps (trees, the parameter server) α, β of a ping-pong.
+             pplab's own per-message overhead (Python, the trace, the call board) is in α.
+    γ        seconds per byte combined (a float32 add).
+    b, c     b ranks busy at once (p for the ring and halving-doubling; fewer for a tree,
+             where each round only some ranks talk) on c cores.
+    s        ranks per core. While b > c the ranks take turns, so everything a rank does
+             on the CPU (its per-message work, copies, additions, page faults) takes s
+             times longer.
+    σ', w    a rank whose message has arrived may find its core taken by another rank
+             (a share w = 1 - c/b of the busy ranks have no core of their own) and then
+             waits for a time slice (up to a scheduler tick). How long depends on the kind
+             of step (see `step`): σ' is measured for each kind with tiny steps on 2c ranks.
+    F, μ     bytes of fresh memory a collective allocates (receive buffers of 32 MiB or
+             more: glibc's malloc hands those out straight from the OS, and every first
+             touch of a page is a page fault), μ seconds per byte.
+
+With one rank per core (s = 1, w = 0), no fresh buffers (F = 0) and full-duplex links (α' = α,
+β' = β) it is the classic A·α + B·β + C·γ. That is the GPU case: NCCL runs one process per
+GPU, so σ never applies; its buffers are reused; NVLink and InfiniBand send and receive
+at once at full speed.
+
+`fit()` = `measure()` (a few seconds on this machine: ping-pongs and exchanges from 1 KB to
+64 MB, an add, a write to fresh memory, tiny steps of each kind on 2c ranks) then
+`fit_timings()` (pure arithmetic on those timings, testable without ranks). Neither looks
+at a collective's own time: that is what the predictions are for.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from . import collectives, comm, trace
+from .costmodel import cost
+from .launcher import device, launch
+
+SIZES = tuple(4 ** k * 1024 for k in range(9))    # 1 KB, 4 KB, ..., 64 MB
+FRESH_FROM = 32 * 2 ** 20                          # glibc's malloc takes buffers this large from the OS each time
+STEPS = ("one-way", "swap", "ring")               # what a rank does in one step: see step()
+
+
+# ----------------------------------------------------------------------------------
+# What a collective does beyond the table: its kind of step, ranks busy, fresh memory
+
+
+def step(collective: str, algorithm: str | None) -> str:
+    """The kind of step an algorithm repeats. "one-way": a rank sends or receives (trees,
+    the parameter server, scatter, gather); "swap": two partners send to each other at
+    once (recursive doubling, halving-doubling); "ring": a rank sends to one neighbour
+    while receiving from another (ring, pairwise all-to-all), so a late rank delays its
+    neighbour, which delays the next, all round the ring."""
+    if algorithm in ("recursive_doubling", "halving_doubling"):
+        return "swap"
+    if algorithm in ("ring", "pairwise") or collective in ("all_gather", "reduce_scatter", "all_to_all"):
+        return "ring"
+    return "one-way"
+
+
+def busy_ranks(collective: str, algorithm: str | None, p: int) -> float:
+    """b: ranks at work in an average step. Every rank in a ring or halving-doubling step;
+    in a binomial tree the p-1 messages (2 ranks each) spread over ⌈log p⌉ rounds."""
+    algorithm = algorithm or ("tree" if collective in ("broadcast", "reduce") else None)
+    if p > 1 and (algorithm == "tree" or collective in ("broadcast", "reduce")):
+        return min(p, 2 * (p - 1) / (p - 1).bit_length())
+    return p
+
+
+def fresh_bytes(collective: str, algorithm: str | None, p: int, n_bytes: float) -> float:
+    """F: bytes of new receive buffers of FRESH_FROM bytes or more that pplab.collectives
+    allocates on the critical path (torch.empty_like(...) in each algorithm)."""
+    if p == 1:
+        return 0.0
+    N, q = float(n_bytes), 1 << (p.bit_length() - 1)
+    buffers = {"ring": [N / p], "tree": [N], "naive": [N] * (p - 1), "recursive_doubling": [N],
+               "halving_doubling": [N / 2 ** k for k in range(1, q.bit_length())]}.get(algorithm, [])
+    if collective == "all_reduce" and algorithm in ("recursive_doubling", "halving_doubling") and q != p:
+        buffers = buffers + [N]                    # the folded-in partner's tensor
+    if collective == "reduce":
+        buffers = [N]
+    elif collective == "reduce_scatter":
+        buffers = [N, N / p]                       # the copy of the input, the landing chunk
+    elif collective != "all_reduce":
+        buffers = []
+    return sum(b for b in buffers if b >= FRESH_FROM)
+
+
+# ----------------------------------------------------------------------------------
+# The fitted model
+
+
+@dataclass
+class Fit:
+    """α, β (one-way), α₂, β₂ (exchange), γ, σ, μ measured here on c cores; see the module."""
+
+    alpha: float                 # seconds per one-way message (pplab's own overhead included)
+    beta: float                  # seconds per byte, one way
+    gamma: float                 # seconds per byte combined (a float32 add)
+    sizes: list                  # message sizes measured (bytes)
+    times: list                  # the one-way time of each (seconds)
+    alpha2: float | None = None  # seconds per step that sends and receives at once (None: α)
+    beta2: float | None = None   # seconds per byte of such a step (None: β)
+    sigma: dict = field(default_factory=dict)   # {kind of step: seconds it waits for a core, when it waits}
+    mu: float = 0.0              # seconds per byte of fresh memory first touched
+    cores: int | None = None     # c: the cores the ranks share (None: one core per rank, as on GPUs)
+    exchange_times: list = field(default_factory=list)   # the exchange time of each size
+
+    def __post_init__(self):                      # Fit(α, β, γ, ...) alone is the classic model
+        self.alpha2 = self.alpha if self.alpha2 is None else self.alpha2
+        self.beta2 = self.beta if self.beta2 is None else self.beta2
+
+    @property
+    def bandwidth(self) -> float:
+        """GB/s, 1/β."""
+        return 1 / self.beta / 1e9 if self.beta > 0 else float("inf")
+
+    def message_time(self, n_bytes: float) -> float:
+        """A one-way message of n bytes: α + nβ."""
+        return self.alpha + self.beta * n_bytes
+
+    def exchange_time(self, n_bytes: float) -> float:
+        """Sending n bytes while receiving n: α₂ + nβ₂."""
+        return self.alpha2 + self.beta2 * n_bytes
+
+    def terms(self, collective: str, algorithm: str | None, p: int, n_bytes: float) -> dict:
+        """Seconds in each term of T, by name: which one matters where."""
+        c = cost(collective, algorithm, p, n_bytes)
+        kind = step(collective, algorithm)
+        a, b = (self.alpha, self.beta) if kind == "one-way" else (self.alpha2, self.beta2)
+        sigma = self.sigma.get(kind, 0.0)
+        busy = busy_ranks(collective, algorithm, p)
+        cores = self.cores or busy
+        s, w = max(1.0, busy / cores), max(0.0, 1 - cores / busy)
+        return {"latency s·A·α'": s * c.latency_rounds * a,
+                "scheduling A·σ'·w": c.latency_rounds * sigma * w,
+                "bytes s·B·β'": s * c.bytes * b,
+                "combining s·C·γ": s * c.reduce_bytes * self.gamma,
+                "fresh memory s·F·μ": s * fresh_bytes(collective, algorithm, p, n_bytes) * self.mu}
+
+    def predict(self, collective: str, algorithm: str | None, p: int, n_bytes: float) -> float:
+        """Seconds `collective` by `algorithm` should take on p ranks here (N = n_bytes)."""
+        return sum(self.terms(collective, algorithm, p, n_bytes).values())
+
+    def __str__(self):
+        sigma = ", ".join(f"{self.sigma.get(k, 0) * 1e6:.0f} µs ({k})" for k in STEPS)
+        return (f"α = {self.alpha * 1e6:.1f} µs, β = {self.beta * 1e9:.3f} ns/B ({self.bandwidth:.2f} GB/s) one way; "
+                f"α₂ = {self.alpha2 * 1e6:.1f} µs, β₂ = {self.beta2 * 1e9:.3f} ns/B exchanging; "
+                f"γ = {self.gamma * 1e9:.3f} ns/B; σ = {sigma} per step waiting for a core (c = {self.cores}); "
+                f"μ = {self.mu * 1e9:.3f} ns/B fresh; "
+                f"from {len(self.sizes)} sizes, {self.sizes[0]:,} to {self.sizes[-1]:,} bytes")
+
+
+# ----------------------------------------------------------------------------------
+# Fitting: pure arithmetic on timings
+
+
+@dataclass
+class Timings:
+    """What measure() measured: the only input fit_timings() needs."""
+
+    cores: int | None            # c (None: one GPU per rank, nothing shared)
+    sizes: list                  # message sizes (bytes)
+    one_way: list                # seconds, a ping-pong's round trip / 2, per size
+    exchange: list               # seconds, two ranks sending to each other at once, per size
+    add_per_byte: float          # γ: seconds per byte of a float32 add
+    fresh_per_byte: float        # μ: seconds per byte of writing new memory, less writing old
+    tiny_ranks: int              # ranks of the tiny steps below (2c), 0 if not measured
+    tiny_steps: dict             # {kind of step: seconds per tiny step on tiny_ranks}
+
+
+def _fit_line(sizes, times):
+    """α, β minimising the *relative* error Σ((α + βn - t)/t)²: small and large sizes count alike."""
+    w = [1 / t ** 2 for t in times]
+    sw, sn = sum(w), sum(wi * n for wi, n in zip(w, sizes))
+    snn = sum(wi * n * n for wi, n in zip(w, sizes))
+    st, snt = sum(wi * t for wi, t in zip(w, times)), sum(wi * n * t for wi, n, t in zip(w, sizes, times))
+    det = sw * snn - sn * sn
+    alpha, beta = (st * snn - sn * snt) / det, (sw * snt - sn * st) / det
+    if alpha <= 0:                                # noise can push one below 0: fit the other alone
+        alpha, beta = 0.0, snt / snn
+    elif beta <= 0:
+        alpha, beta = st / sw, 0.0
+    return alpha, beta
+
+
+def fit_timings(t: Timings) -> Fit:
+    """Fit the model's parameters to measured (or made-up) timings. No ranks, no clock."""
+    alpha, beta = _fit_line(t.sizes, t.one_way)
+    alpha2, beta2 = _fit_line(t.sizes, t.exchange)
+    sigma = {}
+    if t.cores and t.tiny_ranks > t.cores:                    # a tiny step on b = 2c ranks takes s·α' + σ'·w
+        s, w = t.tiny_ranks / t.cores, 1 - t.cores / t.tiny_ranks
+        sigma = {kind: max(0.0, (seconds - s * (alpha if kind == "one-way" else alpha2)) / w)
+                 for kind, seconds in t.tiny_steps.items()}
+    return Fit(alpha, beta, t.add_per_byte, list(t.sizes), list(t.one_way), alpha2, beta2, sigma,
+               max(0.0, t.fresh_per_byte), t.cores, list(t.exchange))
+
+
+# ----------------------------------------------------------------------------------
+# Measuring: a few seconds on this machine
+
+
+def _tries(fn, tries):
+    """This rank's times of `tries` calls of fn, each started together on every rank."""
+    times = []
+    for _ in range(tries):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        _wait_for_gpu()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _wait_for_gpu():
+    """Under NCCL a call returns before the GPU has finished: wait for it before reading the clock."""
+    if device().type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _slowest(times):
+    """Each try's time on its slowest rank (every rank passes its own times of the same tries)."""
+    slowest = torch.tensor(times, dtype=torch.float64, device=device())
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return slowest.tolist()
+
+
+def _trimmed_mean(times):
+    """The mean, not the median or the best: a step sometimes waits a whole scheduler tick
+    for its core, and only means add up step by step into a collective's mean time. The
+    slowest tenth is left out: a rare burst from another program on a shared machine is
+    not what the model is about."""
+    return statistics.fmean(sorted(times)[:len(times) - len(times) // 10])
+
+
+def _mean_time(fn, repeats):
+    """The trimmed mean of `repeats` timed calls of fn, after one to warm up."""
+    _tries(fn, 1)
+    return _trimmed_mean(_slowest(_tries(fn, repeats)))
+
+
+def _measure_on_ranks(sizes, repeats):
+    """On every rank of 2 or 2c: ping-pong and exchange (ranks 0, 1), tiny steps (all),
+    an add and a write to fresh memory (rank 0). pplab.comm's own calls, as pplab.collectives makes them."""
+    rank, p = dist.get_rank(), dist.get_world_size()
+    bufs = {n: [torch.zeros(n if rank < 2 else 0, dtype=torch.uint8, device=device()) for _ in range(2)] for n in sizes}
+
+    def ping_pong(n):                              # 0 → 1, then 1 → 0
+        if rank < 2:
+            (comm.send, comm.recv)[rank](bufs[n][0], 1 - rank)
+            (comm.recv, comm.send)[rank](bufs[n][0], 1 - rank)
+
+    def swap(n):                                   # 0 → 1 and 1 → 0 at once
+        if rank < 2:
+            collectives._sendrecv(bufs[n][0], 1 - rank, bufs[n][1], 1 - rank, None)
+    tries = [(run, n) for n in sizes for run in (ping_pong, swap) for _ in range(4 if n <= 2 ** 18 else 1)]
+    with trace.paused(), collectives.unchecked():
+        for run, n in tries:                       # a warm-up
+            run(n)
+        mine = [t for _ in range(repeats) for run, n in tries for t in _tries(lambda: run(n), 1)]
+        slowest = _slowest(mine)                   # the sizes take turns, so a burst of load falls on all;
+        times = {key: [] for key in tries}         # small ones are cheap: 4 tries a round
+        for key, t in zip(tries * repeats, slowest):
+            times[key].append(t)
+        one_way = [_trimmed_mean(times[ping_pong, n]) / 2 for n in sizes]
+        exchange = [_trimmed_mean(times[swap, n]) for n in sizes]
+        tiny_steps = _tiny_steps(rank, p, repeats) if p > 2 else {}
+    if rank:
+        return None
+    n = max(sizes) // 4                           # γ: a float32 add of the largest size, in place
+    a, b = torch.rand(n, device=device()), torch.rand(n, device=device())
+    add = min(_timed(lambda: a.add_(b)) for _ in range(repeats))
+    n = FRESH_FROM // 4                           # μ: writing new memory (page faults), less writing memory in use
+    old = torch.ones(n, device=device())
+    new = min(_timed(lambda: torch.empty(n, device=device()).fill_(1.0)) for _ in range(3))
+    old = min(_timed(lambda: old.fill_(1.0)) for _ in range(3))
+    return one_way, exchange, add / (4 * a.numel()), (new - old) / (4 * n), tiny_steps, device().type
+
+
+def _tiny_steps(rank, p, repeats):
+    """{kind: seconds per step on all p ranks}, 4-byte messages, as many steps as a ring
+    all-reduce on p; the kinds take turns, so a burst of load falls on all three."""
+    tiny, got, steps = torch.zeros(1, device=device()), torch.zeros(1, device=device()), 2 * (p - 1)
+    masks = [1 << k for k in range((p & -p).bit_length() - 1)]   # r ^ 1, r ^ 2, ... (p even: at least 1)
+
+    def one_way():                                 # ranks 2i, 2i+1 pass a message back and forth
+        for k in range(steps):
+            (comm.send(tiny, rank ^ 1) if (rank + k) % 2 else comm.recv(got, rank ^ 1))
+
+    def swap():                                    # partners r ^ 1, r ^ 2, r ^ 4, ... as in halving-doubling
+        for k in range(steps):
+            collectives._sendrecv(tiny, rank ^ masks[k % len(masks)], got, rank ^ masks[k % len(masks)], None)
+
+    def ring():                                    # every rank sends right while receiving from the left
+        for _ in range(steps):
+            collectives._sendrecv(tiny, (rank + 1) % p, got, (rank - 1) % p, None)
+    kinds = {"one-way": one_way, "swap": swap, "ring": ring}
+    for run in kinds.values():                     # a warm-up
+        run()
+    mine = [t for _ in range(2 * repeats) for run in kinds.values() for t in _tries(run, 1)]
+    slowest = _slowest(mine)
+    return {kind: _trimmed_mean(slowest[i::len(kinds)]) / steps for i, kind in enumerate(kinds)}
+
+
+def _timed(fn):
+    start = time.perf_counter()
+    fn()
+    _wait_for_gpu()
+    return time.perf_counter() - start
+
+
+def measure(sizes=SIZES, repeats: int = 7, world_size: int | None = None, timeout: float = 300.0) -> Timings:
+    """Time, on this machine: a ping-pong and a two-way exchange at each size, a float32 add,
+    a write to fresh memory, and tiny steps of each kind (one-way, swap, ring) on 2c ranks
+    (c = the cores we may use; skipped above 8 cores, where 2c processes would take longer
+    than the rest together, and under NCCL, where each rank has a GPU of its own)."""
+    cores = len(os.sched_getaffinity(0))
+    if world_size is None:
+        world_size = 2 * cores if cores <= 8 else 2
+    out = launch(_measure_on_ranks, sizes, repeats, world_size=world_size, timeout=timeout)[0]
+    one_way, exchange, add, fresh, tiny_steps, where = out
+    if where == "cuda":                           # NCCL, one process per GPU: no core is shared
+        cores, tiny_steps = None, {}
+    return Timings(cores, list(sizes), one_way, exchange, add, fresh, world_size if tiny_steps else 0, tiny_steps)
+
+
+def _time_on_ranks(sizes, algorithms, repeats):
+    with trace.paused(), collectives.unchecked():
+        return {(algorithm, n): _mean_time(lambda: collectives.all_reduce(x, algorithm=algorithm),
+                                           repeats * (4 if n <= 2 ** 18 else 1))
+                for n in sizes for x in [torch.ones(n // 4, device=device())] for algorithm in algorithms}
+
+
+def time_all_reduces(p: int, sizes, algorithms=("ring", "tree", "halving_doubling"), repeats: int = 5,
+                     timeout: float = 600.0) -> dict:
+    """{(algorithm, n_bytes): seconds} for pplab's all-reduces of float32 tensors on p ranks,
+    measured as the model predicts them: the mean over tries (4x as many up to 256 KB) of
+    the slowest rank's time, checks and tracing off. What a prediction is compared with."""
+    return launch(_time_on_ranks, list(sizes), tuple(algorithms), repeats, world_size=p, timeout=timeout)[0]
+
+
+def fit(world_size: int | None = None, sizes=SIZES, repeats: int = 7, timeout: float = 300.0) -> Fit:
+    """measure() then fit_timings(): the model's parameters on this machine, in a few seconds.
+
+    world_size: the ranks launched (default 2c, for the tiny ring that measures σ);
+    sizes: the message sizes (bytes) of the ping-pong and the exchange; repeats: timed
+    tries of each (the median counts)."""
+    sizes = sorted(int(n) for n in sizes)
+    if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int)
+                                   or world_size < 2):
+        raise ValueError(f"a ping-pong needs two ranks: world_size must be >= 2, got {world_size!r}")
+    if world_size is not None and world_size % 2:
+        raise ValueError(f"the tiny steps pair the ranks up: world_size must be even, got {world_size}")
+    if len(sizes) < 2 or sizes[0] < 4 or len(set(sizes)) < len(sizes):
+        raise ValueError(f"fit needs at least two different message sizes of 4 bytes or more, got {sizes}")
+    if not (isinstance(repeats, int) and repeats >= 1):
+        raise ValueError(f"repeats must be a whole number >= 1, got {repeats!r}")
+    return fit_timings(measure(sizes, repeats, world_size, timeout))
