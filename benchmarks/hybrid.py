@@ -8,11 +8,14 @@ layout; and pplab's dp=2×tp=2 against torch's own composition of the same model
    round so that drift in the machine's load hits them alike (each mesh is built once). The
    prediction is `pplab.planner.predict` with per-layer times measured on one process
    (`planner.measure`), in two variants:
-   A. α, β of a ping-pong (`costmodel.fit()`), compute × ranks per core (4 ranks on 2 cores: 2);
-   B. the same, but measured while the 4 ranks run at once: how much slower one rank's plain
-      training step is than alone (other programs' load included), and how much longer each
-      latency round of a tiny all-reduce takes when every rank computes between collectives
-      (a partner off its core answers only at its next time slice), added to α.
+   A. `costmodel.fit()` as it is (chapter 1's model of this machine), compute × ranks per core
+      (4 ranks on 2 cores: 2);
+   B. `planner.calibrate`: measured while the 4 ranks run at once, how much slower one rank's
+      plain training step is than alone (other programs' load included: β, γ slow down alike),
+      and how much longer a latency round of a tiny all-reduce takes when every rank computes
+      between collectives (a partner off its core answers only at its next time slice), added
+      to the fit's one-way α (which holds pplab's own per-message overhead): the classic α-β
+      model with those.
    Goal: predicted/measured within 1.5× for every layout.
 
 2. torch. The same dense model, dp=2×tp=2: torch's DTensor tensor parallelism
@@ -126,10 +129,10 @@ def main():
     results = pplab.launch(run, cfg, args.batch, args.rounds, args.steps, world_size=4, timeout=1200)
     measured = results[0]
     fit_busy, slowdown = planner.calibrate(cfg, args.batch // 4, 4, fit, alone, [r["contention"] for r in results])
-    print(f"cost model (ping-pong, 2 ranks): {fit}\nwhile 4 ranks run at once (planner.calibrate): a latency "
+    print(f"cost model (costmodel.fit()): {fit}\nwhile 4 ranks run at once (planner.calibrate): a latency "
           f"round waits {(fit_busy.alpha - fit.alpha) * 1e6:.0f} µs more; compute runs {slowdown:.2f}× slower than alone")
     over = max(1.0, 4 / cores)
-    variants = {"A: one-process layer times × ranks per core, ping-pong α": (alone, fit, over),
+    variants = {"A: one-process layer times × ranks per core, costmodel.fit()": (alone, fit, over),
                 "B: compute slowdown and α measured while 4 ranks run at once": (alone, fit_busy, slowdown)}
     for title, (times, f, o) in variants.items():
         preds = report(title, cfg, args.batch, measured, times, f, o)

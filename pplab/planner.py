@@ -389,7 +389,7 @@ def contention(cfg: GPTConfig, batch: int, iters: int = 40, steps: int = 8):
 
 
 def calibrate(cfg: GPTConfig, batch: int, world_size: int, fit, times: LayerTimes, measured=None):
-    """(fit with α raised by the wait per round and β, γ by the slowdown; compute slowdown) for `world_size` ranks at once
+    """(classic fit: the fit's α + the wait per round, β and γ × the slowdown; compute slowdown) for `world_size` ranks at once
     here, each on `batch` sequences: pass them to predict/plan as fit= and oversubscription=.
     measured: every rank's `contention(cfg, batch)`, taken inside your own run (best: the same load);
     without it, a run of its own is launched. On a GPU (a process per device) neither applies."""
