@@ -105,7 +105,8 @@ def measure(cfg: GPTConfig, samples=(1, 8), dtype=torch.float32, repeats: int = 
             x = ids[:n]
             for i, layer in enumerate(layers):
                 f, b, x = _time_once(layer, x, ids[:n], i == len(layers) - 1)
-                tries.setdefault((n, i), []).append((f, b)) if rep else None
+                if rep:
+                    tries.setdefault((n, i), []).append((f, b))
     best = {key: (statistic(f for f, _ in v), statistic(b for _, b in v)) for key, v in tries.items()}
     saved, x = [], ids[:hi]
     for i, layer in enumerate(layers):
@@ -138,6 +139,7 @@ def estimate(cfg: GPTConfig, flops_per_s: float = 2e10) -> LayerTimes:
     4·s·h), backward twice that, at `flops_per_s`; activations by Korthikanti's formula (chapter 5)."""
     s, h = cfg.seq, cfg.hidden
     per_token = [2 * n for n in _layer_params(cfg, 1)]
+    per_token[0] = 0                                    # the embedding is a lookup, not a product
     per_token[1:-1] = [f + 4 * s * h for f in per_token[1:-1]]
     fwd = [f * s / flops_per_s for f in per_token]
     saved = [s * h] + [activation_bytes_formula(s, 1, h, cfg.heads, 1, False) / 2] * cfg.layers + [2 * s * cfg.vocab]
