@@ -76,14 +76,19 @@ def state_per_layout():
     for L in LAYOUTS:
         r = hybrid.train(CFG, {"dp": L.dp, "tp": L.tp, "pp": L.pp}, steps=1, batch_size=BATCH,
                          microbatches=L.m if L.pp > 1 else None, zero=L.zero)
-        out.append((r["coords"]["pp"], r["state_bytes"]))
+        out.append((r["coords"]["pp"], r["state_bytes"], r["activation_bytes"]))
     return out
 
 
-def test_model_state_per_rank_equals_hybrid_runs():
+@pytest.fixture(scope="module")
+def hybrid_runs():
+    return pplab.launch(state_per_layout, world_size=4, timeout=120)
+
+
+def test_model_state_per_rank_equals_hybrid_runs(hybrid_runs):
     """Parameters, gradients and Adam's state held by every rank of every stage (pplab.hybrid measures
     them after the last step, before zero_grad)."""
-    results = pplab.launch(state_per_layout, world_size=4, timeout=120)
+    results = hybrid_runs
     for i, L in enumerate(LAYOUTS):
         pred = planner.predict(CFG, L, BATCH, synthetic_fit(0.0), synthetic_times(), dtype_bytes=8)
         for stage, mem in enumerate(pred.stages):
@@ -91,6 +96,22 @@ def test_model_state_per_rank_equals_hybrid_runs():
             want = mem["params"] + mem["grads"] + mem["optimizer"]
             pad = 0 if L.zero == 0 else 4 * 8 * (L.dp - 1)      # params, grads, 2 moments: < dp elements each
             assert abs(held - want) <= pad, (L.name, stage, held, want)
+
+
+def test_activations_without_tp_within_10_percent_of_hybrid_runs(hybrid_runs):
+    """Per-layer saved bytes (measured on one process) × micro-batch × micro-batches in flight, against
+    the most bytes autograd held at once on each stage's ranks. Within 10% for dp and pp layouts (ids
+    and masks are counted as elements of the model's dtype). With tp the planner scales each block by
+    Korthikanti's formula, written for large h where the split parts dominate; for this tiny model it
+    under-predicts (about 0.7 of measured at tp = 2 and 4), so tp layouts are left out here."""
+    times = planner.measure(CFG, repeats=1, dtype=torch.float64)
+    for i, L in enumerate(LAYOUTS):
+        if L.tp > 1:
+            continue
+        pred = planner.predict(CFG, L, BATCH, synthetic_fit(0.0), times, dtype_bytes=8)
+        for stage, mem in enumerate(pred.stages):
+            held = max(r[i][2] for r in hybrid_runs if r[i][0] == stage)
+            assert mem["activations"] == pytest.approx(held, rel=0.1), (L.name, stage)
 
 
 def test_activations_scale_with_micro_batch_and_schedule():
