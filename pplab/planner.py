@@ -20,22 +20,21 @@ Every number comes from an earlier chapter, put together:
   dp (all-reduce, or reduce-scatter + all-gather for ZeRO) after the last backward, not
   overlapped; then the optimizer step on the elements this rank owns.
 
-On this CPU the ranks outnumber the cores: `calibrate` measures, with the ranks running at once,
+Measuring (pplab/planner_measure.py, re-exported here): `measure`, `estimate`, `contention`,
+`calibrate`. On this CPU the ranks outnumber the cores: `calibrate` measures, with the ranks running at once,
 how much slower compute gets and how long a message waits for its partner's time slice (added
 to α). `compare(plan, measured)` puts predicted next to measured; `widget()` draws it all.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
-import torch
-
 from .hybrid import describe_layout
-from .models.gpt import GPTConfig, gpt_layers, gpt_loss
+from .models.gpt import GPTConfig
 from .pipeline import make_schedule, simulate
 from .pipeline.partition import _balanced_split
-from .sequence_parallel import activation_bytes_formula, saved_activations
+from .planner_measure import LayerTimes, calibrate, contention, estimate, measure
+from .sequence_parallel import activation_bytes_formula
 from .tensor_parallel import split_sizes
 from .zero import model_state_bytes
 
@@ -59,93 +58,6 @@ class Layout:
     def name(self) -> str:
         extra = (f", m={self.m}" if self.pp > 1 else "") + (f", ZeRO-{self.zero}" if self.zero else "")
         return describe_layout({"dp": self.dp, "tp": self.tp, "pp": self.pp}) + extra
-
-
-# ----------------------------------------------------------------------------------
-# What each pipeline layer (embedding, blocks, head + loss) costs on one process
-
-
-@dataclass
-class LayerTimes:
-    """Per pipeline layer of the dense model: time = fixed + per_sample × samples (seconds),
-    forward and backward apart; saved = activation elements per sample; optimizer: s per parameter."""
-    forward_fixed: list
-    forward_per_sample: list
-    backward_fixed: list
-    backward_per_sample: list
-    saved: list
-    optimizer: float
-    source: str = "measured"
-
-
-def _time_once(layer, x, y, last):
-    xin = x.detach().requires_grad_(x.is_floating_point())
-    start = time.perf_counter()
-    out = layer(xin)
-    loss = gpt_loss(out, y) if last else out
-    mid = time.perf_counter()
-    wrt = [t for t in [xin, *layer.parameters()] if t.requires_grad]
-    torch.autograd.grad(loss, wrt, torch.ones_like(loss))
-    return mid - start, time.perf_counter() - mid, out.detach()
-
-
-def measure(cfg: GPTConfig, samples=(1, 8), dtype=torch.float32, repeats: int = 10, seed: int = 0,
-            statistic=min) -> LayerTimes:
-    """Time each layer of the dense tiny GPT alone at two micro-batch sizes and fit a line per layer;
-    count its saved activations; time one AdamW step per parameter. statistic: of the `repeats`
-    tries; min (the default, as timeit) on a quiet machine; statistics.median on ranks running
-    at once, where waiting for a core is part of the time."""
-    lo, hi = samples
-    layers = gpt_layers(cfg, seed, dtype)
-    ids = torch.randint(0, cfg.vocab, (hi, cfg.seq), generator=torch.Generator().manual_seed(seed))
-    tries, threads = {}, torch.get_num_threads()  # (n samples, layer) -> [(forward, backward), ...]
-    torch.set_num_threads(1)                    # as on a launched rank
-    for rep in range(repeats + 1):              # round 0 warms up; sizes take turns against bursts of load
-        for n in (lo, hi):
-            x = ids[:n]
-            for i, layer in enumerate(layers):
-                f, b, x = _time_once(layer, x, ids[:n], i == len(layers) - 1)
-                if rep:
-                    tries.setdefault((n, i), []).append((f, b))
-    best = {key: (statistic(f for f, _ in v), statistic(b for _, b in v)) for key, v in tries.items()}
-    saved, x = [], ids[:hi]
-    for i, layer in enumerate(layers):
-        with saved_activations(layer.parameters()) as s:
-            out = layer(x.detach().requires_grad_(x.is_floating_point()))
-            if i == len(layers) - 1:
-                gpt_loss(out, ids[:hi])
-        saved.append(s.bytes / hi / torch.finfo(dtype).bits * 8)      # in elements: any dtype_bytes
-        x = out.detach()
-    params = [p for layer in layers for p in layer.parameters()]
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    opt, steps = torch.optim.AdamW(params), []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        opt.step()
-        steps.append(time.perf_counter() - start)
-    step = statistic(steps)
-    torch.set_num_threads(threads)
-
-    def line(k):                                # (fixed, per sample) through the two sizes
-        per = [max(0.0, (best[hi, i][k] - best[lo, i][k]) / (hi - lo)) for i in range(len(layers))]
-        return [max(0.0, best[lo, i][k] - lo * s) for i, s in enumerate(per)], per
-    (ff, fs), (bf, bs) = line(0), line(1)
-    return LayerTimes(ff, fs, bf, bs, saved, step / sum(p.numel() for p in params), source=f"measured here, {dtype}")
-
-
-def estimate(cfg: GPTConfig, flops_per_s: float = 2e10) -> LayerTimes:
-    """A stand-in for shapes too big to time here: 2 FLOPs per parameter per token forward (+ attention's
-    4·s·h), backward twice that, at `flops_per_s`; activations by Korthikanti's formula (chapter 5)."""
-    s, h = cfg.seq, cfg.hidden
-    per_token = [2 * n for n in _layer_params(cfg, 1)]
-    per_token[0] = 0                                    # the embedding is a lookup, not a product
-    per_token[1:-1] = [f + 4 * s * h for f in per_token[1:-1]]
-    fwd = [f * s / flops_per_s for f in per_token]
-    saved = [s * h] + [activation_bytes_formula(s, 1, h, cfg.heads, 1, False) / 2] * cfg.layers + [2 * s * cfg.vocab]
-    zeros = [0.0] * len(fwd)
-    return LayerTimes(zeros, fwd, zeros, [2 * f for f in fwd], saved, 10 / flops_per_s,
-                      source=f"estimated from FLOPs at {flops_per_s:.2g} FLOP/s")
 
 
 # ----------------------------------------------------------------------------------
@@ -342,70 +254,6 @@ def compare(plan_or_predictions, measured: dict) -> str:
         lines.append(f"{p.layout.name:28s} {p.time['total'] * 1e3:13.2f} {seconds * 1e3:12.2f} "
                      f"{p.time['total'] / seconds:6.2f}")
     return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------------
-# More ranks than cores (this machine): what running at once adds, measured
-
-
-def contention(cfg: GPTConfig, batch: int, iters: int = 40, steps: int = 8):
-    """Call on every launched rank, all at once: (one plain training step's time, no communication; the
-    extra time per latency round of tiny all-reduces on 2-rank groups between bursts of compute), each
-    the median over tries of the slowest rank, as a step of training waits for its slowest rank."""
-    import statistics
-
-    import torch.distributed as dist
-    torch.set_num_threads(1)
-    model = torch.nn.Sequential(*gpt_layers(cfg, 0, torch.float32))
-    opt, ids = torch.optim.AdamW(model.parameters()), torch.randint(0, cfg.vocab, (batch, cfg.seq))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    pairs = [dist.new_group([r, r + 1]) for r in range(0, world - 1, 2)]
-    group = pairs[min(rank // 2, len(pairs) - 1)] if rank < 2 * len(pairs) else None
-    a, x = torch.randn(96, 96), torch.zeros(256)
-
-    def timed(work, repeats):                  # median over tries of the slowest rank's time, as a step is
-        out = []
-        for _ in range(repeats):
-            dist.barrier()
-            start = time.perf_counter()
-            work()
-            took = torch.tensor([time.perf_counter() - start])
-            dist.all_reduce(took, op=dist.ReduceOp.MAX)
-            out.append(took.item())
-        return statistics.median(out[1:])
-
-    def step():
-        gpt_loss(model(ids), ids).backward()
-        opt.step()
-        opt.zero_grad()
-
-    def loop(talk):
-        for _ in range(iters):
-            for _ in range(8):
-                a @ a
-            if talk and group is not None:
-                dist.all_reduce(x, group=group)
-    plain = timed(step, steps)
-    wait = max(0.0, timed(lambda: loop(True), 4) - timed(lambda: loop(False), 4)) / iters / 2   # 2 rounds
-    return plain, wait
-
-
-def calibrate(cfg: GPTConfig, batch: int, world_size: int, fit, times: LayerTimes, measured=None):
-    """(classic fit: the fit's α + the wait per round, β and γ × the slowdown; compute slowdown) for `world_size` ranks at once
-    here, each on `batch` sequences: pass them to predict/plan as fit= and oversubscription=.
-    measured: every rank's `contention(cfg, batch)`, taken inside your own run (best: the same load);
-    without it, a run of its own is launched. On a GPU (a process per device) neither applies."""
-    import statistics
-
-    from . import costmodel
-    from .launcher import launch
-    got = measured or launch(contention, cfg, batch, world_size=world_size, timeout=120)
-    free = costmodel.Fit(0.0, 0.0, 0.0, fit.sizes, fit.times)
-    alone = predict(cfg, Layout(1, 1, 1), batch, free, times).time["total"]
-    wait, slowdown = statistics.median(w for _, w in got), statistics.median(p for p, _ in got) / alone
-    # copying and adding bytes is CPU work too: β and γ slow down as compute does
-    busy = costmodel.Fit(fit.alpha + wait, fit.beta * slowdown, fit.gamma * slowdown, fit.sizes, fit.times)
-    return busy, slowdown
 
 
 # ----------------------------------------------------------------------------------
