@@ -6,7 +6,11 @@ the critical path (Thakur, Rabenseifner & Gropp). The classic model prices them 
 and receive at full speed at once. On a CPU, where "the network" is the processor copying
 memory, four more things cost time. The model here keeps the table and adds them:
 
-    T = s·(A·α' + B·β' + C·γ + F·μ) + A·σ'·w,      s = max(1, b/c),  w = max(0, 1 - c/b)
+    T = δ + s·(A·α' + B·β' + C·γ + F·μ) + A·σ'·w,      s = max(1, b/c),  w = max(0, 1 - c/b)
+
+    δ        once per collective: the ranks never start at the same instant (they leave the
+             barrier before it a little apart, and a process that paused is slower on its
+             first message), so the first step waits for the last rank to arrive.
 
     α', β'   a step's start-up time and time per byte. For algorithms whose steps send
              and receive at once (ring, halving/doubling, all-gather, ...) these are
@@ -27,8 +31,8 @@ memory, four more things cost time. The model here keeps the table and adds them
              more: glibc's malloc hands those out straight from the OS, and every first
              touch of a page is a page fault), μ seconds per byte.
 
-With one rank per core (s = 1, w = 0), no fresh buffers (F = 0) and full-duplex links (α' = α,
-β' = β) it is the classic A·α + B·β + C·γ. That is the GPU case: NCCL runs one process per
+With one rank per core (s = 1, w = 0), no fresh buffers (F = 0), full-duplex links (α' = α,
+β' = β) and a negligible start (δ = 0) it is the classic A·α + B·β + C·γ. That is the GPU case: NCCL runs one process per
 GPU, so σ never applies; its buffers are reused; NVLink and InfiniBand send and receive
 at once at full speed.
 
@@ -53,7 +57,8 @@ from .launcher import device, launch
 
 SIZES = tuple(4 ** k * 1024 for k in range(9))    # 1 KB, 4 KB, ..., 64 MB
 FRESH_FROM = 32 * 2 ** 20                          # glibc's malloc takes buffers this large from the OS each time
-STEPS = ("one-way", "swap", "ring")               # what a rank does in one step: see step()
+STEPS = ("one-way", "swap", "ring")
+BACK_TO_BACK = 8                                   # pairs per timed try up to 256 KB               # what a rank does in one step: see step()
 
 
 # ----------------------------------------------------------------------------------
@@ -120,6 +125,7 @@ class Fit:
     mu: float = 0.0              # seconds per byte of fresh memory first touched
     cores: int | None = None     # c: the cores the ranks share (None: one core per rank, as on GPUs)
     exchange_times: list = field(default_factory=list)   # the exchange time of each size
+    delta: float = 0.0           # seconds, once per collective: waiting for the last rank to start
 
     def __post_init__(self):                      # Fit(α, β, γ, ...) alone is the classic model
         self.alpha2 = self.alpha if self.alpha2 is None else self.alpha2
@@ -147,7 +153,8 @@ class Fit:
         busy = busy_ranks(collective, algorithm, p)
         cores = self.cores or busy
         s, w = max(1.0, busy / cores), max(0.0, 1 - cores / busy)
-        return {"latency s·A·α'": s * c.latency_rounds * a,
+        return {"start δ": self.delta if c.latency_rounds else 0.0,
+                "latency s·A·α'": s * c.latency_rounds * a,
                 "scheduling A·σ'·w": c.latency_rounds * sigma * w,
                 "bytes s·B·β'": s * c.bytes * b,
                 "combining s·C·γ": s * c.reduce_bytes * self.gamma,
@@ -161,7 +168,7 @@ class Fit:
         sigma = ", ".join(f"{self.sigma.get(k, 0) * 1e6:.0f} µs ({k})" for k in STEPS)
         return (f"α = {self.alpha * 1e6:.1f} µs, β = {self.beta * 1e9:.3f} ns/B ({self.bandwidth:.2f} GB/s) one way; "
                 f"α₂ = {self.alpha2 * 1e6:.1f} µs, β₂ = {self.beta2 * 1e9:.3f} ns/B exchanging; "
-                f"γ = {self.gamma * 1e9:.3f} ns/B; σ = {sigma} per step waiting for a core (c = {self.cores}); "
+                f"γ = {self.gamma * 1e9:.3f} ns/B; δ = {self.delta * 1e6:.0f} µs once; σ = {sigma} per step waiting for a core (c = {self.cores}); "
                 f"μ = {self.mu * 1e9:.3f} ns/B fresh; "
                 f"from {len(self.sizes)} sizes, {self.sizes[0]:,} to {self.sizes[-1]:,} bytes")
 
@@ -182,6 +189,7 @@ class Timings:
     fresh_per_byte: float        # μ: seconds per byte of writing new memory, less writing old
     tiny_ranks: int              # ranks of the tiny steps below (2c), 0 if not measured
     tiny_steps: dict             # {kind of step: seconds per tiny step on tiny_ranks}
+    start: float = 0.0           # δ: one exchange of the smallest size timed alone, less exchange[0]
 
 
 def _fit_line(sizes, times):
@@ -203,13 +211,13 @@ def fit_timings(t: Timings) -> Fit:
     """Fit the model's parameters to measured (or made-up) timings. No ranks, no clock."""
     alpha, beta = _fit_line(t.sizes, t.one_way)
     alpha2, beta2 = _fit_line(t.sizes, t.exchange)
-    sigma = {}
-    if t.cores and t.tiny_ranks > t.cores:                    # a tiny step on b = 2c ranks takes s·α' + σ'·w
-        s, w = t.tiny_ranks / t.cores, 1 - t.cores / t.tiny_ranks
-        sigma = {kind: max(0.0, (seconds - s * (alpha if kind == "one-way" else alpha2)) / w)
+    delta, sigma = max(0.0, t.start), {}
+    if t.cores and t.tiny_ranks > t.cores:      # a tiny step on b = 2c ranks takes s·α' + σ'·w (+ its share of δ)
+        s, w, steps = t.tiny_ranks / t.cores, 1 - t.cores / t.tiny_ranks, 2 * (t.tiny_ranks - 1)
+        sigma = {kind: max(0.0, (seconds - delta / steps - s * (alpha if kind == "one-way" else alpha2)) / w)
                  for kind, seconds in t.tiny_steps.items()}
     return Fit(alpha, beta, t.add_per_byte, list(t.sizes), list(t.one_way), alpha2, beta2, sigma,
-               max(0.0, t.fresh_per_byte), t.cores, list(t.exchange))
+               max(0.0, t.fresh_per_byte), t.cores, list(t.exchange), delta)
 
 
 # ----------------------------------------------------------------------------------
@@ -256,20 +264,27 @@ def _mean_time(fn, repeats):
 
 
 def _measure_on_ranks(sizes, repeats):
-    """On every rank of 2 or 2c: ping-pong and exchange (ranks 0, 1), tiny steps (all),
-    an add and a write to fresh memory (rank 0). pplab.comm's own calls, as pplab.collectives makes them."""
-    rank, p = dist.get_rank(), dist.get_world_size()
-    bufs = {n: [torch.zeros(n if rank < 2 else 0, dtype=torch.uint8, device=device()) for _ in range(2)] for n in sizes}
+    """On 2 ranks, alone on the machine as a 2-rank collective is: ping-pong and exchange,
+    then an add and a write to fresh memory (rank 0). pplab.comm's own calls, as pplab.collectives makes them."""
+    rank = dist.get_rank()
+    bufs = {n: [torch.zeros(n, dtype=torch.uint8, device=device()) for _ in range(2)] for n in sizes}
+
+    def back_to_back(n):                           # several per try where they are short, so that the
+        return BACK_TO_BACK if n <= 2 ** 18 else 1  # start (δ, measured apart) is not counted as α
 
     def ping_pong(n):                              # 0 → 1, then 1 → 0
-        if rank < 2:
+        for _ in range(back_to_back(n)):
             (comm.send, comm.recv)[rank](bufs[n][0], 1 - rank)
             (comm.recv, comm.send)[rank](bufs[n][0], 1 - rank)
 
     def swap(n):                                   # 0 → 1 and 1 → 0 at once
-        if rank < 2:
+        for _ in range(back_to_back(n)):
             collectives._sendrecv(bufs[n][0], 1 - rank, bufs[n][1], 1 - rank, None)
+
+    def lone_swap(n):                              # one swap after the barrier, as a collective starts
+        collectives._sendrecv(bufs[n][0], 1 - rank, bufs[n][1], 1 - rank, None)
     tries = [(run, n) for n in sizes for run in (ping_pong, swap) for _ in range(4 if n <= 2 ** 18 else 1)]
+    tries += [(lone_swap, sizes[0])] * 4
     with trace.paused(), collectives.unchecked():
         for run, n in tries:                       # a warm-up
             run(n)
@@ -278,9 +293,9 @@ def _measure_on_ranks(sizes, repeats):
         times = {key: [] for key in tries}         # small ones are cheap: 4 tries a round
         for key, t in zip(tries * repeats, slowest):
             times[key].append(t)
-        one_way = [_trimmed_mean(times[ping_pong, n]) / 2 for n in sizes]
-        exchange = [_trimmed_mean(times[swap, n]) for n in sizes]
-        tiny_steps = _tiny_steps(rank, p, repeats) if p > 2 else {}
+        one_way = [_trimmed_mean(times[ping_pong, n]) / (2 * back_to_back(n)) for n in sizes]
+        exchange = [_trimmed_mean(times[swap, n]) / back_to_back(n) for n in sizes]
+        start = _trimmed_mean(times[lone_swap, sizes[0]]) - exchange[0]
     if rank:
         return None
     n = max(sizes) // 4                           # γ: a float32 add of the largest size, in place
@@ -290,7 +305,13 @@ def _measure_on_ranks(sizes, repeats):
     old = torch.ones(n, device=device())
     new = min(_timed(lambda: torch.empty(n, device=device()).fill_(1.0)) for _ in range(3))
     old = min(_timed(lambda: old.fill_(1.0)) for _ in range(3))
-    return one_way, exchange, add / (4 * a.numel()), (new - old) / (4 * n), tiny_steps, device().type
+    return one_way, exchange, add / (4 * a.numel()), (new - old) / (4 * n), start, device().type
+
+
+def _tiny_steps_on_ranks(repeats):
+    with trace.paused(), collectives.unchecked():
+        steps = _tiny_steps(dist.get_rank(), dist.get_world_size(), repeats)
+    return steps if dist.get_rank() == 0 else None
 
 
 def _tiny_steps(rank, p, repeats):
@@ -333,11 +354,17 @@ def measure(sizes=SIZES, repeats: int = 7, world_size: int | None = None, timeou
     cores = len(os.sched_getaffinity(0))
     if world_size is None:
         world_size = 2 * cores if cores <= 8 else 2
-    out = launch(_measure_on_ranks, sizes, repeats, world_size=world_size, timeout=timeout)[0]
-    one_way, exchange, add, fresh, tiny_steps, where = out
+    # the pairs run on 2 ranks only: more processes would share the cores and slow every step,
+    # which is the σ term's business, measured apart by the tiny steps on 2c ranks
+    one_way, exchange, add, fresh, start, where = launch(_measure_on_ranks, sizes, repeats, world_size=2,
+                                                  timeout=timeout)[0]
+    tiny_steps = {}
     if where == "cuda":                           # NCCL, one process per GPU: no core is shared
-        cores, tiny_steps = None, {}
-    return Timings(cores, list(sizes), one_way, exchange, add, fresh, world_size if tiny_steps else 0, tiny_steps)
+        cores = None
+    elif world_size > 2:
+        tiny_steps = launch(_tiny_steps_on_ranks, repeats, world_size=world_size, timeout=timeout)[0]
+    return Timings(cores, list(sizes), one_way, exchange, add, fresh, world_size if tiny_steps else 0, tiny_steps,
+                   start)
 
 
 def _time_on_ranks(sizes, algorithms, repeats):

@@ -211,7 +211,7 @@ def test_fit_measures_a_model_that_predicts_its_own_points():
 # Machine-independent: no ranks, no clock.
 
 KNOWN = costfit.Fit(alpha=60e-6, beta=0.35e-9, gamma=0.05e-9, sizes=[], times=[], alpha2=150e-6, beta2=0.7e-9,
-                    sigma={"one-way": 1e-3, "swap": 3e-3, "ring": 4e-3}, mu=0.5e-9, cores=2)
+                    sigma={"one-way": 1e-3, "swap": 3e-3, "ring": 4e-3}, mu=0.5e-9, cores=2, delta=100e-6)
 
 
 def _timings_from(known, noise, seed):
@@ -229,14 +229,15 @@ def _timings_from(known, noise, seed):
         one_way=[off(known.alpha + known.beta * n) for n in sizes],
         exchange=[off(known.alpha2 + known.beta2 * n) for n in sizes],
         add_per_byte=off(known.gamma), fresh_per_byte=off(known.mu), tiny_ranks=ranks,
-        tiny_steps={k: off(ranks / known.cores * tiny[k] + known.sigma[k] * (1 - known.cores / ranks))
-                    for k in costfit.STEPS})
+        tiny_steps={k: off(known.delta / (2 * (ranks - 1)) + ranks / known.cores * tiny[k]
+                           + known.sigma[k] * (1 - known.cores / ranks)) for k in costfit.STEPS},
+        start=off(known.delta))
 
 
 @pytest.mark.parametrize("seed", range(5))
 def test_fitting_recovers_known_parameters_from_noisy_timings(seed):
     fit = costfit.fit_timings(_timings_from(KNOWN, noise=0.1, seed=seed))
-    for name in ("alpha", "beta", "alpha2", "beta2", "gamma", "mu"):
+    for name in ("alpha", "beta", "alpha2", "beta2", "gamma", "mu", "delta"):
         assert getattr(fit, name) == pytest.approx(getattr(KNOWN, name), rel=0.25), name
     for kind in costfit.STEPS:
         assert fit.sigma[kind] == pytest.approx(KNOWN.sigma[kind], rel=0.35), kind
@@ -263,22 +264,23 @@ def test_noise_beyond_the_goal_is_caught():
 
 
 def test_the_formula_by_hand():
-    """T = s·(A·α' + B·β' + C·γ + F·μ) + A·σ'·w, s = max(1, b/c), w = max(0, 1 - c/b), with
+    """T = δ + s·(A·α' + B·β' + C·γ + F·μ) + A·σ'·w, s = max(1, b/c), w = max(0, 1 - c/b), with
     the table's A, B, C, counted here again."""
     k, N = KNOWN, 4 * 2 ** 20
     # ring, p = 4 on 2 cores: 6 exchange steps, 1.5 N bytes, 0.75 N added; b = 4: s = 2, w = 1/2;
     # its one receive buffer (N/4 = 1 MB) is below 32 MiB: F = 0
     assert k.predict("all_reduce", "ring", 4, N) == pytest.approx(
-        2 * (6 * k.alpha2 + 1.5 * N * k.beta2 + 0.75 * N * k.gamma) + 6 * k.sigma["ring"] / 2)
+        k.delta + 2 * (6 * k.alpha2 + 1.5 * N * k.beta2 + 0.75 * N * k.gamma) + 6 * k.sigma["ring"] / 2)
     # tree, p = 8, 64 MB: 6 one-way steps, 6 N bytes, 3 N added; b = 2·7 messages' ranks / 3
     # rounds = 14/3; the 64 MB receive buffer is fresh
     N = 64 * 2 ** 20
     b = 14 / 3
     assert k.predict("all_reduce", "tree", 8, N) == pytest.approx(
-        b / 2 * (6 * k.alpha + 6 * N * k.beta + 3 * N * k.gamma + N * k.mu) + 6 * k.sigma["one-way"] * (1 - 2 / b))
+        k.delta + b / 2 * (6 * k.alpha + 6 * N * k.beta + 3 * N * k.gamma + N * k.mu)
+        + 6 * k.sigma["one-way"] * (1 - 2 / b))
     # halving-doubling, p = 2, one rank per core: s = 1, w = 0; a 32 MB half is fresh
     assert k.predict("all_reduce", "halving_doubling", 2, N) == pytest.approx(
-        2 * k.alpha2 + N * k.beta2 + N / 2 * k.gamma + N / 2 * k.mu)
+        k.delta + 2 * k.alpha2 + N * k.beta2 + N / 2 * k.gamma + N / 2 * k.mu)
     assert sum(k.terms("all_reduce", "ring", 8, N).values()) == k.predict("all_reduce", "ring", 8, N)
 
 
