@@ -241,6 +241,17 @@ def check_number(got, expected: float, *, what: str, rel_tol: float = 1e-6, abs_
     return f"({what} = {got:.6g})"
 
 
+def random_mlp_and_cap(rng, element_bytes: int, small_cap: bool) -> tuple[list[int], int]:
+    """An MLP's 4 widths and a bucket cap in bytes, for the DDP checkers. small_cap: below the
+    largest weight (a parameter that gets a bucket of its own); else at least a whole layer."""
+    widths = [rng.randint(2, 9) for _ in range(4)]
+    weights = [element_bytes * a * b for a, b in zip(widths, widths[1:])]
+    layers = [w + element_bytes * b for w, b in zip(weights, widths[1:])]
+    if small_cap:
+        return widths, rng.randint(2 * element_bytes, max(weights) - 1)
+    return widths, rng.randint(max(layers), sum(layers) - element_bytes)
+
+
 def first_difference(got: torch.Tensor, expected: torch.Tensor, *, atol=0.0, rtol=0.0):
     """(index, got value, expected value) of the first element that differs, or None.
 

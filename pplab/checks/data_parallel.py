@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .core import Fail, call_answer, exercise, first_difference, observe, progress, require_function, run_on_ranks
-from .core import _fmt
+from .core import _fmt, random_mlp_and_cap
 
 # ----------------------------------------------------------------------------------
 # Exercise "ddp_buckets"
@@ -37,10 +37,7 @@ def _ddp_trials(seed: int, world_size: int) -> list[dict]:
     rng = random.Random(seed * 31 + world_size)
     trials = []
     for small_cap in (True, False):
-        widths = [rng.randint(2, 9) for _ in range(4)]
-        weights = [4 * a * b for a, b in zip(widths, widths[1:])]          # bytes, float32
-        layers = [w + 4 * b for w, b in zip(weights, widths[1:])]
-        cap = rng.randint(8, max(weights) - 1) if small_cap else rng.randint(max(layers), sum(layers) - 4)
+        widths, cap = random_mlp_and_cap(rng, 4, small_cap)                 # float32
         trials.append({"widths": widths, "cap": cap, "seed": rng.randrange(2**31)})
     return trials
 

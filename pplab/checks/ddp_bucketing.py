@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .core import Fail, exercise, first_difference, observe, progress, refuse_library, require_function, run_on_ranks
-from .core import _fmt
+from .core import _fmt, random_mlp_and_cap
 
 _ATOL, _RTOL = 1e-12, 1e-9
 _STEPS = 2
@@ -43,10 +43,7 @@ def _configs(seed: int, p: int) -> list[dict]:
     rng = random.Random(seed * 13 + p)
     configs = []
     for small_cap in (True, False):
-        widths = [rng.randint(2, 9) for _ in range(4)]
-        weights = [8 * a * b for a, b in zip(widths, widths[1:])]           # bytes, float64
-        layers = [w + 8 * b for w, b in zip(weights, widths[1:])]
-        cap = rng.randint(16, max(weights) - 1) if small_cap else rng.randint(max(layers), sum(layers) - 8)
+        widths, cap = random_mlp_and_cap(rng, 8, small_cap)                 # float64
         groups = [[0, 2], [1, 3]] if p == 4 and not small_cap else [list(range(p))]
         configs.append({"widths": widths, "cap": cap, "groups": groups, "batch": rng.randint(1, 3),
                         "seed": rng.randrange(2**31)})

@@ -62,7 +62,7 @@ from .simulate import validate
 # 2. The executor
 
 
-def _durations(compute_time, v: int):
+def compute_durations(compute_time, v: int):
     """compute_time -> seconds each action pads to, like simulate(t_f, t_b, t_w):
     a number is t_f (then t_b = 2 t_f, t_w = t_b / 2), a dict gives {"F", "B", "W"};
     each is one rank's whole share, so one of v chunks takes 1/v of it; I = B - W."""
@@ -115,7 +115,7 @@ class PipelineExecutor:
     so the accumulated gradients are those of the mean loss over the whole batch.
     optimizer: optional, stepped after the flush; it may hold every layer's parameters,
     since only this rank's have gradients (torch optimizers skip the others).
-    compute_time: None, or seconds to pad each action to (see `_durations`), so that on a
+    compute_time: None, or seconds to pad each action to (see `compute_durations`), so that on a
     laptop with fewer cores than ranks the measured timeline still shows the schedule's shape.
     group: the ranks of the pipeline (None: every rank), e.g. a mesh's pp group; stage ranks in
     the schedule are ranks within it, and messages go to their global ranks.
@@ -132,7 +132,7 @@ class PipelineExecutor:
                    if group is not None else f"launch with world_size={schedule.num_ranks}")
             raise PipelineError(f"the schedule has {schedule.num_ranks} ranks but {world} are running"
                                 f"{' in the pipeline group' if group is not None else ''}: {fix}")
-        self.pad = _durations(compute_time, schedule.chunks)
+        self.pad = compute_durations(compute_time, schedule.chunks)
         self.device = rank_device()
         layers = _as_layers(layers)
         self.bounds = self._agree(layers, balance, sample)
