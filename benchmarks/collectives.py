@@ -16,9 +16,11 @@ trace.paused() (nothing recorded): the algorithm and its messages only, as gloo'
 Then the cost model against the clock: pplab.costfit fits its parameters from a few cheap
 measurements (ping-pong, exchange, an add, a tiny ring; no all-reduce), and we time
 pplab's ring, tree and halving_doubling all-reduces at p = 2, 4, 8 from 1 KB to 64 MB
-(mean of --repeats tries, 4x as many up to 256 KB, each as long as its slowest rank;
-the mean because a step sometimes waits a whole scheduler tick, and means add up) and print measured /
-predicted. Goal: within 1.5x where p <= cores, within 2x beyond. Run it at normal
+(--repeats tries, 4x as many up to 256 KB, each as long as its slowest rank, in a new
+order each round) and print measured / predicted. Measured is the lower quartile of the
+tries where p <= cores (a try is quick or, at random, held up a scheduler tick; how often
+changes from second to second, so a median swings 2-3x between runs) and the mean, slowest
+tenth left out, beyond (where waiting for a core is part of every try, and means add up). Goal: within 1.5x where p <= cores, within 2x beyond. Run it at normal
 priority; the load average printed with it says how busy the machine was.
 
     python benchmarks/collectives.py [--ranks 2 4] [--max-size-mb 64] [--repeats 9]

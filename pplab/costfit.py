@@ -8,9 +8,10 @@ memory, four more things cost time. The model here keeps the table and adds them
 
     T = δ + s·(A·α' + B·β' + C·γ + F·μ) + A·σ'·w,      s = max(1, b/c),  w = max(0, 1 - c/b)
 
-    δ        once per collective: the ranks never start at the same instant (they leave the
-             barrier before it a little apart, and a process that paused is slower on its
-             first message), so the first step waits for the last rank to arrive.
+    δ        once per collective: what a call costs beyond its messages. The ranks never
+             start at the same instant (they leave the barrier before it a little apart, and
+             a process that paused is slower on its first message), and pplab checks the
+             call and splits the tensor before the first step.
 
     α', β'   a step's start-up time and time per byte. For algorithms whose steps send
              and receive at once (ring, halving/doubling, all-gather, ...) these are
@@ -44,6 +45,7 @@ at a collective's own time: that is what the predictions are for.
 from __future__ import annotations
 
 import os
+import random
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -189,7 +191,7 @@ class Timings:
     fresh_per_byte: float        # μ: seconds per byte of writing new memory, less writing old
     tiny_ranks: int              # ranks of the tiny steps below (2c), 0 if not measured
     tiny_steps: dict             # {kind of step: seconds per tiny step on tiny_ranks}
-    start: float = 0.0           # δ: one exchange of the smallest size timed alone, less exchange[0]
+    start: float = 0.0           # δ: a 4-byte all-gather on 2 ranks (one swap), less exchange[0]
 
 
 def _fit_line(sizes, times):
@@ -250,17 +252,21 @@ def _slowest(times):
 
 
 def _trimmed_mean(times):
-    """The mean, not the median or the best: a step sometimes waits a whole scheduler tick
-    for its core, and only means add up step by step into a collective's mean time. The
-    slowest tenth is left out: a rare burst from another program on a shared machine is
-    not what the model is about."""
+    """The mean, not the median or the best, where ranks outnumber cores: a step then often
+    waits a whole scheduler tick for its core, and only means add up step by step into a
+    collective's mean time. The slowest tenth is left out: a rare burst from another
+    program on a shared machine is not what the model is about."""
     return statistics.fmean(sorted(times)[:len(times) - len(times) // 10])
 
 
-def _mean_time(fn, repeats):
-    """The trimmed mean of `repeats` timed calls of fn, after one to warm up."""
-    _tries(fn, 1)
-    return _trimmed_mean(_slowest(_tries(fn, repeats)))
+def _quick(times):
+    """The lower quartile, where every rank has a core of its own: the time the algorithm
+    takes when nothing gets in its way. A try is then either quick or, now and then, held up
+    by a few milliseconds (a thread woken on a core that another thread holds, such as gloo's
+    own I/O threads, waits for the next scheduler tick: 4 ms here). How often that happens
+    changes from second to second, so a mean or even a median swings from run to run (2-3x
+    on this machine); the quick quarter of tries does not."""
+    return sorted(times)[(len(times) - 1) // 4]
 
 
 def _measure_on_ranks(sizes, repeats):
@@ -277,14 +283,15 @@ def _measure_on_ranks(sizes, repeats):
             (comm.send, comm.recv)[rank](bufs[n][0], 1 - rank)
             (comm.recv, comm.send)[rank](bufs[n][0], 1 - rank)
 
-    def swap(n):                                   # 0 → 1 and 1 → 0 at once
-        for _ in range(back_to_back(n)):
-            collectives._sendrecv(bufs[n][0], 1 - rank, bufs[n][1], 1 - rank, None)
+    def swap(n):                                   # 0 → 1 and 1 → 0 at once, one per try: in a collective
+        collectives._sendrecv(bufs[n][0], 1 - rank, bufs[n][1], 1 - rank, None)   # the partners come to
+        #     each step a little apart (each has just sliced or combined), unlike the 8th of 8 swaps in a row
 
-    def lone_swap(n):                              # one swap after the barrier, as a collective starts
-        collectives._sendrecv(bufs[n][0], 1 - rank, bufs[n][1], 1 - rank, None)
+    def lone_call(n):                              # δ: the smallest collective, one swap (all-gather on 2)
+        collectives.all_gather_into_tensor(bufs[n][1], bufs[n][0])
     tries = [(run, n) for n in sizes for run in (ping_pong, swap) for _ in range(4 if n <= 2 ** 18 else 1)]
-    tries += [(lone_swap, sizes[0])] * 4
+    tries += [(lone_call, 4)] * 8
+    bufs[4] = [torch.zeros(4, dtype=torch.uint8, device=device()), torch.zeros(8, dtype=torch.uint8, device=device())]
     with trace.paused(), collectives.unchecked():
         for run, n in tries:                       # a warm-up
             run(n)
@@ -293,9 +300,9 @@ def _measure_on_ranks(sizes, repeats):
         times = {key: [] for key in tries}         # small ones are cheap: 4 tries a round
         for key, t in zip(tries * repeats, slowest):
             times[key].append(t)
-        one_way = [_trimmed_mean(times[ping_pong, n]) / (2 * back_to_back(n)) for n in sizes]
-        exchange = [_trimmed_mean(times[swap, n]) / back_to_back(n) for n in sizes]
-        start = _trimmed_mean(times[lone_swap, sizes[0]]) - exchange[0]
+        one_way = [_quick(times[ping_pong, n]) / (2 * back_to_back(n)) for n in sizes]
+        exchange = [_quick(times[swap, n]) for n in sizes]
+        start = _quick(times[lone_call, 4]) - exchange[0]
     if rank:
         return None
     n = max(sizes) // 4                           # γ: a float32 add of the largest size, in place
@@ -334,7 +341,7 @@ def _tiny_steps(rank, p, repeats):
     kinds = {"one-way": one_way, "swap": swap, "ring": ring}
     for run in kinds.values():                     # a warm-up
         run()
-    mine = [t for _ in range(2 * repeats) for run in kinds.values() for t in _tries(run, 1)]
+    mine = [t for _ in range(6 * repeats) for run in kinds.values() for t in _tries(run, 1)]
     slowest = _slowest(mine)
     return {kind: _trimmed_mean(slowest[i::len(kinds)]) / steps for i, kind in enumerate(kinds)}
 
@@ -346,7 +353,7 @@ def _timed(fn):
     return time.perf_counter() - start
 
 
-def measure(sizes=SIZES, repeats: int = 7, world_size: int | None = None, timeout: float = 300.0) -> Timings:
+def measure(sizes=SIZES, repeats: int = 15, world_size: int | None = None, timeout: float = 300.0) -> Timings:
     """Time, on this machine: a ping-pong and a two-way exchange at each size, a float32 add,
     a write to fresh memory, and tiny steps of each kind (one-way, swap, ring) on 2c ranks
     (c = the cores we may use; skipped above 8 cores, where 2c processes would take longer
@@ -368,26 +375,40 @@ def measure(sizes=SIZES, repeats: int = 7, world_size: int | None = None, timeou
 
 
 def _time_on_ranks(sizes, algorithms, repeats):
+    """Every (algorithm, size) takes turns, try by try, in a new order each round, so that a
+    second of bad luck on the machine, or the kernel still freeing a 64 MB buffer, falls
+    on all of them, not on one."""
+    statistic = _quick if dist.get_world_size() <= len(os.sched_getaffinity(0)) or device().type == "cuda" \
+        else _trimmed_mean
     with trace.paused(), collectives.unchecked():
-        return {(algorithm, n): _mean_time(lambda: collectives.all_reduce(x, algorithm=algorithm),
-                                           repeats * (4 if n <= 2 ** 18 else 1))
-                for n in sizes for x in [torch.ones(n // 4, device=device())] for algorithm in algorithms}
+        xs = {n: torch.ones(n // 4, device=device()) for n in sizes}
+        keys = [(a, n) for n in sizes for a in algorithms for _ in range(4 if n <= 2 ** 18 else 1)]
+        for a, n in keys:                          # a warm-up
+            collectives.all_reduce(xs[n], algorithm=a)
+        order = [key for r in range(repeats) for key in random.Random(r).sample(keys, len(keys))]
+        mine = [t for a, n in order for t in _tries(lambda: collectives.all_reduce(xs[n], algorithm=a), 1)]
+        times = {}
+        for key, t in zip(order, _slowest(mine)):        # shuffled (the same on every rank): no
+            times.setdefault(key, []).append(t)          # size always follows the 64 MB ones
+        return {key: statistic(ts) for key, ts in times.items()}
 
 
 def time_all_reduces(p: int, sizes, algorithms=("ring", "tree", "halving_doubling"), repeats: int = 5,
                      timeout: float = 600.0) -> dict:
     """{(algorithm, n_bytes): seconds} for pplab's all-reduces of float32 tensors on p ranks,
-    measured as the model predicts them: the mean over tries (4x as many up to 256 KB) of
-    the slowest rank's time, checks and tracing off. What a prediction is compared with."""
+    measured as the model predicts them: over tries (4x as many up to 256 KB) of the slowest
+    rank's time, the lower quartile where every rank has a core (see _quick), the mean
+    (slowest tenth left out) where ranks outnumber cores (see _trimmed_mean); checks and
+    tracing off. What a prediction is compared with."""
     return launch(_time_on_ranks, list(sizes), tuple(algorithms), repeats, world_size=p, timeout=timeout)[0]
 
 
-def fit(world_size: int | None = None, sizes=SIZES, repeats: int = 7, timeout: float = 300.0) -> Fit:
+def fit(world_size: int | None = None, sizes=SIZES, repeats: int = 15, timeout: float = 300.0) -> Fit:
     """measure() then fit_timings(): the model's parameters on this machine, in a few seconds.
 
     world_size: the ranks launched (default 2c, for the tiny ring that measures σ);
     sizes: the message sizes (bytes) of the ping-pong and the exchange; repeats: timed
-    tries of each (the median counts)."""
+    tries of each (their lower quartile counts; the tiny steps' mean)."""
     sizes = sorted(int(n) for n in sizes)
     if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int)
                                    or world_size < 2):

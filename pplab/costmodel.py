@@ -226,7 +226,7 @@ def messages_on_critical_path(messages) -> int:
 # Measuring α, β, γ (and what a CPU adds) on this machine: pplab.costfit
 
 
-def fit(world_size=None, sizes=None, repeats: int = 7, timeout: float = 300.0):
+def fit(world_size=None, sizes=None, repeats: int = 15, timeout: float = 300.0):
     """The model fitted to this machine in a few seconds: see pplab.costfit.fit."""
     from . import costfit
     return costfit.fit(world_size, costfit.SIZES if sizes is None else sizes, repeats, timeout)
