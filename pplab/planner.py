@@ -19,7 +19,8 @@ Every number comes from an earlier chapter, put together:
   of the schedule with those per-micro-batch times and `fit.message_time(activation)` per hop:
   its makespan holds the bubble and the sends; DP = the gradient sync of the stage's shard over
   dp (all-reduce, or reduce-scatter + all-gather for ZeRO) after the last backward, not
-  overlapped; then the optimizer step on the elements this rank owns.
+  overlapped (ZeRO-2's reduce-scatter and ZeRO-3's gathers and reduce-scatter come once per
+  micro-batch); then the optimizer step on the elements this rank owns.
 
 Measuring (pplab/planner_measure.py, re-exported here): `measure`, `estimate`, `contention`,
 `calibrate`. On this CPU the ranks outnumber the cores: `calibrate` measures, with the ranks running at once,
@@ -135,12 +136,10 @@ def predict(cfg: GPTConfig, layout: Layout, batch: int, fit, times: LayerTimes, 
         memory.append(mem)
     grads = max(psi) * dtype_bytes
     dp = 0.0
-    if L.dp > 1:
-        if L.zero == 0:
-            dp = fit.predict("all_reduce", None, L.dp, grads)
-        else:
-            dp = fit.predict("reduce_scatter", None, L.dp, grads) + fit.predict("all_gather", None, L.dp, grads) \
-                * (2 if L.zero == 3 else 1)
+    if L.dp > 1:                     # under a pipeline ZeRO-2's hooks reduce-scatter, and ZeRO-3 gathers
+        rs, ag = (fit.predict(kind, None, L.dp, grads) for kind in ("reduce_scatter", "all_gather"))
+        dp = {0: fit.predict("all_reduce", None, L.dp, grads), 1: rs + ag,      # twice, once per micro-batch
+              2: L.m * rs + ag, 3: L.m * (rs + 2 * ag)}[L.zero]
     owned = max(psi) / (L.dp if L.zero else 1)
     opt = times.optimizer * owned * oversubscription
     t_parts = {"compute": L.m * (f[slow] + b[slow]), "tp": L.m * (comm_f[slow] + comm_b[slow]),

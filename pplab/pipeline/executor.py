@@ -142,8 +142,8 @@ class PipelineExecutor:
         self.layers = layers                # all of them, for the shape check only (a system for models
                                             # too big for one rank would exchange shapes instead)
         self.bare = {s: nn.Sequential(*layers[slice(*self.bounds[s])]).to(self.device)
-                     for s in schedule.stages_of(self.rank)}
-        self.stages = {s: wrap_stage(st) if wrap_stage else st for s, st in self.bare.items()}
+                     for s in schedule.stages_of(self.rank)}                  # my stages' layers
+        self.stages = {s: wrap_stage(st) if wrap_stage else st for s, st in self.bare.items()}   # what runs them
         self._shapes = {}                    # micro-batch shape -> shape and dtype of every stage's output
         self._weights = list({id(p): p for p in [p for _, p in self.named_parameters()] +   # the layers',
                               [p for st in self.stages.values() for p in st.parameters()]}.values())  # a wrapper's
