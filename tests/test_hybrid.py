@@ -52,6 +52,7 @@ LAYOUTS_4 = [({"dp": 4}, {}),                                        # DDP
              ({"pp": 2, "dp": 2}, {"schedule": "interleaved-1f1b", "zero": 1}),
              ({"dp": 4}, {"zero": 2}),
              ({"pp": 2, "dp": 2}, {}),                               # DDP's all-reduce once per step, after the flush
+             ({"pp": 2, "dp": 2}, {"schedule": "zb-v"}),             # ... also where W, not a hook, fills .grad
              ({"dp": 4}, {"zero": 3}),                               # FullyShardedModule over dp
              ({"dp": 2, "tp": 2}, {"zero": 3}),                      # ... sharding each rank's TP shards
              ({"pp": 2, "dp": 2}, {"zero": 3})]                      # ... one per stage, gathered per micro-batch
