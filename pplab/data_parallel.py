@@ -132,6 +132,41 @@ def reverse_buckets(named_params, cap_bytes: int) -> list[list]:
     return buckets
 
 
+def _all_reduce_bucket(flat, i: int, group):
+    """Start the all-reduce of bucket i's flat gradients ("AR<i>" in the comm lane)."""
+    handle = comm.all_reduce(flat, group=group, async_op=True)
+    handle.event.label, handle.event.meta["bucket"] = f"AR{i}", i
+    end_trace_when_done(handle)
+    return handle
+
+
+def _mean_into_grads(flat, bucket, world_size: int) -> None:
+    """The summed bucket -> the mean over ranks, copied back into each parameter's .grad."""
+    flat.div_(world_size)
+    offset = 0
+    for _, p in bucket:
+        p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+        offset += p.numel()
+
+
+def all_reduce_gradients(params, group=None, bucket_cap_mb: float = 25) -> None:
+    """DDP's bucketed all-reduce, once, now: every .grad becomes its mean over `group`.
+
+    For gradients accumulated over several backward passes when the hooks cannot tell which is
+    the last: a pipeline runs one backward per micro-batch, so pplab.hybrid (zero=0, pp > 1)
+    calls this once after the schedule's flush, as DDP would after no_sync() micro-steps.
+    Parameters without a gradient are left out (every replica has the same ones)."""
+    params = [(i, p) for i, p in enumerate(params) if p.grad is not None]
+    flats = []
+    for i, bucket in enumerate(reverse_buckets(params, int(bucket_cap_mb * 2**20))):
+        flat = torch.cat([p.grad.reshape(-1) for _, p in bucket])
+        flats.append((flat, bucket, _all_reduce_bucket(flat, i, group)))
+    for _, _, handle in flats:              # every one launched before any is waited on
+        handle.wait()
+    for flat, bucket, _ in flats:
+        _mean_into_grads(flat, bucket, comm.world_size(group))
+
+
 def _tensors(x):
     if isinstance(x, torch.Tensor):
         yield x
@@ -281,12 +316,8 @@ class DDP(nn.Module):
         """Launch buckets in order for as long as the next one has all its gradients."""
         while self._next < len(self._buckets) and not self._waiting[self._next]:
             i = self._next
-            buf = self._flat[i]
-            torch.cat([p.grad.reshape(-1) for _, p in self._buckets[i]], out=buf)
-            handle = comm.all_reduce(buf, group=self.group, async_op=True)
-            handle.event.label, handle.event.meta["bucket"] = f"AR{i}", i
-            end_trace_when_done(handle)
-            self._handles.append((i, handle))
+            torch.cat([p.grad.reshape(-1) for _, p in self._buckets[i]], out=self._flat[i])
+            self._handles.append((i, _all_reduce_bucket(self._flat[i], i, self.group)))
             self._next += 1
 
     def _end_backward(self) -> None:
@@ -300,7 +331,7 @@ class DDP(nn.Module):
             for i, h in self._handles:              # wait for *everything* before any error,
                 h.wait()                            # so no rank leaves a collective behind
             for i, h in self._handles:
-                self._unflatten(i)
+                _mean_into_grads(self._flat[i], self._buckets[i], self.world_size)
             missing = [n for waiting in self._waiting for n in sorted(waiting)]
             if missing:
                 raise RuntimeError(
@@ -321,13 +352,6 @@ class DDP(nn.Module):
         finally:
             self._samples = 0 if self._sync else self._samples
             self._backward_start, self._handles = None, []
-
-    def _unflatten(self, i: int) -> None:
-        buf = self._flat[i].div_(self.world_size)        # the sum over ranks -> the mean
-        offset = 0
-        for _, p in self._buckets[i]:
-            p.grad.copy_(buf[offset:offset + p.numel()].view_as(p.grad))
-            offset += p.numel()
 
     # ------------------------------------------------------------------------------
     # Gradient accumulation

@@ -17,9 +17,13 @@ What each rank does, in order:
    group, cuts them into stages (the same cut on every rank: by the dense model's parameter
    counts) and runs the schedule over m micro-batches.
 4. Each dp replica takes its share of the global batch (`data_parallel.shard`). Gradients are
-   averaged over the dp group by chapter 2's DDP (zero=0: all-reduce overlapped with backward;
-   pp = 1 only, since DDP syncs every backward and a pipeline runs m of them) or by chapter 6's
-   ZeroOptimizer (zero=1 or 2: reduce-scatter, step my shard, all-gather; once per step).
+   averaged over the dp group by chapter 2 or chapter 6, each step:
+   zero=0, pp = 1: DDP, its bucketed all-reduces overlapped with backward;
+   zero=0, pp > 1: a pipeline runs one backward per micro-batch, and DDP's hooks would sync each
+     of them: the same bucketed all-reduce (`all_reduce_gradients`) runs once, after the flush;
+   zero=1, 2: ZeroOptimizer (reduce-scatter, step my shard, all-gather);
+   zero=3: FullyShardedModule around the model (pp = 1) or around each of my stages (pp > 1):
+     parameters gathered unit by unit for every forward and backward, gradients reduce-scattered.
 
 Why the order pp, dp, tp (tp innermost): TP talks twice per block per micro-batch (forward and
 backward all-reduces of [s, b, h]), so its ranks should be the closest; DP talks once per step
@@ -28,6 +32,7 @@ backward all-reduces of [s, b, h]), so its ranks should be the closest; DP talks
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 
 import torch
@@ -35,19 +40,20 @@ import torch.distributed as dist
 from torch import nn
 
 from . import data, trace
-from .data_parallel import DDP, shard
+from .data_parallel import DDP, all_reduce_gradients, shard
 from .launcher import device as rank_device
 from .mesh import DIMS, Mesh
 from .models.gpt import GPTConfig, gpt_layers, gpt_loss, parallel_layers
 from .pipeline import PipelineExecutor, make_schedule, partition
-from .zero import ZeroOptimizer, held_bytes
+from .zero import FullyShardedModule, ZeroOptimizer, held_bytes
 
 __all__ = ["train", "train_single", "check_layout", "comm_rows", "draw_mesh", "layouts", "describe_layout", "GPTConfig"]
 
 
 def check_layout(cfg: GPTConfig, sizes: dict, batch_size: int, microbatches: int = 1, zero: int = 0,
-                 sequence_parallel: bool = False, world_size: int | None = None) -> dict:
-    """Refuse, with what to change, a layout this model or batch cannot run. Returns the full sizes."""
+                 sequence_parallel: bool = False, world_size: int | None = None, schedule: str = "1f1b") -> dict:
+    """Refuse, with what to change, a layout this model or batch cannot run. Returns the full sizes.
+    pplab.planner asks it too, so the planner lists only layouts that train runs."""
     unknown = set(sizes) - set(DIMS)
     if unknown or any(sizes.get(d, 1) != 1 for d in ("ep", "cp")):
         raise ValueError(f"the tiny GPT trains on dp, tp and pp (got {sizes}): it has no experts (ep) "
@@ -66,27 +72,38 @@ def check_layout(cfg: GPTConfig, sizes: dict, batch_size: int, microbatches: int
     if sequence_parallel and cfg.seq % tp:
         raise ValueError(f"sequence parallelism cuts the {cfg.seq} positions into tp={tp} equal slices: "
                          f"use a sequence length divisible by {tp}")
-    if cfg.layers + 2 < pp:
-        raise ValueError(f"pp={pp} stages, but the model has only {cfg.layers + 2} pipeline layers (embedding, "
-                         f"{cfg.layers} blocks, head): use pp <= {cfg.layers + 2} or more layers")
+    stages, split_backward = _schedule_shape(schedule, pp, microbatches) if pp > 1 else (1, False)
+    if cfg.layers + 2 < stages:
+        chunks = f" × {stages // pp} chunks ({schedule}) = {stages}" if stages > pp else ""
+        raise ValueError(f"pp={pp}{chunks} stages, but the model has only {cfg.layers + 2} pipeline layers "
+                         f"(embedding, {cfg.layers} blocks, head): use pp <= {(cfg.layers + 2) // (stages // pp)} "
+                         f"or more layers")
     if batch_size % dp:
         raise ValueError(f"a global batch of {batch_size} sequences does not split over dp={dp} replicas: "
                          f"use a batch that is a multiple of {dp}")
     if pp > 1 and batch_size // dp < microbatches:
         raise ValueError(f"each replica gets {batch_size // dp} sequences, too few for {microbatches} "
                          f"micro-batches: use microbatches <= {batch_size // dp} or a larger batch")
-    if zero not in (0, 1, 2):
-        raise ValueError(f"zero={zero!r}: use 0 (DDP), 1 or 2 (ZeroOptimizer)")
-    if zero == 0 and pp > 1 and dp > 1:
-        raise ValueError("zero=0 (DDP) with pp > 1: DDP all-reduces after every backward, and a pipeline "
-                         "runs one backward per micro-batch; use zero=1, which averages once per step "
-                         "(reduce-scatter + all-gather: the same bytes as DDP's all-reduce)")
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"zero={zero!r}: use 0 (DDP), 1 or 2 (ZeroOptimizer), 3 (FullyShardedModule)")
+    if zero >= 2 and dp > 1 and split_backward:
+        raise ValueError(f"zero={zero} with the {schedule} schedule: it splits each backward into I and W "
+                         f"(torch.autograd.grad), which run no gradient hooks, and ZeRO-{zero} reduce-scatters "
+                         f"from those hooks; use zero=1, or a schedule with whole backwards (1f1b, gpipe, "
+                         f"interleaved-1f1b)")
     return {d: sizes.get(d, 1) for d in DIMS}
+
+
+@functools.lru_cache(maxsize=256)
+def _schedule_shape(schedule: str, pp: int, microbatches: int) -> tuple:
+    """(stages the model is cut into, whether backward splits into I and W) of a named schedule."""
+    sched = make_schedule(schedule, num_stages=pp, num_microbatches=microbatches)
+    return sched.num_stages, sched.split_backward
 
 
 def _optimizer(params, lr, zero, dp, group):
     params = list(params)
-    if zero and dp > 1:
+    if zero and dp > 1:                # stage 3: params are FullyShardedModule's shards, stepped as they are
         return ZeroOptimizer(params, torch.optim.AdamW, stage=zero, group=group, lr=lr)
     return torch.optim.AdamW(params, lr=lr)
 
@@ -109,7 +126,7 @@ def train(cfg: GPTConfig, mesh, steps: int = 5, batch_size: int = 8, lr: float =
     world = dist.get_world_size() if dist.is_initialized() else 1
     pp, dp = sizes.get("pp", 1), sizes.get("dp", 1)
     m = microbatches or (min(2 * pp, batch_size // dp) if pp > 1 else 1)
-    check_layout(cfg, sizes, batch_size, m, zero, sequence_parallel, world)
+    check_layout(cfg, sizes, batch_size, m, zero, sequence_parallel, world, schedule)
     dev = rank_device()                # its GPU under NCCL, else the CPU
     # building (broadcasts, shape checks) is not drawn when the steps to draw are chosen
     with trace.paused() if trace_steps is not None else contextlib.nullcontext():
@@ -121,17 +138,24 @@ def train(cfg: GPTConfig, mesh, steps: int = 5, batch_size: int = 8, lr: float =
         def loss_fn(logits, targets):
             return gpt_loss(logits, targets, tp_group, cfg.vocab)
 
+        sharded = zero == 3 and dp > 1             # ZeRO-3: the parameters themselves cut over dp
+
+        def fully_sharded(module):
+            return FullyShardedModule(module, group=mesh.dp_group)
+
         if pp > 1:
             sched = make_schedule(schedule, num_stages=pp, num_microbatches=m)
             cut = [e - s for s, e in partition(dense, sched, "params")]   # the dense counts: one cut for all ranks
-            runner = PipelineExecutor(sched, layers, loss_fn, balance=cut, group=mesh.pp_group)
+            runner = PipelineExecutor(sched, layers, loss_fn, balance=cut, group=mesh.pp_group,
+                                      wrap_stage=fully_sharded if sharded else None)
             model = nn.ModuleList(runner.stages.values())
-            runner.optimizer = opt = _optimizer(model.parameters(), lr, zero, dp, mesh.dp_group)
         else:
             model = nn.Sequential(*layers)
-            if dp > 1 and zero == 0:
+            if sharded:
+                model = fully_sharded(model)
+            elif dp > 1 and zero == 0:
                 model = DDP(model, group=mesh.dp_group)
-            opt = _optimizer(model.parameters(), lr, zero, dp, mesh.dp_group)
+        opt = _optimizer(model.parameters(), lr, zero, dp, mesh.dp_group)
 
     losses, times, activation_bytes = [], [], 0
     for step in range(steps):
@@ -143,8 +167,12 @@ def train(cfg: GPTConfig, mesh, steps: int = 5, batch_size: int = 8, lr: float =
             if pp > 1:
                 loss = runner.step(x, y)["loss"]
                 activation_bytes = max(activation_bytes, runner.peak_bytes)
+                if zero == 0 and dp > 1:               # once, after the last micro-batch's backward
+                    all_reduce_gradients(model.parameters(), mesh.dp_group)
+                opt.step()
             else:
-                with _saved_bytes(model.parameters()) as saved:
+                with _saved_bytes(list(model.parameters()) + list(getattr(model, "module", model).parameters())) \
+                        as saved:
                     loss = loss_fn(model(x), y)
                 activation_bytes = max(activation_bytes, saved.total)
                 loss.backward()
@@ -159,25 +187,31 @@ def train(cfg: GPTConfig, mesh, steps: int = 5, batch_size: int = 8, lr: float =
             dist.all_reduce(total)
         losses.append(total.item() / dp)
 
-    named = runner.named_parameters() if pp > 1 else getattr(model, "module", model).named_parameters()
+    with trace.paused(), contextlib.ExitStack() as whole:
+        if sharded:                                  # ZeRO-3: gather my layers whole to report them
+            for module in (runner.stages.values() if pp > 1 else [model]):
+                whole.enter_context(module.full_parameters())
+        named = runner.named_parameters() if pp > 1 else getattr(model, "module", model).named_parameters()
+        params = {n: p.detach().clone() for n, p in named}
     return {"losses": losses, "step_times": times, "coords": mesh.coords,
-            "state_bytes": state_bytes, "activation_bytes": activation_bytes,
-            "params": {n: p.detach().clone() for n, p in named}}
+            "state_bytes": state_bytes, "activation_bytes": activation_bytes, "params": params}
 
 
 class _saved_bytes:
     """Bytes autograd saves for backward inside the block: activations, not the weights (nor views
-    of them, such as the transposed weight a linear layer keeps), each tensor once."""
+    of them, such as the transposed weight a linear layer keeps), each piece of memory once (the
+    softmax's output and the [b·a, s, s] view of it that the next product keeps are one)."""
 
     def __init__(self, params):
-        self.weights = {p.untyped_storage().data_ptr() for p in params}
+        self.params = list(params)
 
     def __enter__(self):
         self.total, seen = 0, set()
 
         def pack(t):
-            key = (t.untyped_storage().data_ptr(), t.shape, t.stride())
-            if t.untyped_storage().data_ptr() not in self.weights and key not in seen:
+            weights = {p.untyped_storage().data_ptr() for p in self.params}   # now: ZeRO-3 gathers anew
+            key = (t.data_ptr(), t.numel())
+            if t.untyped_storage().data_ptr() not in weights and key not in seen:
                 seen.add(key)
                 self.total += t.numel() * t.element_size()
             return t

@@ -9,8 +9,9 @@ Every number comes from an earlier chapter, put together:
 * memory per rank (the most loaded pipeline stage): parameters, gradients and Adam's state of
   this rank's tensor-parallel shard of its stage, divided by ZeRO as chapter 6's
   `pplab.zero.model_state_bytes` says; activations = one micro-batch's saved tensors (measured
-  per layer, scaled by micro-batch size and for tp by Korthikanti's formula of chapter 5) times
-  the micro-batches a stage holds at once in chapter 4's simulated schedule (GPipe m, 1F1B p−stage).
+  per layer, scaled by micro-batch size; for tp > 1 the tensor-parallel layers' own, cut over
+  tp (and SP) as `parallel_saved` counts them tensor by tensor) times the micro-batches a stage
+  holds at once in chapter 4's simulated schedule (GPipe m, 1F1B p−stage).
 * step time: compute = measured per-layer time, fixed part + per-sample part × samples / tp
   (a tiny layer's time is mostly per-operation overhead, which splitting does not shrink);
   TP = 2 all-reduces of [s, b, h] per block forward and 2 backward (chapter 3; plus the
@@ -18,7 +19,8 @@ Every number comes from an earlier chapter, put together:
   of the schedule with those per-micro-batch times and `fit.message_time(activation)` per hop:
   its makespan holds the bubble and the sends; DP = the gradient sync of the stage's shard over
   dp (all-reduce, or reduce-scatter + all-gather for ZeRO) after the last backward, not
-  overlapped; then the optimizer step on the elements this rank owns.
+  overlapped (ZeRO-2's reduce-scatter and ZeRO-3's gathers and reduce-scatter come once per
+  micro-batch); then the optimizer step on the elements this rank owns.
 
 Measuring (pplab/planner_measure.py, re-exported here): `measure`, `estimate`, `contention`,
 `calibrate`. On this CPU the ranks outnumber the cores: `calibrate` measures, with the ranks running at once,
@@ -29,16 +31,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .hybrid import describe_layout
+from .hybrid import check_layout, describe_layout
 from .models.gpt import GPTConfig
 from .pipeline import make_schedule, simulate
 from .pipeline.partition import _balanced_split
-from .planner_measure import LayerTimes, calibrate, contention, estimate, measure
-from .sequence_parallel import activation_bytes_formula
+from .planner_measure import LayerTimes, calibrate, contention, estimate, measure, parallel_saved
 from .tensor_parallel import split_sizes
 from .zero import model_state_bytes
 
-__all__ = ["Layout", "LayerTimes", "measure", "estimate", "predict", "enumerate_layouts", "plan",
+__all__ = ["Layout", "LayerTimes", "measure", "estimate", "parallel_saved", "predict", "enumerate_layouts", "plan",
            "Plan", "PlanError", "compare", "contention", "calibrate", "widget", "draw", "GPTConfig"]
 
 class PlanError(ValueError):
@@ -53,10 +54,12 @@ class Layout:
     m: int = 1                      # micro-batches per step and replica
     zero: int = 0                   # 0 = DDP's all-reduce; 1, 2, 3 = ZeRO stages
     schedule: str = "1f1b"
+    sp: bool = False                # Megatron sequence parallelism inside the tp group
 
     @property
     def name(self) -> str:
-        extra = (f", m={self.m}" if self.pp > 1 else "") + (f", ZeRO-{self.zero}" if self.zero else "")
+        extra = (f", m={self.m}" if self.pp > 1 else "") + (f", ZeRO-{self.zero}" if self.zero else "") + \
+            (", SP" if self.sp and self.tp > 1 else "")
         return describe_layout({"dp": self.dp, "tp": self.tp, "pp": self.pp}) + extra
 
 
@@ -98,8 +101,10 @@ def predict(cfg: GPTConfig, layout: Layout, batch: int, fit, times: LayerTimes, 
     ar = (lambda n: fit.predict("all_reduce", None, t, n)) if t > 1 else (lambda n: 0.0)
     tp_f = [ar(act)] + [2 * ar(act)] * cfg.layers + [2 * ar(2 * mb * s * 4)]   # embedding g; blocks; loss sums
     tp_b = [0.0] + [2 * ar(act)] * cfg.layers + [ar(act)]                      # head's f; blocks
-    korthikanti = activation_bytes_formula(s, 1, h, cfg.heads, t, False) / activation_bytes_formula(s, 1, h, cfg.heads)
-    scale = [1.0] + [korthikanti] * cfg.layers + [1 / t]
+    saved = times.saved
+    if t > 1:                        # the tensor-parallel layers' own, cut over t as counted tensor by tensor
+        split, whole = parallel_saved(cfg, t, L.sp, dtype_bytes), parallel_saved(cfg, 1, False, dtype_bytes)
+        saved = [n * a / b for n, a, b in zip(times.saved_parallel or times.saved, split, whole)]
     params = _layer_params(cfg, t)
     cuts = stages(cfg, L.pp)
 
@@ -124,19 +129,17 @@ def predict(cfg: GPTConfig, layout: Layout, batch: int, fit, times: LayerTimes, 
         return model_state_bytes(L.zero, psi[k], L.dp, pb, gb, ob)
     memory = []
     for k, (a, e) in enumerate(cuts):
-        acts = held[k] * mb * sum(times.saved[i] * scale[i] for i in range(a, e)) * dtype_bytes
+        acts = held[k] * mb * sum(saved[i] for i in range(a, e)) * dtype_bytes
         mem = {"params": state(k, dtype_bytes, 0, 0), "grads": state(k, 0, dtype_bytes, 0),
                "optimizer": state(k, 0, 0, 2 * dtype_bytes), "activations": acts}     # Adam: 2 moments
         mem["total"] = sum(mem.values())
         memory.append(mem)
     grads = max(psi) * dtype_bytes
     dp = 0.0
-    if L.dp > 1:
-        if L.zero == 0:
-            dp = fit.predict("all_reduce", None, L.dp, grads)
-        else:
-            dp = fit.predict("reduce_scatter", None, L.dp, grads) + fit.predict("all_gather", None, L.dp, grads) \
-                * (2 if L.zero == 3 else 1)
+    if L.dp > 1:                     # under a pipeline ZeRO-2's hooks reduce-scatter, and ZeRO-3 gathers
+        rs, ag = (fit.predict(kind, None, L.dp, grads) for kind in ("reduce_scatter", "all_gather"))
+        dp = {0: fit.predict("all_reduce", None, L.dp, grads), 1: rs + ag,      # twice, once per micro-batch
+              2: L.m * rs + ag, 3: L.m * (rs + 2 * ag)}[L.zero]
     owned = max(psi) / (L.dp if L.zero else 1)
     opt = times.optimizer * owned * oversubscription
     t_parts = {"compute": L.m * (f[slow] + b[slow]), "tp": L.m * (comm_f[slow] + comm_b[slow]),
@@ -154,13 +157,15 @@ def _divisors(n: int) -> list:
 
 
 def _why_not(cfg: GPTConfig, L: Layout, batch: int):
-    """Why this layout cannot run this model and batch, or None."""
-    if cfg.heads % L.tp or cfg.hidden % L.tp:
-        return f"tp={L.tp} does not divide the {cfg.heads} heads / hidden {cfg.hidden}"
-    if cfg.vocab < L.tp:
-        return f"a vocabulary of {cfg.vocab} cannot be split over tp={L.tp}"
-    if L.pp > cfg.layers + 2:
-        return f"pp={L.pp} stages but only {cfg.layers + 2} pipeline layers (embedding, {cfg.layers} blocks, head)"
+    """Why this layout cannot run this model and batch, or None: pplab.hybrid.check_layout's
+    answer first (so every layout listed as valid is one pplab.hybrid.train runs), then the
+    planner's own (equal micro-batches)."""
+    try:
+        check_layout(cfg, {"dp": L.dp, "tp": L.tp, "pp": L.pp}, batch, L.m, L.zero, L.sp, schedule=L.schedule)
+    except ValueError as err:
+        return str(err)
+    if cfg.hidden % L.tp:
+        return f"tp={L.tp} does not divide the hidden size {cfg.hidden}"
     if batch % (L.dp * L.m):
         return f"a batch of {batch} does not split into dp·m = {L.dp}·{L.m} equal micro-batches"
     return None

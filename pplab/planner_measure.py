@@ -12,6 +12,7 @@ import torch
 
 from .models.gpt import GPTConfig, gpt_layers, gpt_loss
 from .sequence_parallel import activation_bytes_formula, saved_activations
+from .tensor_parallel import split_sizes
 
 
 # ----------------------------------------------------------------------------------
@@ -21,7 +22,11 @@ from .sequence_parallel import activation_bytes_formula, saved_activations
 @dataclass
 class LayerTimes:
     """Per pipeline layer of the dense model: time = fixed + per_sample × samples (seconds),
-    forward and backward apart; saved = activation elements per sample; optimizer: s per parameter."""
+    forward and backward apart; saved = activation elements per sample; optimizer: s per parameter.
+    saved_parallel: elements per sample of the tensor-parallel version of each layer at t = 1
+    (pplab's MegatronBlock runs attention unfused and keeps the s×s probabilities; the dense block's
+    fused attention does not), which predict cuts for tp > 1 as `parallel_saved` counts; None:
+    `saved` is cut the same way."""
     forward_fixed: list
     forward_per_sample: list
     backward_fixed: list
@@ -29,6 +34,7 @@ class LayerTimes:
     saved: list
     optimizer: float
     source: str = "measured"
+    saved_parallel: list | None = None
 
 
 def _time_once(layer, x, y, last):
@@ -84,7 +90,33 @@ def measure(cfg: GPTConfig, samples=(1, 8), dtype=torch.float32, repeats: int = 
         per = [max(0.0, (best[hi, i][k] - best[lo, i][k]) / (hi - lo)) for i in range(len(layers))]
         return [max(0.0, best[lo, i][k] - lo * s) for i, s in enumerate(per)], per
     (ff, fs), (bf, bs) = line(0), line(1)
-    return LayerTimes(ff, fs, bf, bs, saved, step / sum(p.numel() for p in params), source=f"measured here, {dtype}")
+    size = torch.finfo(dtype).bits // 8
+    return LayerTimes(ff, fs, bf, bs, saved, step / sum(p.numel() for p in params), source=f"measured here, {dtype}",
+                      saved_parallel=[n / size for n in parallel_saved(cfg, 1, False, size)])
+
+
+def parallel_saved(cfg: GPTConfig, t: int = 1, sequence_parallel: bool = False, dtype_bytes: int = 4) -> list:
+    """Bytes per sample that each pipeline layer of the tensor-parallel tiny GPT (models.gpt's
+    parallel_layers + gpt_loss) keeps for backward on one rank of t (rank 0: the largest shard),
+    counted tensor by tensor (tests/test_planner.py holds it against what runs at tp = 2, 4 keep):
+
+      embedding  the ids it looks up (int64) and the mask of my tokens (bool)
+      block      replicated, so cut by t only with SP: the 2 LayerNorms' inputs and normalised
+                 outputs [s, h] and their mean and 1/std [s];
+                 split over t: q, k and v (copied to [b·a/t, s, d] for the batched products),
+                 the softmax's s×s probabilities of my a/t heads (Korthikanti's 5as/h term:
+                 kept because the attention is unfused), the attention output [s, h/t], fc1's
+                 output (GeLU's input) and GeLU's output [s, ffn/t]
+      head       LayerNorm's input, mean and 1/std (cut by t with SP), its output [s, h] (gathered
+                 whole with SP), the softmax of my vocabulary slice [s, V/t], targets (int64), mask
+    """
+    s, h, a, d = cfg.seq, cfg.hidden, cfg.heads, dtype_bytes
+    cut = t if sequence_parallel else 1
+    h_t, a_t, f_t, v_t = h // t, a // t, split_sizes(cfg.ffn, t)[0], split_sizes(cfg.vocab, t)[0]
+    ids_and_mask = s * (8 + 1)
+    block = d * ((4 * s * h + 4 * s) / cut + 3 * s * h_t + a_t * s * s + s * h_t + 2 * s * f_t)
+    head = d * ((s * h + 2 * s) / cut + s * h + s * v_t) + ids_and_mask
+    return [ids_and_mask] + [block] * cfg.layers + [head]
 
 
 def estimate(cfg: GPTConfig, flops_per_s: float = 2e10) -> LayerTimes:

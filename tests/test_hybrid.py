@@ -50,7 +50,12 @@ LAYOUTS_4 = [({"dp": 4}, {}),                                        # DDP
              ({"pp": 4}, {"microbatches": 4}),
              ({"pp": 2, "tp": 2}, {"schedule": "zb-v", "microbatches": 4}),      # the last stage on pp rank 0
              ({"pp": 2, "dp": 2}, {"schedule": "interleaved-1f1b", "zero": 1}),
-             ({"dp": 4}, {"zero": 2})]
+             ({"dp": 4}, {"zero": 2}),
+             ({"pp": 2, "dp": 2}, {}),                               # DDP's all-reduce once per step, after the flush
+             ({"pp": 2, "dp": 2}, {"schedule": "zb-v"}),             # ... also where W, not a hook, fills .grad
+             ({"dp": 4}, {"zero": 3}),                               # FullyShardedModule over dp
+             ({"dp": 2, "tp": 2}, {"zero": 3}),                      # ... sharding each rank's TP shards
+             ({"pp": 2, "dp": 2}, {"zero": 3})]                      # ... one per stage, gathered per micro-batch
 
 
 def check_equal(results, sizes):
@@ -75,6 +80,8 @@ def test_every_4_rank_layout_trains_like_one_process(sizes, kw):
         assert sum(state) == 4 * 8 * psi                      # stages: each layer on one rank only
     if kw.get("zero") == 2:                                   # ZeRO-2: params whole, the rest split (+ padding)
         assert all(0 <= s - (8 * psi + 3 * 8 * psi / 4) < 8 * 4 * 4 for s in state), state
+    if sizes == {"dp": 4} and kw.get("zero") == 3:            # ZeRO-3: all four split (+ padding, per layer)
+        assert all(0 <= s - 4 * 8 * psi / 4 < 4 * 8 * 4 * (CFG.layers + 2) for s in state), state
 
 
 def test_dp_tp_pp_on_8_ranks_trains_like_one_process():
@@ -131,7 +138,9 @@ def test_layouts_of_4():
     ({"pp": 5}, {}, "pp=5 stages, but the model has only 4 pipeline layers"),
     ({"dp": 3}, {}, "batch of 8 sequences does not split over dp=3"),
     ({"dp": 2, "pp": 2}, {"microbatches": 8, "zero": 1}, "too few for 8 micro-batches"),
-    ({"dp": 2, "pp": 2}, {}, "use zero=1"),
+    ({"dp": 2, "pp": 2}, {"zero": 3, "schedule": "zb-h1"}, "splits each backward into I and W"),
+    ({"pp": 4}, {"schedule": "zb-v"}, "pp=4 × 2 chunks"),
+    ({"dp": 2}, {"zero": 4}, "use 0 .DDP., 1 or 2 .ZeroOptimizer., 3"),
     ({"tp": 2, "pp": 2}, {"world_size": 8}, "dp·tp·pp = 1·2·2 = 4 but the world has 8 ranks"),
     ({"tp": 3}, {"sequence_parallel": True, "world_size": 3}, "tp=3 does not divide"),
     ({"ep": 2}, {}, "no experts"),

@@ -38,9 +38,8 @@ def _problem(rng):
     layouts = rng.sample(valid, 3)
     preds = [planner.predict(cfg, L, batch, fit, times) for L in layouts]
     budget = rng.choice([p.memory["total"] for p in preds]) * rng.choice([0.7, 1.3, 3.0])
-    from ..sequence_parallel import activation_bytes_formula     # chapter 5: what tp does to a block's activations
-    ratio = {t: activation_bytes_formula(cfg.seq, 1, h, cfg.heads, t, False) /
-             activation_bytes_formula(cfg.seq, 1, h, cfg.heads) for t in (1, 2, 4, 8)}
+    # what tp leaves of a block's activations, as the planner counts them (chapter 5's block, unfused attention)
+    ratio = {t: planner.parallel_saved(cfg, t)[1] / planner.parallel_saved(cfg, 1)[1] for t in (1, 2, 4, 8)}
     block = cfg.parameters() - (cfg.vocab * h + cfg.seq * h + 2 * h + h * cfg.vocab)
     problem = {"alpha": alpha, "beta": beta, "batch": batch, "layers": cfg.layers, "t_f": t_f, "t_b": 2 * t_f,
                "act_bytes": 4 * cfg.seq * h, "block_bytes": 4 * block // cfg.layers,

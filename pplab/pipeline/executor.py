@@ -119,10 +119,13 @@ class PipelineExecutor:
     laptop with fewer cores than ranks the measured timeline still shows the schedule's shape.
     group: the ranks of the pipeline (None: every rank), e.g. a mesh's pp group; stage ranks in
     the schedule are ranks within it, and messages go to their global ranks.
+    wrap_stage: None, or a function stage -> the module that runs it, e.g. ZeRO-3's
+    `lambda stage: FullyShardedModule(stage, group=dp_group)`; the optimizer then takes the
+    wrapped stages' parameters, and `named_parameters` still names the layers' own.
     """
 
     def __init__(self, schedule: Schedule, layers, loss_fn, *, balance="params", sample=None,
-                 compute_time=None, optimizer=None, group=None):
+                 compute_time=None, optimizer=None, group=None, wrap_stage=None):
         validate(schedule)
         self.schedule, self.loss_fn, self.optimizer, self.group = schedule, loss_fn, optimizer, group
         self.rank, world = comm.rank(group), comm.world_size(group)
@@ -138,10 +141,12 @@ class PipelineExecutor:
         self.bounds = self._agree(layers, balance, sample)
         self.layers = layers                # all of them, for the shape check only (a system for models
                                             # too big for one rank would exchange shapes instead)
-        self.stages = {s: nn.Sequential(*layers[slice(*self.bounds[s])]).to(self.device)
-                       for s in schedule.stages_of(self.rank)}
+        self.bare = {s: nn.Sequential(*layers[slice(*self.bounds[s])]).to(self.device)
+                     for s in schedule.stages_of(self.rank)}                  # my stages' layers
+        self.stages = {s: wrap_stage(st) if wrap_stage else st for s, st in self.bare.items()}   # what runs them
         self._shapes = {}                    # micro-batch shape -> shape and dtype of every stage's output
-        self._param_storage = {p.untyped_storage().data_ptr() for _, p in self.named_parameters()}
+        self._weights = list({id(p): p for p in [p for _, p in self.named_parameters()] +   # the layers',
+                              [p for st in self.stages.values() for p in st.parameters()]}.values())  # a wrapper's
 
     def _agree(self, layers, balance, sample):
         """Every rank must cut the same model at the same places; check, rather than hang later."""
@@ -172,7 +177,7 @@ class PipelineExecutor:
 
     def named_parameters(self):
         """This rank's parameters, named as in nn.Sequential(*layers): "4.weight" is layer 4's weight."""
-        for s, stage in self.stages.items():
+        for s, stage in self.bare.items():
             start = self.bounds[s][0]
             for name, p in stage.named_parameters():
                 j, rest = name.split(".", 1)
@@ -246,8 +251,7 @@ class PipelineExecutor:
         self.ys = torch.tensor_split(targets.to(self.device), m)
         self.n = len(inputs)
         self.shapes = {len(x): self._check_shapes(x, y) for x, y in zip(self.xs, self.ys)}
-        self._param_storage = {p.untyped_storage().data_ptr() for _, p in self.named_parameters()}
-        for _, p in self.named_parameters():           # (again: an optimizer may have moved them)
+        for p in self._weights:
             p.grad = None                              # gradients accumulate over micro-batches only
         self.held = {}                                 # (stage, mb) -> what backward needs
         self.local = {}                                # messages from this rank to itself (the V's turn)
@@ -335,8 +339,9 @@ class PipelineExecutor:
         saved = {}
 
         def pack(t):                       # autograd keeps t for the backward: that is activation memory
-            if t.untyped_storage().data_ptr() not in self._param_storage:   # (weights are not)
-                saved[(t.data_ptr(), t.shape)] = t.numel() * t.element_size()
+            # (weights are not; looked up now: an optimizer or ZeRO-3's gathering moves them)
+            if t.untyped_storage().data_ptr() not in {p.untyped_storage().data_ptr() for p in self._weights}:
+                saved[(t.data_ptr(), t.numel())] = t.numel() * t.element_size()   # a view of it: once
             return t
 
         with self._compute(a), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

@@ -35,6 +35,8 @@ prefetched in the order they are listed, which should be the order forward runs 
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -256,16 +258,24 @@ class FullyShardedModule(nn.Module):
         self.module.train(mode)
         return super().train(mode)
 
-    def state_dict(self, *args, **kwargs):
-        """The full, unsharded state of the wrapped module on rank 0 ({} elsewhere); all ranks call it."""
+    @contextlib.contextmanager
+    def full_parameters(self):
+        """Inside the block every unit is gathered: the wrapped module's parameters are whole on
+        every rank (torch's FSDP calls it summon_full_params); freed again after. All ranks call it."""
         for u in self.units:
             self._gather(u)
-        for u in self.units:
-            self._wait(u)
-        full = {k: v.detach().clone() for k, v in self.module.state_dict().items()} if self.rank == 0 else {}
-        for u in self.units:
-            self._free(u)
-        return full
+        try:
+            for u in self.units:
+                self._wait(u)
+            yield self.module
+        finally:
+            for u in self.units:
+                self._free(u)
+
+    def state_dict(self, *args, **kwargs):
+        """The full, unsharded state of the wrapped module on rank 0 ({} elsewhere); all ranks call it."""
+        with self.full_parameters():
+            return {k: v.detach().clone() for k, v in self.module.state_dict().items()} if self.rank == 0 else {}
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load a full state (the same dict on every rank): each rank keeps its shard of it."""
