@@ -171,8 +171,8 @@ def train(cfg: GPTConfig, mesh, steps: int = 5, batch_size: int = 8, lr: float =
                     all_reduce_gradients(model.parameters(), mesh.dp_group)
                 opt.step()
             else:
-                with _saved_bytes(list(model.parameters()) + list(getattr(model, "module", model).parameters())) \
-                        as saved:
+                with _saved_bytes(list(model.parameters()) + list(getattr(model, "module", model).parameters()),
+                                  gathered=sharded) as saved:
                     loss = loss_fn(model(x), y)
                 activation_bytes = max(activation_bytes, saved.total)
                 loss.backward()
@@ -202,16 +202,19 @@ class _saved_bytes:
     of them, such as the transposed weight a linear layer keeps), each piece of memory once (the
     softmax's output and the [b·a, s, s] view of it that the next product keeps are one)."""
 
-    def __init__(self, params):
-        self.params = list(params)
+    def __init__(self, params, gathered: bool = False):
+        self.params, self.gathered = list(params), gathered      # gathered: ZeRO-3 gathers them in forward
 
     def __enter__(self):
         self.total, seen = 0, set()
+        weights = {p.untyped_storage().data_ptr() for p in self.params}
 
         def pack(t):
-            weights = {p.untyped_storage().data_ptr() for p in self.params}   # now: ZeRO-3 gathers anew
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in weights and self.gathered:               # gathered since: look again
+                weights.update(p.untyped_storage().data_ptr() for p in self.params)
             key = (t.data_ptr(), t.numel())
-            if t.untyped_storage().data_ptr() not in weights and key not in seen:
+            if ptr not in weights and key not in seen:
                 seen.add(key)
                 self.total += t.numel() * t.element_size()
             return t

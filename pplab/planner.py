@@ -20,7 +20,8 @@ Every number comes from an earlier chapter, put together:
   its makespan holds the bubble and the sends; DP = the gradient sync of the stage's shard over
   dp (all-reduce, or reduce-scatter + all-gather for ZeRO) after the last backward, not
   overlapped (ZeRO-2's reduce-scatter and ZeRO-3's gathers and reduce-scatter come once per
-  micro-batch); then the optimizer step on the elements this rank owns.
+  micro-batch; DDP also all-gathers every replica's sample count each step); then the optimizer
+  step on the elements this rank owns.
 
 Measuring (pplab/planner_measure.py, re-exported here): `measure`, `estimate`, `contention`,
 `calibrate`. On this CPU the ranks outnumber the cores: `calibrate` measures, with the ranks running at once,
@@ -140,6 +141,8 @@ def predict(cfg: GPTConfig, layout: Layout, batch: int, fit, times: LayerTimes, 
         rs, ag = (fit.predict(kind, None, L.dp, grads) for kind in ("reduce_scatter", "all_gather"))
         dp = {0: fit.predict("all_reduce", None, L.dp, grads), 1: rs + ag,      # twice, once per micro-batch
               2: L.m * rs + ag, 3: L.m * (rs + 2 * ag)}[L.zero]
+        if L.zero == 0 and L.pp == 1:    # DDP also checks, every step, that all replicas had as many samples
+            dp += fit.predict("all_gather", None, L.dp, 8 * L.dp)
     owned = max(psi) / (L.dp if L.zero else 1)
     opt = times.optimizer * owned * oversubscription
     t_parts = {"compute": L.m * (f[slow] + b[slow]), "tp": L.m * (comm_f[slow] + comm_b[slow]),

@@ -144,6 +144,7 @@ class PipelineExecutor:
         self.bare = {s: nn.Sequential(*layers[slice(*self.bounds[s])]).to(self.device)
                      for s in schedule.stages_of(self.rank)}                  # my stages' layers
         self.stages = {s: wrap_stage(st) if wrap_stage else st for s, st in self.bare.items()}   # what runs them
+        self.wrapped = wrap_stage is not None
         self._shapes = {}                    # micro-batch shape -> shape and dtype of every stage's output
         self._weights = list({id(p): p for p in [p for _, p in self.named_parameters()] +   # the layers',
                               [p for st in self.stages.values() for p in st.parameters()]}.values())  # a wrapper's
@@ -336,11 +337,14 @@ class PipelineExecutor:
             x = self.xs[i]
         else:
             x = self._receive(("act", s - 1, i), prev).requires_grad_()   # we will send back its gradient
-        saved = {}
+        saved, weights = {}, {p.untyped_storage().data_ptr() for p in self._weights}   # where they are now
 
         def pack(t):                       # autograd keeps t for the backward: that is activation memory
-            # (weights are not; looked up now: an optimizer or ZeRO-3's gathering moves them)
-            if t.untyped_storage().data_ptr() not in {p.untyped_storage().data_ptr() for p in self._weights}:
+            # (weights are not; under ZeRO-3 they are gathered during this forward: look again)
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in weights and self.wrapped:
+                weights.update(p.untyped_storage().data_ptr() for p in self._weights)
+            if ptr not in weights:
                 saved[(t.data_ptr(), t.numel())] = t.numel() * t.element_size()   # a view of it: once
             return t
 
