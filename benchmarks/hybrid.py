@@ -2,7 +2,7 @@
 layout; and pplab's dp=2×tp=2 against torch's own composition of the same model.
 
 1. Planner. The tiny GPT (float32, AdamW) trains with pplab.hybrid in each layout of 4 ranks:
-   dp=4, dp=2×tp=2, pp=2×dp=2 (ZeRO-1: the hybrid runs DDP only without a pipeline), pp=2×tp=2,
+   dp=4, dp=2×tp=2, pp=2×dp=2 (DDP's all-reduce once after the flush), pp=2×tp=2,
    tp=4, pp=4 (1F1B, m = 2·pp micro-batches). A step's time is the slowest rank's, barrier to
    barrier; we report the median over steps after the first, the layouts taking turns round by
    round so that drift in the machine's load hits them alike (each mesh is built once). The
@@ -42,7 +42,7 @@ from pplab.data_parallel import shard
 from pplab.mesh import Mesh
 from pplab.models.gpt import GPTConfig, gpt_layers, gpt_loss
 
-LAYOUTS = [planner.Layout(4, 1, 1), planner.Layout(2, 2, 1), planner.Layout(2, 1, 2, m=4, zero=1),
+LAYOUTS = [planner.Layout(4, 1, 1), planner.Layout(2, 2, 1), planner.Layout(2, 1, 2, m=4),
            planner.Layout(1, 2, 2, m=4), planner.Layout(1, 4, 1), planner.Layout(1, 1, 4, m=8)]
 
 
