@@ -133,7 +133,9 @@ def main():
           f"round waits {(fit_busy.alpha - fit.alpha) * 1e6:.0f} µs more; compute runs {slowdown:.2f}× slower than alone")
     over = max(1.0, 4 / cores)
     variants = {"A: one-process layer times × ranks per core, costmodel.fit()": (alone, fit, over),
-                "B: compute slowdown and α measured while 4 ranks run at once": (alone, fit_busy, slowdown)}
+                "B: compute slowdown and α measured while 4 ranks run at once": (alone, fit_busy, slowdown),
+                "C: compute slowdown measured while 4 ranks run at once, costmodel.fit() with 4 ranks busy":
+                    (alone, fit, slowdown)}
     for title, (times, f, o) in variants.items():
         preds = report(title, cfg, args.batch, measured, times, f, o)
 

@@ -146,13 +146,16 @@ class Fit:
         """Sending n bytes while receiving n: α₂ + nβ₂."""
         return self.alpha2 + self.beta2 * n_bytes
 
-    def terms(self, collective: str, algorithm: str | None, p: int, n_bytes: float) -> dict:
-        """Seconds in each term of T, by name: which one matters where."""
+    def terms(self, collective: str, algorithm: str | None, p: int, n_bytes: float,
+              ranks_busy: float | None = None) -> dict:
+        """Seconds in each term of T, by name: which one matters where. ranks_busy: ranks at work
+        on the machine while it runs, if more than its own (several groups at once, each with
+        its collectives and compute, as in a hybrid layout): they share the cores too."""
         c = cost(collective, algorithm, p, n_bytes)
         kind = step(collective, algorithm)
         a, b = (self.alpha, self.beta) if kind == "one-way" else (self.alpha2, self.beta2)
         sigma = self.sigma.get(kind, 0.0)
-        busy = busy_ranks(collective, algorithm, p)
+        busy = max(busy_ranks(collective, algorithm, p), ranks_busy or 0)
         cores = self.cores or busy
         s, w = max(1.0, busy / cores), max(0.0, 1 - cores / busy)
         return {"start δ": self.delta if c.latency_rounds else 0.0,
@@ -162,9 +165,11 @@ class Fit:
                 "combining s·C·γ": s * c.reduce_bytes * self.gamma,
                 "fresh memory s·F·μ": s * fresh_bytes(collective, algorithm, p, n_bytes) * self.mu}
 
-    def predict(self, collective: str, algorithm: str | None, p: int, n_bytes: float) -> float:
-        """Seconds `collective` by `algorithm` should take on p ranks here (N = n_bytes)."""
-        return sum(self.terms(collective, algorithm, p, n_bytes).values())
+    def predict(self, collective: str, algorithm: str | None, p: int, n_bytes: float,
+                ranks_busy: float | None = None) -> float:
+        """Seconds `collective` by `algorithm` should take on p ranks here (N = n_bytes), with
+        ranks_busy ranks at work on the machine meanwhile (default: its own)."""
+        return sum(self.terms(collective, algorithm, p, n_bytes, ranks_busy).values())
 
     def __str__(self):
         sigma = ", ".join(f"{self.sigma.get(k, 0) * 1e6:.0f} µs ({k})" for k in STEPS)

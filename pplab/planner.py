@@ -16,7 +16,7 @@ Every number comes from an earlier chapter, put together:
   (a tiny layer's time is mostly per-operation overhead, which splitting does not shrink);
   TP = 2 all-reduces of [s, b, h] per block forward and 2 backward (chapter 3; plus the
   vocabulary's), each `fit.predict("all_reduce", ..., tp, bytes)`; PP = chapter 4's `simulate`
-  of the schedule with those per-micro-batch times and `fit.message_time(activation)` per hop:
+  of the schedule with those per-micro-batch times and one message of an activation per hop:
   its makespan holds the bubble and the sends; DP = the gradient sync of the stage's shard over
   dp (all-reduce, or reduce-scatter + all-gather for ZeRO) after the last backward, not
   overlapped (ZeRO-2's reduce-scatter and ZeRO-3's gathers and reduce-scatter come once per
@@ -99,7 +99,8 @@ def predict(cfg: GPTConfig, layout: Layout, batch: int, fit, times: LayerTimes, 
     L, mb = layout, batch // (layout.dp * layout.m)
     s, h, t, n_layers = cfg.seq, cfg.hidden, layout.tp, cfg.layers + 2
     act = mb * s * h * dtype_bytes                                      # one [s, b, h] activation
-    ar = (lambda n: fit.predict("all_reduce", None, t, n)) if t > 1 else (lambda n: 0.0)
+    world = L.dp * L.tp * L.pp                  # every rank runs at once: on few cores they all share them
+    ar = (lambda n: fit.predict("all_reduce", None, t, n, world)) if t > 1 else (lambda n: 0.0)
     tp_f = [ar(act)] + [2 * ar(act)] * cfg.layers + [2 * ar(2 * mb * s * 4)]   # embedding g; blocks; loss sums
     tp_b = [0.0] + [2 * ar(act)] * cfg.layers + [ar(act)]                      # head's f; blocks
     saved = times.saved
@@ -119,7 +120,8 @@ def predict(cfg: GPTConfig, layout: Layout, batch: int, fit, times: LayerTimes, 
     if L.pp > 1:
         sched = make_schedule(L.schedule, L.pp, L.m)
         flush = simulate(sched, tf, tb).makespan
-        sim = simulate(sched, tf, tb, p2p_latency=fit.message_time(act))
+        hop = fit.predict("broadcast", None, 2, act, world)   # one message, the ranks sharing the cores
+        sim = simulate(sched, tf, tb, p2p_latency=hop)
         makespan, held, send = sim.makespan, sim.peak_activations, sim.makespan - flush
     else:
         makespan, held, send = L.m * (tf[0] + tb[0]), [L.m], 0.0
@@ -138,11 +140,11 @@ def predict(cfg: GPTConfig, layout: Layout, batch: int, fit, times: LayerTimes, 
     grads = max(psi) * dtype_bytes
     dp = 0.0
     if L.dp > 1:                     # under a pipeline ZeRO-2's hooks reduce-scatter, and ZeRO-3 gathers
-        rs, ag = (fit.predict(kind, None, L.dp, grads) for kind in ("reduce_scatter", "all_gather"))
-        dp = {0: fit.predict("all_reduce", None, L.dp, grads), 1: rs + ag,      # twice, once per micro-batch
+        rs, ag = (fit.predict(kind, None, L.dp, grads, world) for kind in ("reduce_scatter", "all_gather"))
+        dp = {0: fit.predict("all_reduce", None, L.dp, grads, world), 1: rs + ag,      # twice, once per micro-batch
               2: L.m * rs + ag, 3: L.m * (rs + 2 * ag)}[L.zero]
         if L.zero == 0 and L.pp == 1:    # DDP also checks, every step, that all replicas had as many samples
-            dp += fit.predict("all_gather", None, L.dp, 8 * L.dp)
+            dp += fit.predict("all_gather", None, L.dp, 8 * L.dp, world)
     owned = max(psi) / (L.dp if L.zero else 1)
     opt = times.optimizer * owned * oversubscription
     t_parts = {"compute": L.m * (f[slow] + b[slow]), "tp": L.m * (comm_f[slow] + comm_b[slow]),
