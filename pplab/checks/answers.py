@@ -1,4 +1,4 @@
-"""Where a student's answer runs, and what may come back from it.
+"""A student's answer (the function, or its source), and what may come back from it.
 
 A checker never runs the student's code in its own process. It hands the answer to
 `run_on_ranks(job, answer, ...)` (real ranks) or `call_answer(answer, ...)`, and reads
