@@ -7,15 +7,15 @@ layout; and pplab's dp=2×tp=2 against torch's own composition of the same model
    barrier; we report the median over steps after the first, the layouts taking turns round by
    round so that drift in the machine's load hits them alike (each mesh is built once). The
    prediction is `pplab.planner.predict` with per-layer times measured on one process
-   (`planner.measure`), in two variants:
-   A. `costmodel.fit()` as it is (chapter 1's model of this machine), compute × ranks per core
-      (4 ranks on 2 cores: 2);
-   B. `planner.calibrate`: measured while the 4 ranks run at once, how much slower one rank's
-      plain training step is than alone (other programs' load included: β, γ slow down alike),
-      and how much longer a latency round of a tiny all-reduce takes when every rank computes
-      between collectives (a partner off its core answers only at its next time slice), added
-      to the fit's one-way α (which holds pplab's own per-message overhead): the classic α-β
-      model with those.
+   (`planner.measure`), in three variants:
+   A. each layer's time alone × ranks per core (4 ranks on 2 cores: 2); every collective priced
+      by `costmodel.fit()` (chapter 1's model of this machine) told that all 4 ranks are at work
+      on the cores meanwhile (`ranks_busy`: its s and σ' terms), a pipeline hop as one message;
+   B. the same, with compute × the slowdown `planner.calibrate` measures while the 4 ranks run
+      a plain training step at once (other programs' load included): what notebook 07 shows;
+   C. an older calibration, kept for comparison: compute × that slowdown, and the classic α-β
+      model with α + the extra wait of a tiny all-reduce's latency round measured while every
+      rank computes between collectives, β and γ × the slowdown.
    Goal: predicted/measured within 1.5× for every layout.
 
 2. torch. The same dense model, dp=2×tp=2: torch's DTensor tensor parallelism
@@ -132,10 +132,10 @@ def main():
     print(f"cost model (costmodel.fit()): {fit}\nwhile 4 ranks run at once (planner.calibrate): a latency "
           f"round waits {(fit_busy.alpha - fit.alpha) * 1e6:.0f} µs more; compute runs {slowdown:.2f}× slower than alone")
     over = max(1.0, 4 / cores)
-    variants = {"A: one-process layer times × ranks per core, costmodel.fit()": (alone, fit, over),
-                "B: compute slowdown and α measured while 4 ranks run at once": (alone, fit_busy, slowdown),
-                "C: compute slowdown measured while 4 ranks run at once, costmodel.fit() with 4 ranks busy":
-                    (alone, fit, slowdown)}
+    variants = {"A: one-process layer times × ranks per core; costmodel.fit() with 4 ranks busy": (alone, fit, over),
+                "B: compute slowdown measured while 4 ranks run at once; costmodel.fit() with 4 ranks busy":
+                    (alone, fit, slowdown),
+                "C: compute slowdown and α measured while 4 ranks run at once (classic α-β)": (alone, fit_busy, slowdown)}
     for title, (times, f, o) in variants.items():
         preds = report(title, cfg, args.batch, measured, times, f, o)
 
