@@ -284,6 +284,20 @@ def test_the_formula_by_hand():
     assert sum(k.terms("all_reduce", "ring", 8, N).values()) == k.predict("all_reduce", "ring", 8, N)
 
 
+def test_other_busy_ranks_share_the_cores():
+    """ranks_busy: a 2-rank ring while 4 ranks work on 2 cores (a tp pair in a 4-rank layout)
+    pays s = 4/2 and a share w = 1/2 of σ' per step; never less than its own ranks; and with
+    one GPU per rank (no cores given) nothing changes."""
+    k, N = KNOWN, 2 ** 20
+    alone = k.predict("all_reduce", "ring", 2, N)
+    assert alone == pytest.approx(k.delta + 2 * k.alpha2 + N * k.beta2 + N / 2 * k.gamma)
+    assert k.predict("all_reduce", "ring", 2, N, ranks_busy=4) == pytest.approx(
+        k.delta + 2 * (2 * k.alpha2 + N * k.beta2 + N / 2 * k.gamma) + 2 * k.sigma["ring"] / 2)
+    assert k.predict("all_reduce", "ring", 4, N, ranks_busy=2) == k.predict("all_reduce", "ring", 4, N)
+    gpu = costfit.Fit(alpha=30e-6, beta=1e-9, gamma=2e-10, sizes=[], times=[])
+    assert gpu.predict("all_reduce", "ring", 2, N, ranks_busy=8) == gpu.predict("all_reduce", "ring", 2, N)
+
+
 @pytest.mark.parametrize("algorithm, p, fresh", [
     ("ring", 2, 32), ("ring", 4, 0), ("tree", 3, 64), ("halving_doubling", 8, 32),
     ("halving_doubling", 5, 32 + 64), ("recursive_doubling", 4, 64), ("naive", 3, 128)])

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import pplab
-from pplab import costmodel, data, hybrid, planner
+from pplab import costfit, costmodel, data, hybrid, planner
 from pplab.models.gpt import GPTConfig, gpt_layers, gpt_loss, parallel_layers
 from pplab.planner import Layout, LayerTimes, PlanError
 from pplab.zero import held_bytes
@@ -189,6 +189,21 @@ def test_free_communication_and_pure_compute_make_tp_as_fast_as_dp():
     tp4 = next(x for x in p.ranked if x.layout.tp == 4)
     assert tp4.time["total"] == pytest.approx(best, rel=1e-3)
     assert all(x.time["bubble"] > 0 for x in p.ranked if x.layout.pp > 1 and x.layout.m < 8)
+
+
+def test_collectives_are_priced_with_every_rank_of_the_layout_on_the_cores():
+    """dp=2×tp=2 on 2 cores: each tp all-reduce is a 2-rank collective, but the other pair works
+    beside it, so the planner asks the fitted model for it with ranks_busy=4 (s = 2, σ' waits)."""
+    fit = costfit.Fit(alpha=50e-6, beta=1e-9, gamma=1e-10, sizes=[1, 2], times=[1, 1], alpha2=80e-6,
+                      sigma={"one-way": 1e-3, "swap": 1e-3, "ring": 2e-3}, cores=2)
+    got = planner.predict(CFG, Layout(2, 2, 1), BATCH, fit, synthetic_times())
+    act = BATCH // 2 * CFG.seq * CFG.hidden * 4                         # one [s, b, h] float32 activation
+    loss = 2 * (BATCH // 2) * CFG.seq * 4                               # the loss's two sums
+    count = 1 + 4 * CFG.layers + 1                                      # embedding, 4 per block, head
+    want = count * fit.predict("all_reduce", None, 2, act, 4) + 2 * fit.predict("all_reduce", None, 2, loss, 4)
+    assert got.time["tp"] == pytest.approx(want)
+    assert got.time["tp"] > 1.9 * (count * fit.predict("all_reduce", None, 2, act)
+                                   + 2 * fit.predict("all_reduce", None, 2, loss))   # alone: s = 1, no waits
 
 
 def test_tiny_memory_budget_needs_sharding():
