@@ -95,9 +95,15 @@ def _counts_hint(counts, expert, E, p) -> str:
     return ""
 
 
-def _order_hint(order, want, expert, E, p) -> str:
+def _order_hint(order, want, expert, E, p, rank) -> str:
     kept = (expert >= 0).nonzero().flatten()
-    if order == kept[torch.argsort(expert[kept] % p * E + expert[kept], stable=True)].tolist():
+    round_robin = order == kept[torch.argsort(expert[kept] % p * E + expert[kept], stable=True)].tolist()
+    mine_first = order == kept[torch.argsort((expert[kept] - rank * (E // p)) % E, stable=True)].tolist()
+    if round_robin and mine_first:              # with few choices both mistakes can give this one order
+        return (f" Either the experts were dealt round-robin (expert e on rank e % {p}; here expert e lives on "
+                f"rank e // {E // p}), or this rank's own experts came first: the block for rank 0's experts "
+                f"comes first, then rank 1's, whatever rank you are.")
+    if round_robin:
         return (f" That is the order for experts dealt round-robin (expert e on rank e % {p}); here each rank "
                 f"holds a contiguous block: expert e lives on rank e // (E/p) = e // {E // p}.")
     if len(order) == len(expert):
@@ -158,7 +164,7 @@ def _check_answer(seen, rank, experts, plans, E, p, where):
     order = order.tolist()
     if order != want_order.tolist():
         raise Fail(f"{where}'s order is {order}, expected {want_order.tolist()} (experts of the choices: "
-                   f"{expert.tolist()})." + _order_hint(order, want_order.tolist(), expert, E, p))
+                   f"{expert.tolist()})." + _order_hint(order, want_order.tolist(), expert, E, p, rank))
 
 
 def _check_received(seen, rank, experts, plans, p, where):
