@@ -6,12 +6,13 @@
 
 Every number comes from an earlier chapter, put together:
 
-* memory per rank (the most loaded pipeline stage): parameters, gradients and Adam's state of
-  this rank's tensor-parallel shard of its stage, divided by ZeRO as chapter 6's
-  `pplab.zero.model_state_bytes` says; activations = one micro-batch's saved tensors (measured
-  per layer, scaled by micro-batch size; for tp > 1 the tensor-parallel layers' own, cut over
-  tp (and SP) as `parallel_saved` counts them tensor by tensor) times the micro-batches a stage
-  holds at once in chapter 4's simulated schedule (GPipe m, 1F1B p−stage).
+* memory per rank (the most loaded pipeline rank): parameters, gradients and Adam's state of
+  this rank's tensor-parallel shard of its stages (one, or v chunks for interleaved and ZB-V),
+  divided by ZeRO as chapter 6's `pplab.zero.model_state_bytes` says; activations = one
+  micro-batch's saved tensors per stage (measured per layer, scaled by micro-batch size; for
+  tp > 1 the tensor-parallel layers' own, cut over tp (and SP) as `parallel_saved` counts them
+  tensor by tensor), the most held at once as the rank walks its list of actions in chapter 4's
+  schedule (F keeps a stage's, B or W frees them: GPipe m, 1F1B p−stage).
 * step time: compute = measured per-layer time, fixed part + per-sample part × samples / tp
   (a tiny layer's time is mostly per-operation overhead, which splitting does not shrink);
   TP = 2 all-reduces of [s, b, h] per block forward and 2 backward (chapter 3; plus the
@@ -86,9 +87,9 @@ def stages(cfg: GPTConfig, pp: int) -> list:
 @dataclass
 class Prediction:
     layout: Layout
-    memory: dict                    # bytes per rank (worst stage): params, grads, optimizer, activations, total
+    memory: dict                    # bytes per rank (the most loaded): params, grads, optimizer, activations, total
     time: dict                      # seconds: compute, tp, bubble, pp_send, dp, optimizer, total
-    stages: list = field(default_factory=list)      # memory dict of every pipeline stage
+    stages: list = field(default_factory=list)      # memory dict of every pipeline rank (all its stages)
     fits: bool = True
 
 
@@ -108,7 +109,9 @@ def predict(cfg: GPTConfig, layout: Layout, batch: int, fit, times: LayerTimes, 
         split, whole = parallel_saved(cfg, t, L.sp, dtype_bytes), parallel_saved(cfg, 1, False, dtype_bytes)
         saved = [n * a / b for n, a, b in zip(times.saved_parallel or times.saved, split, whole)]
     params = _layer_params(cfg, t)
-    cuts = stages(cfg, L.pp)
+    sched = make_schedule(L.schedule, L.pp, L.m) if L.pp > 1 else None
+    cuts = stages(cfg, sched.num_stages if sched else 1)               # pp stages, or pp·v chunks (interleaved, V)
+    mine = [sched.stages_of(r) for r in range(L.pp)] if sched else [[0]]   # the stages each pp rank holds
 
     def run(fixed, per, i):                                             # one micro-batch through layer i
         return (fixed[i] + per[i] * mb / t) * oversubscription
@@ -117,22 +120,34 @@ def predict(cfg: GPTConfig, layout: Layout, batch: int, fit, times: LayerTimes, 
     comm_f = [sum(tp_f[a:e]) for a, e in cuts]
     comm_b = [sum(tp_b[a:e]) for a, e in cuts]
     tf, tb = [x + c for x, c in zip(f, comm_f)], [x + c for x, c in zip(b, comm_b)]
-    if L.pp > 1:
-        sched = make_schedule(L.schedule, L.pp, L.m)
+    if sched:
         flush = simulate(sched, tf, tb).makespan
         hop = fit.predict("broadcast", None, 2, act, world)   # one message, the ranks sharing the cores
         sim = simulate(sched, tf, tb, p2p_latency=hop)
         makespan, held, send = sim.makespan, sim.peak_activations, sim.makespan - flush
     else:
         makespan, held, send = L.m * (tf[0] + tb[0]), [L.m], 0.0
-    slow = max(range(L.pp), key=lambda k: tf[k] + tb[k])
-    psi = [sum(params[a:e]) for a, e in cuts]
+
+    def per_rank(xs, r):                                                # summed over rank r's stages
+        return sum(xs[c] for c in mine[r])
+    slow = max(range(L.pp), key=lambda r: per_rank(tf, r) + per_rank(tb, r))
+    psi = [sum(sum(params[a:e]) for a, e in (cuts[c] for c in mine[r])) for r in range(L.pp)]   # parameters per rank
 
     def state(k, pb, gb, ob):                                           # chapter 6's formula, one kind at a time
         return model_state_bytes(L.zero, psi[k], L.dp, pb, gb, ob)
+    per_microbatch = [mb * sum(saved[i] for i in range(a, e)) * dtype_bytes for a, e in cuts]   # per stage
+
+    def activations(r):                    # walk rank r's actions: F keeps its stage's, B (or W) frees them
+        if not sched:
+            return held[0] * per_microbatch[0]
+        now = peak = 0.0
+        for a in sched.actions[r]:
+            now += {"F": 1, "B": -1, "W": -1}.get(a.kind, 0) * per_microbatch[a.stage]
+            peak = max(peak, now)
+        return peak
     memory = []
-    for k, (a, e) in enumerate(cuts):
-        acts = held[k] * mb * sum(saved[i] for i in range(a, e)) * dtype_bytes
+    for k in range(L.pp):
+        acts = activations(k)
         mem = {"params": state(k, dtype_bytes, 0, 0), "grads": state(k, 0, dtype_bytes, 0),
                "optimizer": state(k, 0, 0, 2 * dtype_bytes), "activations": acts}     # Adam: 2 moments
         mem["total"] = sum(mem.values())
@@ -147,8 +162,10 @@ def predict(cfg: GPTConfig, layout: Layout, batch: int, fit, times: LayerTimes, 
             dp += fit.predict("all_gather", None, L.dp, 8 * L.dp, world)
     owned = max(psi) / (L.dp if L.zero else 1)
     opt = times.optimizer * owned * oversubscription
-    t_parts = {"compute": L.m * (f[slow] + b[slow]), "tp": L.m * (comm_f[slow] + comm_b[slow]),
-               "bubble": makespan - send - L.m * (tf[slow] + tb[slow]), "pp_send": send, "dp": dp, "optimizer": opt}
+    t_parts = {"compute": L.m * (per_rank(f, slow) + per_rank(b, slow)),
+               "tp": L.m * (per_rank(comm_f, slow) + per_rank(comm_b, slow)),
+               "bubble": makespan - send - L.m * (per_rank(tf, slow) + per_rank(tb, slow)), "pp_send": send,
+               "dp": dp, "optimizer": opt}
     t_parts["total"] = makespan + dp + opt
     return Prediction(layout, max(memory, key=lambda m: m["total"]), t_parts, memory)
 

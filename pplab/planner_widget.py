@@ -22,14 +22,14 @@ _TIMES = ("compute", "tp", "bubble", "pp_send", "dp", "optimizer")
 
 
 def draw(pred: Prediction, budget: float | None = None):
-    """Stacked bars of memory per pipeline stage (one per rank of that stage) and the step time's parts."""
+    """Stacked bars of memory per pipeline rank (its stages; every tp and dp rank beside it holds as much) and the step time's parts."""
     import matplotlib.pyplot as plt
     fig, (mem, tim) = plt.subplots(1, 2, figsize=(10, 3.2), gridspec_kw={"width_ratios": [max(2, len(pred.stages)), 3]})
     unit, scale = ("GB", 1e9) if pred.memory["total"] > 1e8 else ("MB", 1e6)
     bottom = [0.0] * len(pred.stages)
     for part in _PARTS:
         values = [st[part] / scale for st in pred.stages]
-        mem.bar([f"stage {k}" for k in range(len(values))], values, bottom=bottom, label=part)
+        mem.bar([f"pp rank {k}" for k in range(len(values))], values, bottom=bottom, label=part)
         bottom = [b + v for b, v in zip(bottom, values)]
     if budget:
         mem.axhline(budget / scale, color="k", ls="--", lw=1, label="budget")
@@ -42,7 +42,7 @@ def draw(pred: Prediction, budget: float | None = None):
     tim.set_yticks([])
     tim.set_xlabel("predicted step time (ms)")
     tim.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.3))
-    fig.suptitle(f"{pred.layout.name}: {pred.memory['total'] / scale:.3g} {unit} per rank (worst stage), "
+    fig.suptitle(f"{pred.layout.name}: {pred.memory['total'] / scale:.3g} {unit} per rank (the most loaded), "
                  f"{pred.time['total'] * 1e3:.3g} ms per step")
     fig.tight_layout()
     return fig

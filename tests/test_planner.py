@@ -70,14 +70,16 @@ def test_tensor_parallel_breakdown_equals_the_largest_shard_held(tp):
 
 LAYOUTS = [Layout(4, 1, 1), Layout(2, 2, 1), Layout(1, 2, 2, m=2), Layout(2, 1, 2, m=2, zero=1),
            Layout(4, 1, 1, zero=2), Layout(1, 1, 4, m=4), Layout(1, 4, 1), Layout(2, 2, 1, sp=True),
-           Layout(4, 1, 1, zero=3), Layout(2, 2, 1, zero=3), Layout(2, 1, 2, m=2, zero=3)]
+           Layout(4, 1, 1, zero=3), Layout(2, 2, 1, zero=3), Layout(2, 1, 2, m=2, zero=3),
+           Layout(2, 1, 2, m=2, schedule="interleaved-1f1b"), Layout(2, 1, 2, m=2, schedule="zb-v")]
 
 
 def state_per_layout():
     out = []
     for L in LAYOUTS:
         r = hybrid.train(CFG, {"dp": L.dp, "tp": L.tp, "pp": L.pp}, steps=1, batch_size=BATCH,
-                         microbatches=L.m if L.pp > 1 else None, zero=L.zero, sequence_parallel=L.sp)
+                         microbatches=L.m if L.pp > 1 else None, zero=L.zero, sequence_parallel=L.sp,
+                         schedule=L.schedule)
         out.append((r["coords"]["pp"], r["state_bytes"], r["activation_bytes"]))
     return out
 
