@@ -60,7 +60,9 @@ class Layout:
 
     @property
     def name(self) -> str:
-        extra = (f", m={self.m}" if self.pp > 1 else "") + (f", ZeRO-{self.zero}" if self.zero else "") + \
+        extra = (f", m={self.m}" if self.pp > 1 else "") + \
+            (f", {self.schedule}" if self.pp > 1 and self.schedule != "1f1b" else "") + \
+            (f", ZeRO-{self.zero}" if self.zero else "") + \
             (", SP" if self.sp and self.tp > 1 else "")
         return describe_layout({"dp": self.dp, "tp": self.tp, "pp": self.pp}) + extra
 
