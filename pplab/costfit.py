@@ -60,7 +60,7 @@ from .launcher import device, launch
 SIZES = tuple(4 ** k * 1024 for k in range(9))    # 1 KB, 4 KB, ..., 64 MB
 FRESH_FROM = 32 * 2 ** 20                          # glibc's malloc takes buffers this large from the OS each time
 STEPS = ("one-way", "swap", "ring")
-BACK_TO_BACK = 8                                   # pairs per timed try up to 256 KB               # what a rank does in one step: see step()
+BACK_TO_BACK = 8                                   # ping-pongs per timed try up to 256 KB
 
 
 # ----------------------------------------------------------------------------------
@@ -288,15 +288,16 @@ def _measure_on_ranks(sizes, repeats):
             (comm.send, comm.recv)[rank](bufs[n][0], 1 - rank)
             (comm.recv, comm.send)[rank](bufs[n][0], 1 - rank)
 
-    def swap(n):                                   # 0 → 1 and 1 → 0 at once, one per try: in a collective
-        collectives._sendrecv(bufs[n][0], 1 - rank, bufs[n][1], 1 - rank, None)   # the partners come to
-        #     each step a little apart (each has just sliced or combined), unlike the 8th of 8 swaps in a row
+    def swap(n):                                   # 0 → 1 and 1 → 0 at once, one per try: inside a
+        # collective the partners reach each step a little apart (each has just sliced or added),
+        # which costs more than the 8th of 8 swaps in a row
+        collectives._sendrecv(bufs[n][0], 1 - rank, bufs[n][1], 1 - rank, None)
 
     def lone_call(n):                              # δ: the smallest collective, one swap (all-gather on 2)
         collectives.all_gather_into_tensor(bufs[n][1], bufs[n][0])
+    bufs[4] = [torch.zeros(4, dtype=torch.uint8, device=device()), torch.zeros(8, dtype=torch.uint8, device=device())]
     tries = [(run, n) for n in sizes for run in (ping_pong, swap) for _ in range(4 if n <= 2 ** 18 else 1)]
     tries += [(lone_call, 4)] * 8
-    bufs[4] = [torch.zeros(4, dtype=torch.uint8, device=device()), torch.zeros(8, dtype=torch.uint8, device=device())]
     with trace.paused(), collectives.unchecked():
         for run, n in tries:                       # a warm-up
             run(n)
