@@ -126,9 +126,9 @@ def predict(cfg: GPTConfig, layout: Layout, batch: int, fit, times: LayerTimes, 
         flush = simulate(sched, tf, tb).makespan
         hop = fit.predict("broadcast", None, 2, act, world)   # one message, the ranks sharing the cores
         sim = simulate(sched, tf, tb, p2p_latency=hop)
-        makespan, held, send = sim.makespan, sim.peak_activations, sim.makespan - flush
+        makespan, send = sim.makespan, sim.makespan - flush
     else:
-        makespan, held, send = L.m * (tf[0] + tb[0]), [L.m], 0.0
+        makespan, send = L.m * (tf[0] + tb[0]), 0.0
 
     def per_rank(xs, r):                                                # summed over rank r's stages
         return sum(xs[c] for c in mine[r])
@@ -140,8 +140,8 @@ def predict(cfg: GPTConfig, layout: Layout, batch: int, fit, times: LayerTimes, 
     per_microbatch = [mb * sum(saved[i] for i in range(a, e)) * dtype_bytes for a, e in cuts]   # per stage
 
     def activations(r):                    # walk rank r's actions: F keeps its stage's, B (or W) frees them
-        if not sched:
-            return held[0] * per_microbatch[0]
+        if not sched:                      # no pipeline: the m micro-batches one after another
+            return L.m * per_microbatch[0]
         now = peak = 0.0
         for a in sched.actions[r]:
             now += {"F": 1, "B": -1, "W": -1}.get(a.kind, 0) * per_microbatch[a.stage]
