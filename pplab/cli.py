@@ -29,6 +29,13 @@ def main(argv=None) -> int:
     gr.add_argument("--check-timeout", type=float, default=30.0,
                     help="seconds per launch of ranks in a check before it counts as hung (default: 30)")
     gr.add_argument("--jobs", type=int, default=1, help="notebooks graded at the same time (default: 1)")
+    gr.add_argument("--exercises", default=None,
+                    help="comma-separated exercise ids to grade, e.g. broadcast,ring_all_reduce (default: all; "
+                         "`pplab list` shows them)")
+    gr.add_argument("--answers", default=None,
+                    help="folder for each student's written answers (default: next to --out, OUT_answers/)")
+    gr.add_argument("--no-sandbox", action="store_true",
+                    help="run student code without the sandbox (only where you grade in a container already)")
 
     sub.add_parser("list", help="list the exercises")
 
@@ -55,8 +62,10 @@ def main(argv=None) -> int:
         from .grading import grade
 
         try:
+            exercises = None if args.exercises is None else [e.strip() for e in args.exercises.split(",") if e.strip()]
             rows = grade(args.submissions, args.out, timeout=args.timeout, cell_timeout=args.cell_timeout,
-                         check_timeout=args.check_timeout, jobs=args.jobs,
+                         check_timeout=args.check_timeout, jobs=args.jobs, exercises=exercises,
+                         answers=args.answers, sandboxed=not args.no_sandbox,
                          log=lambda line: print(line, file=sys.stderr, flush=True))
         except (FileNotFoundError, ValueError) as err:
             print(f"pplab grade: {err}", file=sys.stderr)

@@ -18,18 +18,24 @@
      that code reads (def, class, import, assignment to a plain name). Nothing else at
      the top level is run; statements that look like tampering (assigning to a module's
      attributes, setattr, exec, writing files...) are named in the notes;
-   - it checks each answer in a fresh process of its own (`python -I`, a clean folder,
-     pplab imported from a copy of its source read before any notebook ran), where no
+   - it checks each answer in a fresh process of its own (check_process.py), where no
      student code runs: the student's definitions run only in the ranks and child
-     processes that call them, and what comes back is decoded as plain data. The check
-     process kills every process below it, then sends its verdict over a Unix socket on
-     which the grader reads only the connection the kernel says (SO_PEERCRED) comes from
-     the check process itself: a verdict forged by the answer, anywhere, is ignored.
+     processes that call them, and what comes back is decoded as plain data;
+   - every process that runs a student's code (the notebook's kernel, the ranks of a
+     check) runs in a sandbox (sandbox.py): the course and the Python environment are
+     read-only, the other submissions and the solutions are invisible, /tmp is its own,
+     and when it ends every process it started ends with it. Where the machine has no
+     user namespaces (not Linux, or turned off) the grader says so once, in its summary:
+     student code then runs with the grader's rights, so grade in a container.
    A notebook that crashes, hangs or deadlocks loses nothing: its definitions are graded.
+   Whatever one submission holds (not a notebook, a symbolic link, huge or deeply nested
+   code, output without end), it gets its own row with a note and the others are graded.
 
-   The grader does not sandbox: student code runs with the grader's rights, so a notebook
-   can still damage the machine or (deliberately, through the operating system) other
-   processes of the same user. Grade in a container or a throwaway account if that matters.
+3. The CSV: one row per student, one column per exercise in chapter order (1 passed, 0
+   tried and failed, "missing" where no notebook of the student defines the answer or
+   it is still the exercise's stub), the total, and the notes. Values a spreadsheet
+   would read as a formula (=, +, -, @ first) are quoted with a leading '. Written
+   answers (markdown cells the student added or changed) go to ANSWERS/<student>.md.
 """
 from __future__ import annotations
 
@@ -49,7 +55,9 @@ from pathlib import Path
 
 import nbformat
 
-from .runner import _become_subreaper, _kill_children, _kill_tree
+from . import sandbox
+from .check_process import pplab_sources, run_check_process
+from .runner import _kill_tree
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 CODE_STUB = 'raise NotImplementedError("write your solution here")'
@@ -133,77 +141,167 @@ def sync_exercises(solutions: str | Path, exercises: str | Path, check: bool = F
 # ----------------------------------------------------------------------------------
 # 2. Grading: run each notebook for its notes, then check its definitions elsewhere
 
+MAX_NOTEBOOK_BYTES = 20 << 20       # a notebook larger than this is not read (clear its outputs)
+MAX_CELL_CHARS = 200_000            # a code cell longer than this is not parsed
+MISSING = "missing"                 # the CSV's mark for an answer nobody wrote
+
 
 @dataclass
 class NotebookGrade:
-    passed: dict = field(default_factory=dict)      # exercise id -> True/False
+    passed: dict = field(default_factory=dict)      # exercise id -> True/False, for answers it defines
     messages: dict = field(default_factory=dict)    # exercise id -> the check's message
     notes: list = field(default_factory=list)       # "cell 4 raised ValueError: ...", "ignored cell 2, line 1: ..."
+    written: list = field(default_factory=list)     # markdown the student wrote: (cell number, text)
+    status: str = "graded"                          # "graded", "refused" (not read) or "failed to run"
 
 
-def find_submissions(directory: str | Path) -> dict[str, list[Path]]:
-    """{student: notebooks}: DIR/<student>.ipynb, or every notebook under DIR/<student>/."""
+def find_submissions(directory: str | Path, refused: dict | None = None) -> dict[str, list[Path]]:
+    """{student: notebooks}: DIR/<student>.ipynb, or every notebook under DIR/<student>/.
+
+    A symbolic link (to another student's notebook, to the solutions...) is never followed:
+    it goes into `refused` as {student: [why]}, and that student gets a row with the note."""
     directory = Path(directory)
     if not directory.is_dir():
         raise FileNotFoundError(f"no submissions folder at {directory}")
+    refused = {} if refused is None else refused
     found: dict[str, list[Path]] = {}
+
+    def link(path: Path, student: str) -> bool:
+        if path.is_symlink():
+            refused.setdefault(student, []).append(
+                f"{path.relative_to(directory)} is a symbolic link (to {os.readlink(path)}): refused, hand in the "
+                f"notebook itself")
+            return True
+        return False
+
     for entry in sorted(directory.iterdir()):
-        if entry.is_file() and entry.suffix == ".ipynb":
-            found.setdefault(entry.stem, []).append(entry)
-        elif entry.is_dir() and not entry.name.startswith("."):
-            notebooks = [p for p in sorted(entry.rglob("*.ipynb")) if ".ipynb_checkpoints" not in p.parts]
+        if entry.name.startswith("."):
+            continue
+        if entry.suffix == ".ipynb" and (entry.is_file() or entry.is_symlink()):
+            if not link(entry, entry.stem):
+                found.setdefault(entry.stem, []).append(entry)
+        elif entry.is_dir() or entry.is_symlink():
+            if link(entry, entry.name):
+                continue
+            notebooks = []
+            for root, dirs, files in os.walk(entry):                       # never into a linked folder
+                dirs[:] = sorted(d for d in dirs if d != ".ipynb_checkpoints" and not link(Path(root, d), entry.name))
+                notebooks += [Path(root, f) for f in sorted(files) if f.endswith(".ipynb")
+                              and not link(Path(root, f), entry.name)]
             if notebooks:
-                found.setdefault(entry.name, []).extend(notebooks)
+                found.setdefault(entry.name, []).extend(sorted(notebooks))
     return found
 
 
+def chapter_order(exercise_ids) -> list[str]:
+    """Exercise ids in the order of the course: by their notebook's name (00_, 01a_, ...)."""
+    from .checks import EXERCISES
+
+    return sorted(exercise_ids, key=lambda ex: (EXERCISES[ex].notebook or "~", ex))
+
+
 def grade(submissions: str | Path, out: str | Path, *, timeout: float = 600.0, cell_timeout: float = 120.0,
-          check_timeout: float = 30.0, jobs: int = 1, log=None) -> list[dict]:
+          check_timeout: float = 30.0, jobs: int = 1, exercises=None, answers: str | Path | None = None,
+          sandboxed: bool = True, log=None) -> list[dict]:
     """Grade every submission and write one CSV row per student; return the rows.
 
     timeout: seconds for running each notebook, after which it and everything it started
       are killed; cell_timeout: seconds for each cell, after which the kernel is
       interrupted and the next cell runs; check_timeout: seconds per launch of ranks (and
-      per call of an answer) in the grader's checks; jobs: notebooks graded at the same time.
+      per call of an answer) in the grader's checks; jobs: notebooks graded at the same
+      time; exercises: the ids to grade (default: all); answers: folder for each student's
+      written answers (default: next to `out`, named after it); sandboxed: run student code
+      in the sandbox where the machine has one (sandbox.py).
 
-    Columns: student, one per exercise of the registry (1 passed, 0 not), total, notes.
-    An exercise found in several notebooks of a student counts if any passed. Notes
-    number cells from 1, markdown included.
+    Columns: student, one per exercise in chapter order (1 passed, 0 failed, "missing"),
+    total, notes. An exercise found in several notebooks of a student counts if any
+    passed. Notes number cells from 1, markdown included. `log` gets one line per student
+    and a summary at the end.
     """
     from .checks import EXERCISES
 
+    started = time.monotonic()
     if not cell_timeout > check_timeout:
         raise ValueError(f"cell_timeout ({cell_timeout:g} s) must be longer than check_timeout "
                          f"({check_timeout:g} s), or a hung check would look like a hung cell")
+    ids = chapter_order(EXERCISES if exercises is None else exercises)
+    unknown = [ex for ex in ids if ex not in EXERCISES]
+    if unknown or not ids:
+        raise ValueError(f"unknown exercise(s) {', '.join(unknown) or '(none given)'}: the exercises are "
+                         f"{', '.join(chapter_order(EXERCISES))}")
     sources = pplab_sources()                 # before any notebook runs: what the checks will import
-    students = find_submissions(submissions)
+    refused: dict[str, list[str]] = {}
+    students = find_submissions(submissions, refused)
+    no_sandbox = None if not sandboxed else sandbox.why_not()
+    settings = dict(timeout=timeout, cell_timeout=cell_timeout, check_timeout=check_timeout, sources=sources,
+                    exercises=ids, hidden=_hidden_from_students(submissions, out, answers), sandboxed=sandboxed)
     tasks = [(student, nb) for student, notebooks in students.items() for nb in notebooks]
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        futures = {task: pool.submit(grade_notebook, task[1], timeout=timeout, cell_timeout=cell_timeout,
-                                     check_timeout=check_timeout, sources=sources) for task in tasks}
+        futures = {task: pool.submit(_grade_safely, task[1], settings) for task in tasks}
         grades = {task: future.result() for task, future in futures.items()}
-    ids = list(EXERCISES)
-    rows = []
-    for student, notebooks in students.items():
-        row, notes = {"student": student}, []
+    rows, written = [], {}
+    for student in sorted(set(students) | set(refused)):
+        notebooks = students.get(student, [])
+        row, notes = {"student": student}, list(refused.get(student, []))
         for ex in ids:
-            row[ex] = int(any(grades[(student, nb)].passed.get(ex, False) for nb in notebooks))
+            tried = [grades[(student, nb)].passed[ex] for nb in notebooks if ex in grades[(student, nb)].passed]
+            row[ex] = MISSING if not tried else int(any(tried))
         for nb in notebooks:
             g = grades[(student, nb)]
             prefix = f"{nb.name}: " if len(notebooks) > 1 else ""
             notes += [prefix + n for n in g.notes]
             notes += [f"{prefix}{ex}: {_short(g.messages[ex])}" for ex, ok in g.passed.items()
-                      if not ok and not row[ex] and g.messages[ex]]
-        row["total"] = sum(row[ex] for ex in ids)
+                      if ex in ids and not ok and row[ex] == 0 and g.messages[ex]]
+            written[student] = written.get(student, []) + [(nb.name, n, text) for n, text in g.written]
+        row["total"] = sum(row[ex] for ex in ids if row[ex] != MISSING)
         row["notes"] = "; ".join(notes)
         rows.append(row)
         if log:
-            log(f"{student}: {row['total']}/{len(ids)}" + (f" ({row['notes']})" if row["notes"] else ""))
+            log(f"{student}: {row['total']}/{len(ids)}" + (f" ({row['notes'][:300]})" if row["notes"] else ""))
     with open(out, "w", newline="") as f:
         writer = csv.DictWriter(f, ["student", *ids, "total", "notes"])
         writer.writeheader()
-        writer.writerows(rows)
+        writer.writerows({k: _csv_safe(v) for k, v in row.items()} for row in rows)
+    _write_answers(written, Path(answers) if answers else Path(out).with_name(Path(out).stem + "_answers"))
+    if log:
+        statuses = [g.status for g in grades.values()]
+        log(f"summary: {len(rows)} student(s), {len(tasks)} notebook(s): {statuses.count('graded')} graded, "
+            f"{statuses.count('failed to run')} failed to run, {statuses.count('refused')} refused, "
+            f"{sum(len(r) for r in refused.values())} link(s) refused; {time.monotonic() - started:.0f} s" +
+            (f". NOT SANDBOXED ({no_sandbox}): student code ran with the grader's rights" if no_sandbox else ""))
     return rows
+
+
+def _hidden_from_students(submissions, out, answers) -> list[str]:
+    """Folders no student code may see: the submissions, the grades, the solutions."""
+    hidden = [Path(submissions).resolve(), Path(out).resolve().parent]
+    if answers:
+        hidden.append(Path(answers).resolve())
+    course = Path(__file__).resolve().parent.parent
+    hidden += [course / "solutions"]
+    return [str(p) for p in hidden if p.is_dir() and p != Path("/") and p != course]
+
+
+def _csv_safe(value):
+    """A cell a spreadsheet would run as a formula (=, +, -, @ first) gets a leading '."""
+    if isinstance(value, str) and value[:1] in ("=", "+", "-", "@", "\t", "\r"):
+        return "'" + value
+    return value
+
+
+def _write_answers(written: dict, folder: Path) -> None:
+    """Each student's written answers (markdown they wrote) into FOLDER/<student>.md."""
+    if not any(written.values()):
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    for student, items in written.items():
+        if items:
+            text = "".join(f"## {name}, cell {n}\n\n{body.strip()}\n\n" for name, n, body in items)
+            (folder / f"{_file_safe(student)}.md").write_text(f"# {student}: written answers\n\n{text}")
+
+
+def _file_safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name).lstrip(".") or "_"
 
 
 def _short(message: str, limit: int = 200) -> str:
@@ -211,8 +309,52 @@ def _short(message: str, limit: int = 200) -> str:
     return message if len(message) <= limit else message[: limit - 1] + "…"
 
 
+def _grade_safely(path: Path, settings: dict) -> NotebookGrade:
+    """grade_notebook, but whatever goes wrong stays with this notebook: a note, not a crash."""
+    try:
+        return grade_notebook(path, **settings)
+    except Exception as exc:  # noqa: BLE001 - one submission must never stop the others
+        return NotebookGrade(notes=[f"grader error on this notebook ({type(exc).__name__}: {str(exc)[:200]}): "
+                                    f"it was not graded; please report it"], status="failed to run")
+
+
+def read_cells(path: Path) -> tuple[list[tuple[int, str, str]], list[str]]:
+    """[(cell number, cell type, source)] of a notebook, read without trusting its shape,
+    and notes on what could not be read. Raises ValueError if it is not a notebook at all."""
+    size = path.stat().st_size
+    if size > MAX_NOTEBOOK_BYTES:
+        raise ValueError(f"the notebook is {size / 2**20:.0f} MB, more than the grader reads "
+                         f"({MAX_NOTEBOOK_BYTES >> 20} MB): clear its outputs and hand it in again")
+    with open(path, "rb") as f:
+        data = f.read(MAX_NOTEBOOK_BYTES + 1)
+    try:
+        nb = json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"not a notebook (not JSON: {type(exc).__name__})") from None
+    if not isinstance(nb, dict) or not isinstance(nb.get("cells"), list):
+        old = isinstance(nb, dict) and "worksheets" in nb
+        raise ValueError("not a notebook in nbformat 4" + (" (nbformat 3: open and save it in Jupyter)" if old
+                                                           else " (no list of cells)"))
+    cells, notes = [], []
+    for number, cell in enumerate(nb["cells"], 1):
+        kind = cell.get("cell_type") if isinstance(cell, dict) else None
+        source = cell.get("source", None) if isinstance(cell, dict) else None
+        if isinstance(source, list) and all(isinstance(s, str) for s in source):
+            source = "".join(source)
+        if kind not in ("code", "markdown", "raw") or not isinstance(source, str):
+            notes.append(f"cell {number} is not a well-formed cell (no cell_type or source): skipped")
+            continue
+        if kind == "code" and len(source) > MAX_CELL_CHARS:
+            notes.append(f"cell {number} holds {len(source):,} characters, more than the grader reads "
+                         f"({MAX_CELL_CHARS:,}): skipped")
+            continue
+        cells.append((number, kind, source))
+    return cells, notes
+
+
 def grade_notebook(path: str | Path, *, timeout: float = 600.0, cell_timeout: float = 120.0,
-                   check_timeout: float = 30.0, sources: dict | None = None) -> NotebookGrade:
+                   check_timeout: float = 30.0, sources: dict | None = None, exercises=None, hidden=(),
+                   sandboxed: bool = True) -> NotebookGrade:
     """Run one notebook for its notes (which cells raised, timed out, killed the kernel),
     then check the answers it defines (its source, whatever the run did), each in a fresh
     process of the grader's."""
@@ -220,239 +362,128 @@ def grade_notebook(path: str | Path, *, timeout: float = 600.0, cell_timeout: fl
     from .submission import definitions
 
     sources = sources or pplab_sources()
-    path = Path(path).resolve()
+    path = Path(path)
     grade = NotebookGrade()
-    try:
-        nb = nbformat.read(path, as_version=4)
-    except Exception as exc:  # noqa: BLE001 - not a notebook
-        grade.notes.append(f"could not run the notebook: {type(exc).__name__}: {str(exc)[:200]}")
+    if path.is_symlink():
+        grade.notes.append(f"{path.name} is a symbolic link: refused, hand in the notebook itself")
+        grade.status = "refused"
         return grade
+    try:
+        cells, unreadable = read_cells(path)
+        grade.notes += unreadable
+    except (ValueError, OSError) as exc:
+        grade.notes.append(f"could not read the notebook: {exc}")
+        grade.status = "refused"
+        return grade
+    wanted = [EXERCISES[ex] for ex in (exercises or EXERCISES)]
+    found = definitions([(n, src) for n, kind, src in cells if kind == "code"], {ex.answer for ex in wanted})
+    grade.written = _written_answers(cells, {ex.notebook for ex in wanted if ex.answer in found.answers})
     before = pplab_sources()
-    run_notebook(path, grade.notes, timeout=timeout, cell_timeout=cell_timeout)
+    if not run_notebook(path, grade.notes, timeout=timeout, cell_timeout=cell_timeout, hidden=hidden,
+                        sandboxed=sandboxed):
+        grade.status = "failed to run"
     after = pplab_sources()
     changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
     if changed:
         grade.notes.append(f"pplab's files on disk changed while the notebook ran ({', '.join(changed)[:200]}): "
                            f"the checks use the copy the grader read before grading began")
-    cells = [(n, c.source) for n, c in enumerate(nb.cells, 1) if c.cell_type == "code"]
-    found = definitions(cells, {ex.answer for ex in EXERCISES.values()})          # pplab/submission.py
     grade.notes += found.notes
-    for ex in EXERCISES.values():
-        if ex.answer in found.answers:
-            grade.passed[ex.id], grade.messages[ex.id] = run_check_process(
-                ex.id, found.answers[ex.answer], sources, check_timeout, grade.notes)
+    for ex in wanted:
+        if ex.answer in found.refused:
+            grade.passed[ex.id], grade.messages[ex.id] = False, found.refused[ex.answer]
+        elif ex.answer in found.answers:
+            passed, message = run_check_process(ex.id, found.answers[ex.answer], sources, check_timeout,
+                                                grade.notes, hidden=hidden, sandboxed=sandboxed)
+            if not passed and "is not implemented yet" in message:
+                continue                                 # the exercise's stub, untouched: missing, not 0
+            grade.passed[ex.id], grade.messages[ex.id] = passed, message
     return grade
+
+
+def _written_answers(cells, exercise_notebooks) -> list[tuple[int, str]]:
+    """Markdown cells the student wrote or changed: not in any exercise notebook of the
+    course that this notebook answers, and not the stub."""
+    given = set()
+    for name in exercise_notebooks:
+        for folder in ("exercises", "solutions"):
+            file = Path(__file__).resolve().parent.parent / folder / f"{name}.ipynb"
+            with contextlib.suppress(OSError, ValueError):
+                given |= {src.strip() for _, kind, src in read_cells(file)[0] if kind == "markdown"}
+    return [(n, src) for n, kind, src in cells if kind == "markdown" and src.strip()
+            and src.strip() not in given and src.strip() != MARKDOWN_STUB]
 
 
 # -- running the notebook, for its notes only ----------------------------------------
 
-def run_notebook(path: Path, notes: list, *, timeout: float, cell_timeout: float) -> None:
-    """Run the notebook top to bottom in a fresh kernel, in a scratch folder holding only a
-    copy of it, in a process of its own with a time limit, and append what went wrong to
-    `notes`. Nothing it prints or writes decides a mark: marks come from run_check_process."""
+NOTES_KEPT, NOTE_CHARS = 200, 500       # what the grader keeps of the runner's notes
+
+
+def run_notebook(path: Path, notes: list, *, timeout: float, cell_timeout: float, hidden=(),
+                 sandboxed: bool = True) -> bool:
+    """Run the notebook top to bottom in a fresh kernel, in the sandbox, in a scratch folder
+    holding only a copy of it, with a time limit, and append what went wrong to `notes`.
+    Nothing it prints or writes decides a mark: marks come from run_check_process. Returns
+    False if the notebook could not be run at all."""
+    import threading
+
+    from . import runner
+
     with tempfile.TemporaryDirectory(prefix="pplab-grade-") as tmp:
         scratch = Path(tmp, "scratch")
-        scratch.mkdir()
-        shutil.copy(path, scratch / path.name)
-        records, log = Path(tmp, "runner.jsonl"), Path(tmp, "runner.log")
-        records.touch()
-        # The runner loads pplab/runner.py on its own, without the pplab package (and torch):
-        # it only drives a kernel.
-        code = "import runpy, sys; runpy.run_path(sys.argv[1])['main'](sys.argv[2:])"
-        argv = [sys.executable, "-c", code, str(Path(__file__).with_name("runner.py")), str(scratch / path.name),
-                str(records), str(cell_timeout)]
-        with open(log, "wb") as log_file:
-            runner = subprocess.Popen(argv, cwd=scratch, stdin=subprocess.DEVNULL, stdout=log_file,
-                                      stderr=subprocess.STDOUT, start_new_session=True)
-            try:
-                runner.wait(timeout)
-                stopped = False
-            except subprocess.TimeoutExpired:
-                stopped = True
-            _kill_tree(runner.pid)                      # the kernel, and anything it left running
-            runner.wait()
-        told, foreign = [], 0
-        for line in records.read_text(errors="replace").splitlines():
-            try:
-                record = json.loads(line)
-                if set(record) == {"note"}:
-                    told.append(str(record["note"]))
-                else:
-                    foreign += 1
-            except (ValueError, TypeError, AttributeError):
-                foreign += 1                            # a line cut short by the kill, or not ours
-        notes += told
-        if foreign > 1 or (foreign and not stopped):
-            notes.append(f"ignored {foreign} line(s) in the grader's notes file that the grader did not write "
-                         f"(written by the notebook?): marks never come from there")
-        if stopped:
-            notes.append(f"stopped after {timeout:g} s (the notebook's time limit)")
-        elif runner.returncode != 0 and not told:
-            tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
-            notes.append(f"grader error (exit code {runner.returncode}): {tail[0]}")
+        home = scratch / ".home"
+        home.mkdir(parents=True)
+        copy_path = scratch / _file_safe(path.name)
+        shutil.copyfile(path, copy_path)
+        # The runner's own code, read by the grader now: nothing a notebook wrote runs here.
+        code = Path(runner.__file__).read_text() + "\nmain(sys.argv[1:])\n"
+        notes_read, notes_write = os.pipe()
+        argv = [sys.executable, "-c", code, str(copy_path), str(notes_write), str(cell_timeout)]
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "JUPYTER")) or k == "PYTHONPATH"}
+        env.update(HOME=str(home), TMPDIR=str(scratch), MPLCONFIGDIR=str(home), IPYTHONDIR=str(home / ".ipython"),
+                   JUPYTER_RUNTIME_DIR=str(home / "runtime"), JUPYTER_DATA_DIR=str(home / "data"))
+        if sandboxed and sandbox.why_not() is None:
+            argv = sandbox.wrap(argv, workdir=str(scratch), hidden=hidden, env=env)
+        runner_proc = subprocess.Popen(argv, cwd=scratch, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT, env=env, pass_fds=[notes_write],
+                                       start_new_session=True)
+        os.close(notes_write)
+        from .check_process import _Tail
+
+        output = _Tail(runner_proc.stdout)
+        told: list[str] = []
+        foreign = [0]
+
+        def read_notes():
+            with open(notes_read, "rb") as f:
+                for line in f:
+                    try:
+                        record = json.loads(line)
+                        if set(record) == {"note"} and len(told) < NOTES_KEPT:
+                            told.append(str(record["note"])[:NOTE_CHARS])
+                    except (ValueError, TypeError, AttributeError):
+                        foreign[0] += 1               # a line cut short by the kill
+        reader = threading.Thread(target=read_notes, daemon=True)
+        reader.start()
+        try:
+            runner_proc.wait(timeout)
+            stopped = False
+        except subprocess.TimeoutExpired:
+            stopped = True
+        _kill_tree(runner_proc.pid)                  # the kernel, and anything it left running
+        runner_proc.wait()
+        reader.join(5)
+        output.thread.join(5)
+    notes += told
+    if stopped:
+        notes.append(f"stopped after {timeout:g} s (the notebook's time limit)")
+    elif runner_proc.returncode != 0 and not told:
+        tail = output.lines[-1:] or ["no output"]
+        notes.append(f"grader error (exit code {runner_proc.returncode}): {tail[0][:NOTE_CHARS]}")
+        return False
+    return not any(n.startswith("could not run the notebook") for n in told)
 
 
 def defined_names(source: str) -> list[str]:
     """Names a cell defines at top level (def, class, assignment), in order."""
     from .submission import defined_names
     return defined_names(source)
-
-
-# ----------------------------------------------------------------------------------
-# 3. The check, in a fresh process of the grader's where no student code runs
-
-def pplab_sources() -> dict:
-    """{module name: [file, source, is a package]} of the pplab package, read now. The check
-    processes import pplab from this copy, so a notebook that rewrites (or adds to) pplab's
-    files, or leaves a module named like one anywhere, changes nothing in them."""
-    root = Path(__file__).resolve().parent
-    found = {}
-    for file in sorted(root.rglob("*.py")):
-        parts = list(file.relative_to(root.parent).with_suffix("").parts)
-        package = parts[-1] == "__init__"
-        name = ".".join(parts[:-1] if package else parts)
-        found[name] = [str(file), file.read_text(), package]
-    return found
-
-
-# Runs first in a check process (python -I: no current folder, no PYTHONPATH, no user site
-# on sys.path): serve pplab from the copy sent on stdin, then run one check.
-_BOOT = r'''
-import importlib.abc, importlib.machinery, importlib.util, json, sys
-job = json.loads(sys.stdin.buffer.read())
-sources, MARK = job.pop("sources"), "<pplab copy>/"
-
-class Copy(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def __init__(self, path=None):
-        if path is not None and not path.startswith(MARK):
-            raise ImportError(path)
-        self.package = path[len(MARK):] if path else None
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] != "pplab":
-            return None
-        if name not in sources:
-            raise ModuleNotFoundError(f"no module named {name!r} in pplab")
-        file, _, package = sources[name]
-        spec = importlib.util.spec_from_loader(name, self, origin=file, is_package=package)
-        if package:
-            spec.submodule_search_locations = [MARK + name]
-        return spec
-    def iter_modules(self, prefix=""):
-        for name, (_, _, package) in sorted(sources.items()):
-            head, _, tail = name.rpartition(".")
-            if head == self.package:
-                yield prefix + tail, package
-    def create_module(self, spec):
-        return None
-    def exec_module(self, module):
-        file, text, _ = sources[module.__name__]
-        module.__file__ = file
-        exec(compile(text, file, "exec"), module.__dict__)
-
-sys.meta_path.insert(0, Copy())
-sys.path_hooks.insert(0, Copy)
-sys.path_importer_cache.clear()
-from pplab.grading import _check_main
-_check_main(job)
-'''
-
-
-def run_check_process(exercise_id: str, answer, sources: dict, check_timeout: float,
-                      notes: list | None = None) -> tuple[bool, str]:
-    """(passed, message) of one exercise's check of `answer` (a SourceAnswer), run in a fresh
-    process where no student code runs.
-
-    The verdict comes back over a Unix socket that the check process connects to once
-    every process below it has been killed, and the grader reads only the connection whose
-    peer the kernel reports (SO_PEERCRED) as the check process itself: whatever a rank
-    writes, to any file descriptor or to the socket, cannot stand in for it. Forged
-    verdicts seen on the way are named in `notes`."""
-    import socket
-    import struct
-    import threading
-
-    notes = [] if notes is None else notes
-    limit = 4 * check_timeout + 120                         # a few launches, each bounded by check_timeout
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
-    with tempfile.TemporaryDirectory(prefix="pplab-check-") as cwd, \
-            socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
-        address = f"\0pplab-verdict-{os.getpid()}-{os.urandom(8).hex()}"      # abstract: no file to find
-        server.bind(address)
-        server.listen(16)
-        server.settimeout(0.2)
-        job = {"sources": sources, "exercise": exercise_id, "timeout": check_timeout, "name": answer.name,
-               "statements": [list(s) for s in answer.statements], "verdict": address,
-               "params": None if answer.params is None else [list(p) for p in answer.params]}
-        proc = subprocess.Popen([sys.executable, "-I", "-c", _BOOT], cwd=cwd, env=env, stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-        lines: list[bytes] = []
-        reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
-        reader.start()
-        try:
-            proc.stdin.write(json.dumps(job).encode())
-            proc.stdin.close()
-        except OSError:
-            pass
-        verdicts, forged, deadline = [], 0, time.monotonic() + limit
-        while time.monotonic() < deadline and (proc.poll() is None or not verdicts):
-            try:
-                conn, _ = server.accept()
-            except (socket.timeout, OSError):
-                if proc.poll() is not None:
-                    break
-                continue
-            with conn:
-                pid, _, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                                struct.calcsize("3i")))
-                conn.settimeout(5)
-                data = b""
-                with contextlib.suppress(OSError):
-                    while chunk := conn.recv(65536):
-                        data += chunk
-            if pid == proc.pid:
-                verdicts.append(data)
-            else:
-                forged += 1
-        timed_out = proc.poll() is None
-        _kill_tree(proc.pid)
-        proc.wait()
-        reader.join(5)
-    text = [line.decode(errors="replace").strip() for line in lines if line.strip()]
-    forged += sum(1 for line in text if '"passed"' in line)
-    if forged:
-        notes.append(f"{exercise_id}: ignored {forged} forged verdict(s) (from processes other than the check "
-                     f"itself)")
-    if timed_out and not verdicts:
-        return False, f"the check did not finish within {limit:g} s (the grader's limit for one check)"
-    try:
-        verdict = json.loads(verdicts[0])
-        return verdict["passed"] is True, str(verdict["message"])
-    except (IndexError, ValueError, KeyError, TypeError):
-        tail = text[-1][:200] if text else "no output"
-        return False, f"the check process gave no verdict (exit code {proc.returncode}): {tail}"
-
-
-def _check_main(job: dict) -> None:
-    """In the check process: check the answer, kill every process below this one, then
-    send the verdict to the grader's socket."""
-    import socket
-
-    _become_subreaper()
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    started = time.monotonic()
-    try:
-        from .checks import SourceAnswer, run_check
-
-        answer = SourceAnswer(job["name"], tuple(tuple(s) for s in job["statements"]),
-                              None if job["params"] is None else tuple(tuple(p) for p in job["params"]))
-        result = run_check(job["exercise"], answer, timeout=float(job["timeout"]))
-        verdict = {"passed": result.passed, "message": result.message}
-    except BaseException as exc:  # noqa: BLE001 - a bug of ours must still give a verdict
-        verdict = {"passed": False, "message": f"the check raised {type(exc).__name__}: {exc}"}
-    verdict["seconds"] = round(time.monotonic() - started, 2)
-    _kill_children()
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as channel:
-        channel.connect(job["verdict"])
-        channel.sendall(json.dumps(verdict).encode())
-    os._exit(0)

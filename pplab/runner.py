@@ -1,48 +1,73 @@
 """Run a submitted notebook in a fresh kernel for the grader's notes, and kill process trees.
 
-    python -c "import runpy, sys; runpy.run_path('pplab/runner.py')['main'](sys.argv[1:])" \
-        NOTEBOOK NOTES.jsonl CELL_TIMEOUT
+    python -c "<this file's source>\nmain(sys.argv[1:])" NOTEBOOK NOTES_FD CELL_TIMEOUT
 
-runs NOTEBOOK cell by cell (in its own folder) and appends to NOTES.jsonl, as soon as it
-knows, {"note": "cell 4 raised ValueError: ..."}, "... timed out after 120 s", "kernel died
-in cell 6". The grader starts it in a process of its own, with a time limit, and takes
-only notes from it: no mark. This file is loaded on its own, without the pplab package
-(and torch), so it imports only the standard library, nbformat, nbclient and psutil.
+runs NOTEBOOK cell by cell (in its own folder) and writes to the pipe NOTES_FD, as soon as
+it knows, one JSON line per note: {"note": "cell 4 raised ValueError: ..."}, "... timed out
+after 120 s", "kernel died in cell 6". The grader starts it in the sandbox (sandbox.py),
+with a time limit, and takes only notes from it: no mark. The kernel does not inherit the
+pipe, and this process is not dumpable, so the kernel cannot write notes of its own.
+
+What the notebook prints is kept only up to OUTPUT_LIMIT bytes per cell (errors always):
+a cell that prints without pause cannot grow this process. This file runs on its own,
+without the pplab package (and torch): it imports only the standard library, nbformat,
+nbclient and psutil.
 """
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
 import nbformat
 
+OUTPUT_LIMIT = 1 << 20          # bytes of printed output kept per cell; the rest is dropped
+
 
 def main(argv) -> None:
-    path, records, cell_timeout = Path(argv[0]), Path(argv[1]), float(argv[2])
+    path, notes_fd, cell_timeout = Path(argv[0]), int(argv[1]), float(argv[2])
+    _not_dumpable()
     _become_subreaper()
     try:
-        _run_cells(path, records, cell_timeout)
+        with open(notes_fd, "w", buffering=1) as notes:
+            _run_cells(path, notes, cell_timeout)
     finally:
         _kill_children()
 
 
-def _run_cells(path: Path, records: Path, cell_timeout: float) -> None:
-    """Run the notebook cell by cell in a fresh kernel; append notes on what went wrong to
-    `records` as soon as they are known."""
-    from jupyter_core.utils import run_sync
+def _bounded_client():
+    """nbclient's NotebookClient, keeping at most OUTPUT_LIMIT bytes of output per cell."""
     from nbclient import NotebookClient
+
+    class BoundedClient(NotebookClient):
+        def output(self, outs, msg, display_id, cell_index):
+            if msg["msg_type"] != "error":
+                kept = getattr(self, "_kept", {})
+                self._kept = kept
+                size = len(json.dumps(msg.get("content", {})))
+                if kept.get(cell_index, 0) + size > OUTPUT_LIMIT:
+                    return None                     # dropped: only the notes matter here
+                kept[cell_index] = kept.get(cell_index, 0) + size
+            return super().output(outs, msg, display_id, cell_index)
+
+    return BoundedClient
+
+
+def _run_cells(path: Path, notes, cell_timeout: float) -> None:
+    """Run the notebook cell by cell in a fresh kernel; write notes on what went wrong to
+    `notes` as soon as they are known."""
+    from jupyter_core.utils import run_sync
     from nbclient.exceptions import CellTimeoutError, DeadKernelError
 
     def record(**item):
-        with open(records, "a") as f:
-            f.write(json.dumps(item) + "\n")
+        notes.write(json.dumps(item) + "\n")
 
     try:
         nb = nbformat.read(path, as_version=4)
         # A kernel that imports torch can take a minute to start on a busy machine; the whole
         # notebook's time limit (enforced around this process) still bounds it.
-        client = NotebookClient(nb, timeout=int(cell_timeout), kernel_name="python3", allow_errors=True,
+        client = _bounded_client()(nb, timeout=int(cell_timeout), kernel_name="python3", allow_errors=True,
                                 startup_timeout=600, shutdown_kernel="immediate",
                                 resources={"metadata": {"path": str(path.parent)}})
         with client.setup_kernel():
@@ -111,6 +136,17 @@ def _kill_tree(pid: int) -> None:
     psutil.wait_procs(list(frozen.values()), timeout=10)
 
 
+def _not_dumpable() -> None:
+    """No process of the same user without privileges can read or trace this one (its pipes)."""
+    import ctypes
+
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(4, 0, 0, 0, 0)        # PR_SET_DUMPABLE
+        except OSError:
+            pass
+
+
 def _become_subreaper() -> None:
     """Processes orphaned below this one (a double fork, setsid) become its children, not
     init's: they stay in its tree, where _kill_tree finds them."""
@@ -124,8 +160,6 @@ def _become_subreaper() -> None:
 
 
 def _kill_children() -> None:
-    import os
-
     import psutil
 
     for _ in range(3):

@@ -24,10 +24,17 @@ _TAMPERING_ATTRS = {"system", "popen", "remove", "unlink", "rename", "replace", 
                     "write_bytes", "run", "Popen", "call", "check_call", "check_output", "reload", "symlink_to"}
 
 
+# The grader's own modules: an answer that imports them (to call the checker's reference or
+# its inputs) is refused, whatever it does with them.
+_CHECKER_MODULES = ("pplab.checks", "pplab.grading", "pplab.submission", "pplab.check_process", "pplab.runner",
+                    "pplab.sandbox", "pplab.cli")
+
+
 @dataclass
 class Definitions:
     answers: dict = field(default_factory=dict)     # answer name -> pplab.checks.SourceAnswer
     notes: list = field(default_factory=list)       # what was left out, and why
+    refused: dict = field(default_factory=dict)     # answer name -> why it gets no mark
 
 
 def _python(source: str) -> str:
@@ -140,12 +147,17 @@ def definitions(cells, answers) -> Definitions:
 
     found = Definitions()
     statements = []                              # (cell, line, node, source), in notebook order
+    nested: dict[str, tuple] = {}               # answer name -> (cell, line, block) where it hides in a block
     for number, source in cells:
         python = _python(source)
         try:
             tree = ast.parse(python)
         except SyntaxError as err:
             found.notes.append(f"cell {number} has a syntax error (line {err.lineno}): it was not graded")
+            continue
+        except (RecursionError, MemoryError, ValueError) as err:   # too deeply nested, too long, a NUL byte
+            found.notes.append(f"cell {number} could not be read by Python's parser ({type(err).__name__}): "
+                               f"it was not graded")
             continue
         lines = python.splitlines(keepends=True)
         for node in tree.body:
@@ -154,6 +166,10 @@ def definitions(cells, answers) -> Definitions:
             text = "".join(lines[line - 1:node.end_lineno])
             text = text[col:len(text) - len(lines[node.end_lineno - 1]) + node.end_col_offset]
             statements.append((number, line, node, text))
+            if not _bound(node) and not isinstance(node, (ast.Expr,)):
+                for inner in ast.walk(node):
+                    for name in set(answers) & set(_bound(inner) if isinstance(inner, ast.stmt) else ()):
+                        nested.setdefault(name, (number, inner.lineno, type(node).__name__.lower()))
     modules = {"sys", "builtins", "__builtins__", "os"}
     for _, _, node, _ in statements:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -170,6 +186,11 @@ def definitions(cells, answers) -> Definitions:
     elsewhere = {t.id for _, _, node, _ in statements if not _bound(node)
                  for t in ast.walk(node) if isinstance(t, ast.Name) and isinstance(t.ctx, ast.Store)}
     for answer in sorted(answers):
+        if answer not in last and answer in nested:
+            cell, line, block = nested[answer]
+            found.notes.append(f"{answer} is defined inside an `{block}` block (cell {cell}, line {line}), not at the "
+                               f"top level of a cell: the grader takes only top-level definitions, so it was not "
+                               f"found. Move it out of the block.")
         if answer not in last or not kept_ok[last[answer]]:
             continue
         keep, todo, unbound = set(), [last[answer]], set()
@@ -180,7 +201,7 @@ def definitions(cells, answers) -> Definitions:
             keep.add(i)
             try:
                 needed = _loads(statements[i][3])
-            except SyntaxError:
+            except (SyntaxError, RecursionError, ValueError):
                 needed = set()
             for name in needed:
                 if name in last and kept_ok[last[name]]:
@@ -190,6 +211,12 @@ def definitions(cells, answers) -> Definitions:
         for name in sorted(unbound):
             found.notes.append(f"{answer} uses `{name}`, which no definition at the top level binds (the grader "
                                f"runs only def, class, import and assignments to plain names)")
+        for i in sorted(keep):
+            used = _checker_use(statements[i][2])
+            if used:
+                found.refused[answer] = (f"{answer} uses {used} (cell {statements[i][0]}), the grader's own code: an "
+                                         f"answer may not call the checker or its reference, so it gets no mark")
+                break
         node = statements[last[answer]][2]
         params = None
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not node.decorator_list:
@@ -197,6 +224,42 @@ def definitions(cells, answers) -> Definitions:
         found.answers[answer] = SourceAnswer(answer, tuple((f"<cell {statements[i][0]}>", statements[i][1],
                                                             statements[i][3]) for i in sorted(keep)), params)
     return found
+
+
+def _checker_use(node) -> str:
+    """The checker module a definition imports or names (`import pplab.checks`, `from pplab
+    import checks`, `pplab.grading.x`, "pplab.checks" in a string), or ""."""
+    def checker(name: str) -> bool:
+        return any(name == m or name.startswith(m + ".") for m in _CHECKER_MODULES)
+
+    for n in ast.walk(node):
+        if isinstance(n, ast.Import):
+            hit = next((a.name for a in n.names if checker(a.name)), None)
+        elif isinstance(n, ast.ImportFrom):
+            hit = n.module if n.module and checker(n.module) else next(
+                (f"{n.module}.{a.name}" for a in n.names if checker(f"{n.module}.{a.name}")), None)
+        elif isinstance(n, ast.Attribute):
+            hit = _dotted(n) if checker(_dotted(n)) else None
+        elif isinstance(n, ast.Constant) and isinstance(n.value, str):
+            hit = next((m for m in _CHECKER_MODULES if m in n.value), None)
+        elif isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "getattr" and \
+                len(n.args) > 1 and isinstance(n.args[1], ast.Constant) and \
+                f"pplab.{n.args[1].value}" in _CHECKER_MODULES:
+            hit = f"pplab.{n.args[1].value}"
+        else:
+            hit = None
+        if hit:
+            return f"`{hit}`"
+    return ""
+
+
+def _dotted(node) -> str:
+    """`a.b.c` of an attribute chain whose root is a plain name, else ""."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return ".".join([node.id, *reversed(parts)]) if isinstance(node, ast.Name) else ""
 
 
 def _params(args: ast.arguments) -> tuple:

@@ -12,7 +12,7 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
-from pplab import checks, cli, grading, submission
+from pplab import checks, cli, grading, sandbox, submission
 
 REPO = Path(__file__).resolve().parents[1]
 PPLAB = [sys.executable, "-m", "pplab.cli"]
@@ -211,17 +211,20 @@ def test_grade_a_folder_of_good_and_bad_submissions(tmp_path):
     assert run.returncode == 0, run.stderr
     with open(out, newline="") as f:
         rows = {row["student"]: row for row in csv.DictReader(f)}
-    ids = list(checks.EXERCISES)
+    ids = grading.chapter_order(checks.EXERCISES)
+    assert ids[:4] == ["broadcast", "reduce_scatter", "ring_all_reduce", "predict_time"]       # chapters 0, 1a-c
     assert list(rows["ada"]) == ["student", *ids, "total", "notes"]
-    scores = {s: (int(r["broadcast"]), int(r["total"])) for s, r in rows.items()}
-    assert scores == {"ada": (1, 1), "bob": (0, 0), "cyd": (1, 1), "dan": (1, 1), "eve": (0, 0),
-                      "hal": (0, 0)}, rows
+    scores = {s: (r["broadcast"], int(r["total"])) for s, r in rows.items()}
+    # bob handed in the exercise untouched: "missing" (not attempted), which is not 0 (tried, wrong)
+    assert scores == {"ada": ("1", 1), "bob": ("missing", 0), "cyd": ("1", 1), "dan": ("1", 1), "eve": ("0", 0),
+                      "hal": ("missing", 0)}, rows
+    assert all(r["ring_all_reduce"] == "missing" for r in rows.values())
     assert rows["ada"]["notes"] == "cell 3 timed out after 20 s"
-    assert "is not implemented yet" in rows["bob"]["notes"]
+    assert "is not implemented yet" not in rows["bob"]["notes"]
     assert rows["cyd"]["notes"] == ""
     assert "kernel died in cell 2" in rows["dan"]["notes"]
     assert "still waiting after 6 s: a deadlock?" in rows["eve"]["notes"]
-    assert rows["hal"]["notes"].startswith("could not run the notebook: NotJSONError")
+    assert rows["hal"]["notes"].startswith("could not read the notebook: not a notebook (not JSON")
 
 
 @pytest.mark.usefixtures("no_leftover_processes")
@@ -274,19 +277,28 @@ def test_attacks_on_the_grader_get_no_marks_and_a_note(tmp_path):
     assert "ignored cell 5, line 7: `pplab.grading.grade_in_kernel = ...`" in notes["attack_grader_functions"]
     assert "ignored cell 5, line 8: `pplab.grading.run_check_process = ...`" in notes["attack_grader_functions"]
     assert "ignored cell 5, line 1: `for pid in (os.getppid(), os.getpid()):`" in notes["attack_results_file"]
-    assert "line(s) in the grader's notes file that the grader did not write" in notes["attack_results_file"]
+    sandboxed = sandbox.why_not() is None
+    assert "ignored cell 5, line 7: `for parent in (pathlib.Path.cwd(), pathlib.Path.cwd().parent):`" in \
+        notes["attack_results_file"]
     assert "ignored cell 3, line 2: `comm.send = ...`" in notes["attack_monkeypatch"]
     assert "ignored cell 3, line 3: `dist.ProcessGroup.broadcast = ...`" in notes["attack_monkeypatch"]
     assert "ignored cell 4, line 1: `class Quiet:" in notes["attack_monkeypatch"]
-    assert "pplab's files on disk changed while the notebook ran (pplab.checks.core, pplab.checks.zz_forged)" \
-        in notes["attack_files"]
     assert "`(here.parent / 'results.jsonl').write_text(json.dumps(FORGED) + '\\n')`" in notes["attack_files"]
-    assert re.search(r"broadcast: ignored [1-9]\d* forged verdict\(s\) \(from processes other than the check",
-                     notes["attack_call_time"])
+    # the answer imports pplab.checks.collectives: refused before it runs
+    assert "my_broadcast uses `pplab.checks.collectives` (cell 2), the grader's own code" in notes["attack_call_time"]
     assert re.search(r"broadcast: ignored [1-9]\d* forged verdict\(s\)", notes["attack_kills_checker"])
-    assert "broadcast: the check process gave no verdict (exit code -9)" in notes["attack_kills_checker"]
     assert "cell 8 raised ValueError: a cell that raises" in notes["helpers"]
-    assert (copy / "pplab" / "checks" / "zz_forged.py").exists() and (site / "pplab" / "__init__.py").exists()
+    if sandboxed:
+        # pplab's files and the folders on sys.path are read-only in the sandbox: nothing was written,
+        # and the kill of the check process (pid 1 of its sandbox) had no effect
+        assert not (copy / "pplab" / "checks" / "zz_forged.py").exists()
+        assert not (site / "pplab" / "__init__.py").exists()
+        assert (copy / "pplab" / "checks" / "core.py").read_text() == (REPO / "pplab" / "checks" / "core.py").read_text()
+        assert "differs from the reference" in notes["attack_kills_checker"]
+        assert not any("forged" in n.lower() and "ignored" not in n.lower() for n in notes.values())
+    else:
+        assert "pplab's files on disk changed while the notebook ran (pplab.checks.core, pplab.checks.zz_forged)" \
+            in notes["attack_files"]
 
 
 @pytest.mark.parametrize("exercise_id", sorted(checks.EXERCISES))
