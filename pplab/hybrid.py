@@ -91,6 +91,11 @@ def check_layout(cfg: GPTConfig, sizes: dict, batch_size: int, microbatches: int
                          f"(torch.autograd.grad), which run no gradient hooks, and ZeRO-{zero} reduce-scatters "
                          f"from those hooks; use zero=1, or a schedule with whole backwards (1f1b, gpipe, "
                          f"interleaved-1f1b)")
+    if zero == 2 and dp > 1 and stages > pp:
+        raise ValueError(f"zero=2 with the {schedule} schedule: each rank holds {stages // pp} chunks, and one "
+                         f"backward runs through one chunk only, while ZeRO-2 reduce-scatters a bucket once every "
+                         f"parameter in it has its gradient (all of the rank's chunks): use zero=1 or 3, or a "
+                         f"schedule with one stage per rank (1f1b, gpipe)")
     return {d: sizes.get(d, 1) for d in DIMS}
 
 

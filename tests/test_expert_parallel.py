@@ -204,3 +204,107 @@ def test_bad_setups_are_refused_clearly():
         pplab.launch(lambda: MoE(H, FFN, 4, k=1 + dist.get_rank() % 2), world_size=2, timeout=30)
     with pytest.raises(ValueError, match=r"k=3 experts per token must be between 1 and num_experts=2"):
         MoE(H, FFN, 2, k=3)
+
+
+# ----------------------------------------------------------------------------------
+# Routing against numbers worked out by hand (not against MoE itself)
+#
+# Four tokens, four experts. The router is the identity and each token's features are the log of
+# the probabilities below, so softmax(router(x)) is exactly this table. Every expert's fc1 is
+# zero and fc2's bias is a one-hot vector: expert e outputs e_e whatever its input, so the
+# layer's output row i is token i's gate weight on each expert (0 where not chosen or dropped).
+
+PROBS = torch.tensor([[0.5, 0.3, 0.1, 0.1],        # token 0: experts 0, then 1
+                      [0.1, 0.6, 0.2, 0.1],        # token 1: 1, then 2
+                      [0.2, 0.1, 0.3, 0.4],        # token 2: 3, then 2
+                      [0.7, 0.1, 0.15, 0.05]],     # token 3: 0, then 2
+                     dtype=torch.float64)
+P_MEAN = [0.375, 0.275, 0.1875, 0.1625]            # column means: each expert's mean probability P_i
+
+# k=1 (Switch): the weight is the chosen expert's probability itself, not renormalised.
+GATES_K1 = [[0.5, 0, 0, 0], [0, 0.6, 0, 0], [0, 0, 0, 0.4], [0.7, 0, 0, 0]]
+# k=2 (GShard): the two chosen probabilities divided by their sum.
+GATES_K2 = [[5 / 8, 3 / 8, 0, 0], [0, 3 / 4, 1 / 4, 0], [0, 0, 3 / 7, 4 / 7], [14 / 17, 0, 3 / 17, 0]]
+# Balancing loss E·Σ f_i·P_i, f_i = share of the k·n choices that picked expert i (before drops):
+AUX_K1 = 4 * (2 / 4 * 0.375 + 1 / 4 * 0.275 + 0 / 4 * 0.1875 + 1 / 4 * 0.1625)          # = 1.1875
+AUX_K2 = 4 * (2 / 8 * 0.375 + 2 / 8 * 0.275 + 3 / 8 * 0.1875 + 1 / 8 * 0.1625)          # = 1.0125
+
+
+def _hand_layer(k, capacity_factor):
+    """An MoE whose router probabilities are PROBS and whose output is the gate matrix."""
+    layer = MoE(4, 3, 4, k=k, capacity_factor=capacity_factor).double()
+    with torch.no_grad():
+        layer.router.weight.copy_(torch.eye(4))
+        for e, expert in enumerate(layer.experts):
+            expert.fc1.weight.zero_(), expert.fc1.bias.zero_(), expert.fc2.weight.zero_()
+            expert.fc2.bias.copy_(torch.eye(4)[e])
+    return layer
+
+
+def _gates(rows):
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("k, gates, aux", [(1, GATES_K1, AUX_K1), (2, GATES_K2, AUX_K2)], ids=["k1", "k2"])
+def test_gate_weights_and_balancing_loss_equal_hand_values(k, gates, aux):
+    assert [round(x, 12) for x in PROBS.mean(0).tolist()] == P_MEAN
+    layer = _hand_layer(k, capacity_factor=None)
+    y = layer(PROBS.log())
+    assert torch.allclose(y, _gates(gates), rtol=0, atol=TOL), y
+    assert abs(layer.aux_loss.item() - aux) < TOL, (layer.aux_loss.item(), aux)
+    assert layer.dropped == 0 and layer.load.tolist() == ([2, 1, 0, 1] if k == 1 else [2, 2, 3, 1])
+
+
+def test_balancing_loss_is_one_under_uniform_probabilities():
+    # P_i = 1/E for every expert, so E·Σ f_i·P_i = Σ f_i = 1 whatever the split, if f sums to 1 over
+    # the k·n choices (dividing by the n tokens instead gives k)
+    for k in (1, 2):
+        layer = _hand_layer(k, capacity_factor=None)
+        layer.route(torch.zeros(8, 4, dtype=torch.float64))
+        assert abs(layer.aux_loss.item() - 1.0) < TOL, (k, layer.aux_loss.item())
+
+
+# (k, capacity_factor, C, output = gates left after drops, load, dropped). Choices queue
+# choice-major: every token's first choice, in token order, before any second choice.
+CAPACITY_CASES = [
+    (1, 1.25, 2, GATES_K1, [2, 1, 0, 1], 0),
+    # C = ceil(1.25·4·1/4) = ceil(1.25) = 2: expert 0 takes both tokens that chose it
+    (1, 1.0, 1, [[0.5, 0, 0, 0], [0, 0.6, 0, 0], [0, 0, 0, 0.4], [0, 0, 0, 0]], [1, 1, 0, 1], 1),
+    # C = 1: token 3's first choice (expert 0) comes after token 0's: dropped, its output 0
+    (2, 1.0, 2, [[5 / 8, 3 / 8, 0, 0], [0, 3 / 4, 1 / 4, 0], [0, 0, 3 / 7, 4 / 7], [14 / 17, 0, 0, 0]],
+     [2, 2, 2, 1], 1),
+    # C = 2: expert 2 is the second choice of tokens 1, 2, 3: token 3's is third in line, dropped.
+    # The kept weight is not renormalised (14/17 stays): the residual carries the rest.
+    (2, 0.5, 1, [[5 / 8, 0, 0, 0], [0, 3 / 4, 1 / 4, 0], [0, 0, 0, 4 / 7], [0, 0, 0, 0]], [1, 1, 1, 1], 4),
+    # C = ceil(0.5·4·2/4) = 1: token 1's FIRST choice of expert 1 beats token 0's second choice of it
+]
+
+
+@pytest.mark.parametrize("k, cf, cap, gates, load, dropped", CAPACITY_CASES, ids=["k1-cf1.25", "k1-cf1", "k2-cf1", "k2-cf0.5"])
+def test_capacity_and_dropped_tokens_equal_hand_values(k, cf, cap, gates, load, dropped):
+    from pplab.expert_parallel import capacity
+    assert capacity(4, k, 4, cf) == cap
+    layer = _hand_layer(k, cf)
+    y = layer(PROBS.log())
+    assert torch.allclose(y, _gates(gates), rtol=0, atol=TOL), y
+    assert layer.load.tolist() == load and layer.dropped == dropped
+    assert abs(layer.aux_loss.item() - (AUX_K1 if k == 1 else AUX_K2)) < TOL     # f_i counts choices before drops
+
+
+def _hand_ep(dense, batches):
+    layer = MoE.from_dense(dense)                          # experts split over the ranks
+    y = layer(batches[dist.get_rank()])
+    return y, layer.aux_loss.item(), layer.load, layer.dropped
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_expert_parallel_layer_gives_the_hand_values(p):
+    """The same hand cases with the experts on p ranks; each rank routes its own copy of the tokens,
+    rank r's in another order (rotated by r), so a token sent to the wrong expert or back to the
+    wrong row shows."""
+    batches = [PROBS.log().roll(r, 0) for r in range(p)]
+    for k, cf, _, gates, load, dropped in [(1, None, 1, GATES_K1, None, 0), (2, None, 2, GATES_K2, None, 0)]:
+        res = pplab.launch(_hand_ep, _hand_layer(k, cf), batches, world_size=p, timeout=60)
+        for r, (y, aux, _, d) in enumerate(res):
+            assert torch.allclose(y, _gates(gates).roll(r, 0), rtol=0, atol=TOL), (k, r, y)
+            assert abs(aux - (AUX_K1 if k == 1 else AUX_K2)) < TOL and d == 0, (k, r, aux)

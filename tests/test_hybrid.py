@@ -55,7 +55,8 @@ LAYOUTS_4 = [({"dp": 4}, {}),                                        # DDP
              ({"pp": 2, "dp": 2}, {"schedule": "zb-v"}),             # ... also where W, not a hook, fills .grad
              ({"dp": 4}, {"zero": 3}),                               # FullyShardedModule over dp
              ({"dp": 2, "tp": 2}, {"zero": 3}),                      # ... sharding each rank's TP shards
-             ({"pp": 2, "dp": 2}, {"zero": 3})]                      # ... one per stage, gathered per micro-batch
+             ({"pp": 2, "dp": 2}, {"zero": 3}),                      # ... one per stage, gathered per micro-batch
+             ({"pp": 2, "dp": 2}, {"zero": 2})]                      # ZeRO-2 under 1F1B: a reduce-scatter per micro-batch
 
 
 def check_equal(results, sizes):
@@ -78,7 +79,7 @@ def test_every_4_rank_layout_trains_like_one_process(sizes, kw):
         assert state == [4 * 8 * psi] * 4                     # DDP: a full copy on every rank
     if sizes == {"pp": 4}:
         assert sum(state) == 4 * 8 * psi                      # stages: each layer on one rank only
-    if kw.get("zero") == 2:                                   # ZeRO-2: params whole, the rest split (+ padding)
+    if sizes == {"dp": 4} and kw.get("zero") == 2:            # ZeRO-2: params whole, the rest split (+ padding)
         assert all(0 <= s - (8 * psi + 3 * 8 * psi / 4) < 8 * 4 * 4 for s in state), state
     if sizes == {"dp": 4} and kw.get("zero") == 3:            # ZeRO-3: all four split (+ padding, per layer)
         assert all(0 <= s - 4 * 8 * psi / 4 < 4 * 8 * 4 * (CFG.layers + 2) for s in state), state
@@ -139,6 +140,7 @@ def test_layouts_of_4():
     ({"dp": 3}, {}, "batch of 8 sequences does not split over dp=3"),
     ({"dp": 2, "pp": 2}, {"microbatches": 8, "zero": 1}, "too few for 8 micro-batches"),
     ({"dp": 2, "pp": 2}, {"zero": 3, "schedule": "zb-h1"}, "splits each backward into I and W"),
+    ({"dp": 2, "pp": 2}, {"zero": 2, "schedule": "interleaved-1f1b"}, "each rank holds 2 chunks"),
     ({"pp": 4}, {"schedule": "zb-v"}, "pp=4 × 2 chunks"),
     ({"dp": 2}, {"zero": 4}, "use 0 .DDP., 1 or 2 .ZeroOptimizer., 3"),
     ({"tp": 2, "pp": 2}, {"world_size": 8}, "dp·tp·pp = 1·2·2 = 4 but the world has 8 ranks"),
@@ -148,6 +150,23 @@ def test_layouts_of_4():
 def test_bad_layouts_say_what_to_change(sizes, kw, message):
     with pytest.raises(ValueError, match=message.replace("·", ".").replace("(", r"\(")):
         check_layout(CFG, sizes, BATCH, kw.pop("microbatches", 1), **kw)
+
+
+def test_planner_never_proposes_a_layout_train_refuses():
+    """ZeRO-2 under a pipeline runs with one stage per rank (tested above), and is refused where a rank
+    holds several chunks (interleaved-1f1b) or the backward is split (zb-h1, zb-v): the planner, which
+    asks check_layout, must then leave those layouts out, so that everything it lists trains."""
+    from pplab import planner
+    for schedule, zero2_with_pp in [("1f1b", True), ("gpipe", True), ("interleaved-1f1b", False),
+                                    ("zb-h1", False), ("zb-v", False)]:
+        valid, rejected = planner.enumerate_layouts(CFG, BATCH, 4, schedule=schedule)
+        for L in valid:
+            check_layout(CFG, {"dp": L.dp, "tp": L.tp, "pp": L.pp}, BATCH, L.m, L.zero, world_size=4,
+                         schedule=schedule)
+        proposed = any(L.zero == 2 and L.pp > 1 and L.dp > 1 for L in valid)
+        assert proposed == zero2_with_pp, schedule
+        if not zero2_with_pp:
+            assert any(L.zero == 2 and L.pp > 1 and L.dp > 1 for L, _ in rejected), schedule
 
 
 def bad_job():

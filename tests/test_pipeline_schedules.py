@@ -419,3 +419,93 @@ def test_explorer_title_quotes_the_formula_that_holds():
         value = bubble_fraction(4, m, 2)
         assert f"bubble {value:.1%} of useful time, {formula} = {value:.1%}" in title, title
         assert "does not hold" not in title
+
+
+# ----------------------------------------------------------------------------------
+# The order itself, pinned: to torch.distributed.pipelining's where torch has the schedule,
+# to lists written by hand otherwise. (Makespans and peaks cannot see, e.g., GPipe's backwards
+# run in reverse: the same cells, the same totals.)
+
+
+def _torch_order(name, p, m):
+    """torch's per-rank order [(kind, microbatch, stage)], idle slots (None) and its gradient
+    reductions dropped. torch's schedule classes compute `pipeline_order` in __init__ from a
+    few numbers, but need real pipeline stages (a process group) to be built; here the object
+    is made without __init__ and given those numbers, then the same torch methods fill it in."""
+    from torch.distributed.pipelining import schedules as S
+    if name in ("gpipe", "1f1b"):
+        s = object.__new__(S.ScheduleGPipe if name == "gpipe" else S.Schedule1F1B)
+        s._num_stages, s._n_microbatches = p, m
+        order = s._get_pipeline_order()
+    else:
+        s = object.__new__({"interleaved-1f1b": S.ScheduleInterleaved1F1B,
+                            "zb-h1": S.ScheduleInterleavedZeroBubble,     # ZB-H1 is its one-chunk case
+                            "zb-v": S.ScheduleZBVZeroBubble}[name])
+        s.pp_group_size, s._n_microbatches = p, m
+        s.n_local_stages = 1 if name == "zb-h1" else 2
+        s.number_of_rounds = max(1, m // p)                                # as in their __init__
+        s.microbatches_per_round = m // s.number_of_rounds
+        s.num_stages = s._num_stages = p * s.n_local_stages
+        s.pipeline_order = {r: s._calculate_single_rank_operations(r) for r in range(p)}
+        if name == "zb-h1":
+            s.pipeline_order = s._add_bubbles_to_actions(p)
+        order = s.pipeline_order
+    kind = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
+    return [[(kind[a.computation_type.name], a.microbatch_index, a.stage_index) for a in order[r]
+             if a is not None and a.computation_type.name in kind] for r in range(p)]
+
+
+def _ours(name, p, m):
+    return [[(a.kind, a.microbatch, a.stage) for a in acts] for acts in make_schedule(name, p, m).actions]
+
+
+# torch's ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble refuse m that is not a
+# multiple of max(1, m // p) rounds (pplab runs those with uneven groups): only m they accept.
+TORCH_PM = [(2, 2), (2, 3), (2, 4), (3, 4), (3, 5), (3, 6), (4, 3), (4, 4), (4, 6), (4, 8), (4, 10)]
+
+
+@pytest.mark.parametrize("name", ["gpipe", "interleaved-1f1b", "zb-h1", "zb-v"])
+@pytest.mark.parametrize("p, m", TORCH_PM)
+def test_order_of_every_rank_equals_torchs(name, p, m):
+    assert _ours(name, p, m) == _torch_order(name, p, m)
+
+
+@pytest.mark.parametrize("p, m", TORCH_PM)
+def test_1f1b_order_equals_torchs_but_on_the_last_rank(p, m):
+    """torch's Schedule1F1B.pipeline_order (its printable order; its step() runs another code path)
+    starts the last rank, which has no warm-up forward, at micro-batch 1 and ends it at micro-batch
+    m, which does not exist: ranks 0..p-2 are compared with torch, the last one with the hand
+    lists of test_order_by_hand and here with F i, B i alternating, as 1F1B defines it."""
+    ours, theirs = _ours("1f1b", p, m), _torch_order("1f1b", p, m)
+    assert ours[:-1] == theirs[:-1]
+    assert theirs[-1][0] == ("F", 1, p - 1)                  # torch's slip, so that this note stays true
+    assert ours[-1] == [(k, i, p - 1) for i in range(m) for k in "FB"]
+
+
+def _hand(rows, stages=None):
+    """'F0 F1 B0' per rank -> [(kind, microbatch, stage)]; stage = rank unless given."""
+    return [[(c[0], int(c[1:]), r if stages is None else stages[r]) for c in row.split()] for r, row in enumerate(rows)]
+
+
+BY_HAND = {
+    ("naive", 2, 3): ["F0 B0 F1 B1 F2 B2",
+                      "F0 B0 F1 B1 F2 B2"],
+    ("naive", 3, 4): ["F0 B0 F1 B1 F2 B2 F3 B3"] * 3,
+    ("gpipe", 2, 3): ["F0 F1 F2 B0 B1 B2"] * 2,                         # backwards in micro-batch order
+    ("gpipe", 3, 4): ["F0 F1 F2 F3 B0 B1 B2 B3"] * 3,
+    ("1f1b", 2, 3): ["F0 F1 B0 F2 B1 B2",                                # 1 warm-up forward
+                     "F0 B0 F1 B1 F2 B2"],
+    ("1f1b", 3, 4): ["F0 F1 F2 B0 F3 B1 B2 B3",                          # p-1-r warm-up forwards
+                     "F0 F1 B0 F2 B1 F3 B2 B3",
+                     "F0 B0 F1 B1 F2 B2 F3 B3"],
+    ("zb-h1", 2, 3): ["F0 F1 I0 W0 F2 I1 W1 I2 W2",                      # rank r defers r W's
+                      "F0 I0 F1 I1 W0 F2 I2 W1 W2"],
+    ("zb-h1", 3, 4): ["F0 F1 F2 I0 W0 F3 I1 W1 I2 W2 I3 W3",
+                      "F0 F1 I0 F2 I1 W0 F3 I2 W1 I3 W2 W3",
+                      "F0 I0 F1 I1 F2 I2 W0 F3 I3 W1 W2 W3"],
+}
+
+
+@pytest.mark.parametrize("name, p, m", list(BY_HAND), ids=[f"{n}-p{p}-m{m}" for n, p, m in BY_HAND])
+def test_order_by_hand(name, p, m):
+    assert _ours(name, p, m) == _hand(BY_HAND[name, p, m])

@@ -260,3 +260,36 @@ def test_calibrate_measures_what_running_at_once_adds():
     busy, slowdown = planner.calibrate(CFG, 2, 2, fit, synthetic_times(per_sample=1e-4))
     assert busy.alpha >= fit.alpha            # a wait is added, never taken away
     assert slowdown > 0 and busy.beta == pytest.approx(fit.beta * slowdown)   # bytes are copied by the same CPU
+
+
+# ----------------------------------------------------------------------------------
+# ZB-H1's activations: held from F until W (the weight gradient walks the same graph), not until I
+
+
+def _zb_h1_peaks(m):
+    """Executor run, 4 ranks, 4 one-layer stages: the most micro-batches each rank held at once."""
+    from pplab.pipeline import make_schedule, run_pipeline
+    torch.manual_seed(0)
+    layers = [nn.Linear(3, 3, dtype=torch.float64) for _ in range(4)]
+    g = torch.Generator().manual_seed(1)
+    x, y = (torch.randn(m, 3, generator=g, dtype=torch.float64) for _ in range(2))
+    return run_pipeline(make_schedule("zb-h1", 4, m), layers, x, y, nn.MSELoss())["peak_activations"]
+
+
+@pytest.mark.parametrize("m, by_hand", [(8, [4, 4, 4, 4]), (4, [4, 4, 4, 4]), (2, [2, 2, 2, 2])])
+def test_zb_h1_activation_peaks_per_rank_by_hand_and_measured(m, by_hand):
+    """By hand, p = 4: rank r runs p-1-r forwards, then F, I, and a W only from its (r+1)-th I on:
+    rank 3 does F0 I0 F1 I1 F2 I2 F3 I3 W0 ..., holding 4 micro-batches before its first W; rank 0
+    F0 F1 F2 F3 I0 W0 ..., 4 as well. So every rank peaks at min(m, p) (1F1B: p - r, [4, 3, 2, 1]).
+    Freeing at I instead would predict 1F1B's [4, 3, 2, 1]."""
+    assert planner.stages(CFG, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]          # one layer per stage
+    saved, batch = 10.0, m                                                     # 1 sample per micro-batch
+    one = saved * 4                                                            # bytes of one micro-batch
+    pred = planner.predict(CFG, Layout(1, 1, 4, m=m, schedule="zb-h1"), batch, synthetic_fit(0.0),
+                           synthetic_times(saved=saved), dtype_bytes=4)
+    assert [s["activations"] / one for s in pred.stages] == by_hand
+    f1b1 = planner.predict(CFG, Layout(1, 1, 4, m=m), batch, synthetic_fit(0.0), synthetic_times(saved=saved),
+                           dtype_bytes=4)
+    assert [s["activations"] / one for s in f1b1.stages] == [min(m, 4 - r) for r in range(4)]
+    measured = pplab.launch(_zb_h1_peaks, m, world_size=4, timeout=60)
+    assert list(measured) == by_hand

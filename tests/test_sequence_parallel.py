@@ -87,6 +87,42 @@ def test_outputs_and_gradients_equal_single_process_attention(p):
             assert err <= TOL, (method, seq, causal, layout, name, err)
 
 
+SCALE = 0.3                        # not the default 1/√D = 0.5: a scale dropped on the way shows
+
+
+def scaled_cases():
+    """Every method with scale=SCALE; seq 13 (uneven shards) except the baseline, which needs 24."""
+    results = {}
+    for causal in (False, True):
+        for fn, seq, layouts in ((ulysses_attention, 13, ("contiguous",)), (ring_attention, 13, ("contiguous", "zigzag")),
+                                 (gathered_kv_attention, 24, ("contiguous", "zigzag"))):
+            for layout in layouts:
+                kw = {} if fn is ulysses_attention else {"layout": layout}
+                Q, K, V, dO = inputs(seq, seed=5)
+                q, k, v, do = (shard_sequence(t, None, layout) for t in (Q, K, V, dO))
+                q, k, v = (t.requires_grad_() for t in (q, k, v))
+                out = fn(q, k, v, causal=causal, scale=SCALE, **kw)
+                out.backward(do)
+                results[fn.__name__, seq, causal, layout] = [out.detach(), q.grad, k.grad, v.grad]
+    return results
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_a_non_default_scale_equals_torch_attention_with_that_scale(p):
+    """The reference is torch's scaled_dot_product_attention(scale=SCALE) on the whole sequence,
+    outputs and the gradients of q, k, v (the scale enters dQ and dK too)."""
+    per_rank = pplab.launch(scaled_cases, world_size=p, timeout=60)
+    for (method, seq, causal, layout) in per_rank[0]:
+        Q, K, V, dO = inputs(seq, seed=5)
+        Q, K, V = (t.requires_grad_() for t in (Q, K, V))
+        O = F.scaled_dot_product_attention(Q, K, V, is_causal=causal, scale=SCALE)
+        O.backward(dO)
+        for i, (name, want) in enumerate(zip(("output", "dq", "dk", "dv"), (O.detach(), Q.grad, K.grad, V.grad))):
+            got = unshard_sequence([r[method, seq, causal, layout][i] for r in per_rank], layout)
+            err = (got - want).abs().max().item()
+            assert err <= TOL, (method, seq, causal, layout, name, err)
+
+
 # ----------------------------------------------------------------------------------
 # Layouts and the merge
 

@@ -106,3 +106,67 @@ def test_a_send_waited_on_late_ends_when_its_receive_did():
           Event(1, "recv", "comm", 0.5, 2.0, bytes_recv=4, peer=0, seq=0)]
     (send,) = Timeline(ev).select(0, "comm")
     assert send.end == 2.0
+
+
+# ----------------------------------------------------------------------------------
+# One-sided traffic: bytes sent and bytes received differ per rank, so mixing them up shows.
+# (A ring sends what it receives on every rank: it cannot tell the two counts apart.)
+
+
+def test_bytes_sent_and_received_are_counted_separately_by_hand():
+    ev = [Event(0, "send", "comm", 0.0, 1.0, bytes_sent=12, peer=1, seq=0),
+          Event(1, "recv", "comm", 0.0, 1.0, bytes_recv=12, peer=0, seq=0),
+          Event(0, "send", "comm", 1.0, 2.0, bytes_sent=30, peer=2, seq=0),
+          Event(2, "recv", "comm", 1.0, 2.0, bytes_recv=30, peer=0, seq=0)]
+    tl = Timeline(ev)
+    assert [tl.bytes_sent(r) for r in range(3)] == [42, 0, 0]
+    assert [tl.bytes_received(r) for r in range(3)] == [0, 12, 30]
+    assert tl.bytes_sent() == tl.bytes_received() == 42
+
+
+def _one_sided(pattern):
+    """p = 3, float32 (4 bytes), each pattern's messages from pplab.comm's traced sends."""
+    rank = dist.get_rank()
+    if pattern == "broadcast":             # rank 0 sends its 5 elements to 1 and 2, one after the other
+        x = torch.arange(5.0) if rank == 0 else torch.empty(5)
+        if rank == 0:
+            comm.send(x, 1)
+            comm.send(x, 2)
+        else:
+            comm.recv(x, 0)
+        return x.tolist()
+    if pattern == "gather":                # ranks 0 and 1 send 1 and 2 elements to 2
+        if rank == 2:
+            got = [torch.empty(1), torch.empty(2)]
+            handles = [comm.irecv(got[0], 0), comm.irecv(got[1], 1)]
+            for h in handles:
+                h.wait()
+            return [t.tolist() for t in got]
+        comm.send(torch.full((rank + 1,), float(rank)), 2)
+        return None
+    # "push": parameter-server workers 1 and 2 push a gradient of 6 float64 (48 bytes) to server 0
+    if rank == 0:
+        total = torch.zeros(6, dtype=torch.float64)
+        for w in (1, 2):
+            g = torch.empty(6, dtype=torch.float64)
+            comm.recv(g, w)
+            total += g
+        return total.tolist()
+    comm.isend(torch.full((6,), float(rank), dtype=torch.float64), 0).wait()
+    return None
+
+
+@pytest.mark.parametrize("pattern, sent, received", [
+    ("broadcast", [40, 0, 0], [0, 20, 20]),      # the root only sends: 2 × 20 B
+    ("gather", [4, 8, 0], [0, 0, 12]),           # the root only receives: 4 + 8 B
+    ("push", [0, 48, 48], [96, 0, 0]),           # the server only receives: 2 × 48 B
+])
+def test_one_sided_traffic_bytes_per_rank_by_hand(pattern, sent, received):
+    out = pplab.launch(_one_sided, pattern, world_size=3, timeout=30)
+    tl = out.timeline
+    assert [tl.bytes_sent(r) for r in range(3)] == sent, pattern
+    assert [tl.bytes_received(r) for r in range(3)] == received, pattern
+    assert sum(sent) == sum(received) == tl.bytes_sent() == tl.bytes_received()
+    assert len(tl.messages()) == sum(1 for e in tl.select(category="comm") if e.bytes_sent)   # every send paired
+    if pattern == "push":
+        assert out[0] == [3.0] * 6               # 1 + 2: both workers' gradients arrived

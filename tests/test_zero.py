@@ -14,7 +14,7 @@ from torch import nn
 
 import pplab
 from pplab.data_parallel import DDP, shard
-from pplab.zero import FullyShardedModule, ZeroOptimizer, held_bytes, sent_bytes
+from pplab.zero import FlatBucket, FullyShardedModule, ZeroOptimizer, held_bytes, sent_bytes
 
 TOL = 1e-10
 GLOBAL = 12                                  # divides by 1, 2, 3, 4
@@ -525,3 +525,71 @@ def test_mixed_precision_bf16_with_fp32_master_shards(stage, p):
     saved = results[0][2]["state"]                      # the fp32 masters are in the checkpoint
     assert max_diff(as_double(saved[i]["master"] for i in range(len(masters))), as_double(masters)) <= MP_TOL
     assert all(saved[i]["master"].dtype == torch.float32 for i in range(len(masters)))
+
+
+# ----------------------------------------------------------------------------------
+# Gradient accumulation: two backward passes, then one step
+
+
+def accumulate_reference(steps, micro=2):
+    """One process, torch's AdamW: `micro` whole-batch backward passes (gradients add up in .grad),
+    then one step."""
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), **HPARAMS)
+    for s in range(steps):
+        for j in range(micro):
+            x, y = data(seed=10 * s + j)
+            nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def accumulate_job(steps, micro=2):
+    rank, p = pplab.comm.rank(), pplab.comm.world_size()
+    out = {}
+    for stage, cap in [(1, ONE_BUCKET), (2, ONE_BUCKET), (2, ONE_PER_PARAM), (3, None)]:
+        model = make_model(seed=rank)
+        fwd, opt = wrap(model, stage, cap=cap)
+        for s in range(steps):
+            for j in range(micro):           # this rank's share of each of the micro batches
+                x, y = shard(data(seed=10 * s + j), rank, p)
+                nn.functional.mse_loss(fwd(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        out[stage, cap] = full_params(model, fwd)
+    return out
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_two_backwards_before_a_step_equal_single_process_accumulation(p):
+    """ZeRO-2 reduce-scatters in each backward's hooks and must add the second backward's mean
+    gradient to the first's, not replace it (stage 1 accumulates in .grad, stage 3 in its shards).
+    p = 3: Ψ = 118 does not divide, the buffers pad."""
+    results = pplab.launch(accumulate_job, 2, world_size=p, timeout=90)
+    expected = accumulate_reference(2)
+    for rank, res in enumerate(results):
+        for (stage, cap), params in res.items():
+            if params is not None:            # stage 3: the full model on rank 0 only
+                assert max_diff(params, expected) <= TOL, (rank, stage, cap)
+    assert max_diff(accumulate_reference(2, micro=1), expected) > 1e-4   # the second backward matters
+
+
+# ----------------------------------------------------------------------------------
+# FlatBucket: the slices by hand
+
+
+@pytest.mark.parametrize("world_size, own_rank, shards", [
+    (3, 1, [[1, 2, 3], [4, 5, 6], [7, 0, 0]]),           # 7 elements: shard_size 3, padded to 9
+    (4, 2, [[1, 2], [3, 4], [5, 6], [7, 0]]),            # shard_size 2, padded to 8
+])
+def test_flat_bucket_shard_of_an_explicit_rank_by_hand(world_size, own_rank, shards):
+    params = [torch.zeros(3), torch.zeros(2, 2)]          # 3 + 4 = 7 elements: no world size divides it
+    bucket = FlatBucket(params, world_size=world_size, rank=own_rank)
+    flat = bucket.flatten([torch.tensor([1.0, 2, 3]), torch.tensor([[4.0, 5], [6, 7]])])
+    assert flat.tolist() == list(range(1, 8)) + [0] * (bucket.padded - 7)
+    for r, want in enumerate(shards):
+        assert bucket.shard(flat, rank=r).tolist() == want, r      # rank=0 too: not "rank or self.rank"
+    assert bucket.shard(flat).tolist() == shards[own_rank]         # default: the bucket's own rank
+    bucket.shard(flat, rank=0)[0] = 9.0                            # a view: writing it writes the buffer
+    assert flat[0] == 9.0
