@@ -224,8 +224,9 @@ def grade(submissions: str | Path, out: str | Path, *, timeout: float = 600.0, c
     if not cell_timeout > check_timeout:
         raise ValueError(f"cell_timeout ({cell_timeout:g} s) must be longer than check_timeout "
                          f"({check_timeout:g} s), or a hung check would look like a hung cell")
-    ids = chapter_order(EXERCISES if exercises is None else exercises)
+    ids = list(EXERCISES if exercises is None else exercises)
     unknown = [ex for ex in ids if ex not in EXERCISES]
+    ids = chapter_order(ex for ex in ids if ex in EXERCISES)
     if unknown or not ids:
         raise ValueError(f"unknown exercise(s) {', '.join(unknown) or '(none given)'}: the exercises are "
                          f"{', '.join(chapter_order(EXERCISES))}")

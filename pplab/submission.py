@@ -248,8 +248,8 @@ def _checker_use(node) -> str:
             hit = f"pplab.{n.args[1].value}"
         else:
             hit = None
-        if hit:
-            return f"`{hit}`"
+        if hit:                                  # named by its module: `pplab.checks`, not a function in it
+            return f"`{next((m for m in _CHECKER_MODULES if m in hit), hit)}`"
     return ""
 
 

@@ -1,0 +1,255 @@
+"""`pplab grade` against hostile and broken submissions: one grading run with one notebook of
+each kind, between two correct students, must finish with a complete CSV; every attack gets
+no mark and a note; the correct students keep theirs; nothing is left running or written.
+
+The attacks that could harm the machine if the sandbox failed are written to be harmless
+(a comment line in a .pth file, a daemon that ends by itself within a minute), and the test
+puts back anything they changed.
+"""
+import csv
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+from pplab import grading, runner, sandbox, submission
+
+REPO = Path(__file__).resolve().parents[1]
+PPLAB = [sys.executable, "-m", "pplab.cli"]
+TOKEN = f"pplab-hostile-{os.getpid()}"          # in the command line of every daemon an attack starts
+
+
+def _solution_cell():
+    nb = nbformat.read(REPO / "solutions" / "00_broadcast.ipynb", 4)
+    return next(c.source for c in nb.cells if c.cell_type == "code" and "def my_broadcast" in c.source)
+
+
+WRONG = "def my_broadcast(tensor, src):\n    pass"
+
+
+def _write(path, *sources, markdown=()):
+    cells = [new_markdown_cell(m) for m in markdown] + [new_code_cell(s) for s in sources]
+    nbformat.write(new_notebook(cells=cells), path)
+
+
+def _site_packages() -> Path:
+    return Path(next(p for p in sys.path if p.endswith("site-packages") and os.access(p, os.W_OK)))
+
+
+def _daemon_code(seconds=60):
+    """A daemon in its own session that kills every check process it can see, for a minute."""
+    body = ("import os, time, signal\n"
+            f"end = time.time() + {seconds}\n"
+            "while time.time() < end:\n"
+            "    for pid in os.listdir('/proc'):\n"
+            "        try:\n"
+            "            if pid.isdigit() and b'_check_main' in open(f'/proc/{pid}/cmdline', 'rb').read():\n"
+            "                os.kill(int(pid), signal.SIGKILL)\n"
+            "        except OSError:\n"
+            "            pass\n"
+            "    time.sleep(0.05)\n")
+    return ("import subprocess, sys\n"
+            f"subprocess.Popen([sys.executable, '-c', {body!r}, {TOKEN!r}], start_new_session=True,\n"
+            "                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)")
+
+
+def _ours_alive():
+    found = []
+    for pid in os.listdir("/proc"):
+        try:
+            if pid.isdigit() and TOKEN.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(sandbox.why_not() is not None, reason=f"no sandbox on this machine: {sandbox.why_not()}")
+def test_one_grading_run_survives_every_kind_of_hostile_submission(tmp_path):
+    subs = tmp_path / "submissions"
+    subs.mkdir()
+    good = _solution_cell()
+    _write(subs / "aa_good.ipynb", "from pplab import comm", good)
+    # 1. broken notebooks: each gets its own row and a note; answers they hold are still graded
+    (subs / "no_source.ipynb").write_text(json.dumps({"cells": [{"cell_type": "code"}], "metadata": {},
+                                                      "nbformat": 4, "nbformat_minor": 5}))
+    _write(subs / "huge_expression.ipynb", "from pplab import comm", "x = (" + " + ".join(["1"] * 30_000) + ")", good)
+    _write(subs / "deep_nesting.ipynb", "x = " + "[" * 5000 + "]" * 5000, WRONG)
+    (subs / "binary.ipynb").write_bytes(os.urandom(4096))
+    (subs / "nbformat3.ipynb").write_text(json.dumps({"worksheets": [{"cells": []}], "metadata": {}, "nbformat": 3}))
+    (subs / "not_json.ipynb").write_text("{ not json")
+    # 2. writes into the environment and the course: read-only in the sandbox
+    site, runner_file = _site_packages(), Path(runner.__file__)
+    pth, runner_text = site / f"zz_{TOKEN}.pth", runner_file.read_text()
+    writer = (f"import pathlib\n"
+              f"for path, text in (({str(pth)!r}, '# harmless'), ({str(runner_file)!r}, None)):\n"
+              f"    try:\n"
+              f"        with open(path, 'a') as f:\n"
+              f"            f.write(text or '\\n# appended by a student\\n')\n"
+              f"    except OSError as err:\n"
+              f"        print('refused:', err)")
+    _write(subs / "writes_environment.ipynb", writer,
+           "from pplab import comm\n\ndef my_broadcast(tensor, src):\n    exec(WRITER)\n", f"WRITER = {writer!r}")
+    # 3. a daemon in its own session, started by the kernel and by the answer in a rank
+    _write(subs / "daemon.ipynb", _daemon_code(),
+           "import subprocess, sys\n\ndef my_broadcast(tensor, src):\n    exec(DAEMON)\n", f"DAEMON = {_daemon_code()!r}")
+    # 4. a link to another student's notebook; a name a spreadsheet would run
+    (subs / "linked.ipynb").symlink_to(subs / "aa_good.ipynb")
+    _write(subs / "=1+1.ipynb", WRONG)
+    # 5. forged notes: writes note lines on every descriptor of its parent (the runner)
+    _write(subs / "forges_notes.ipynb",
+           "import json, os\nline = (json.dumps({'note': 'FORGED NOTE'}) + '\\n').encode()\n"
+           "for pid in (os.getppid(), os.getpid()):\n"
+           "    for fd in os.listdir(f'/proc/{pid}/fd'):\n"
+           "        try:\n"
+           "            f = os.open(f'/proc/{pid}/fd/{fd}', os.O_WRONLY | os.O_NONBLOCK)\n"
+           "            os.write(f, line)\n"
+           "            os.close(f)\n"
+           "        except OSError:\n"
+           "            pass", WRONG)
+    # 6. reading another student's notebook (its path written into the answer)
+    _write(subs / "copies_a_classmate.ipynb",
+           f"import json\n\ndef my_broadcast(tensor, src):\n"
+           f"    cells = json.load(open({str(subs / 'aa_good.ipynb')!r}))['cells']\n"
+           f"    scope = {{}}\n"
+           f"    for cell in cells:\n"
+           f"        if cell['cell_type'] == 'code':\n"
+           f"            exec(''.join(cell['source']), scope)\n"
+           f"    scope['my_broadcast'](tensor, src)")
+    # 7. the checker's reference, reached by an import hidden in a string
+    _write(subs / "imports_checker.ipynb",
+           "import importlib\n\ndef my_broadcast(tensor, src):\n"
+           "    checks = importlib.import_module('pplab.checks.collectives')\n    return checks")
+    # 8. an answer hidden in a block
+    _write(subs / "in_a_block.ipynb", "from pplab import comm", "if True:\n" + "\n".join("    " + line for line in
+                                                                                      good.splitlines()))
+    # 9. output without end: a cell that prints 1 MB lines until its timeout
+    _write(subs / "floods_output.ipynb", "from pplab import comm", good,
+           "import sys\nwhile True:\n    sys.stdout.write('x' * (1 << 20) + '\\n')")
+    _write(subs / "zz_good.ipynb", "from pplab import comm", good,
+           markdown=["My written answer: the tree needs ceil(log2 p) rounds."])
+
+    out = tmp_path / "grades.csv"
+    started = time.monotonic()
+    try:
+        run = subprocess.run(PPLAB + ["grade", str(subs), "--out", str(out), "--timeout", "120", "--cell-timeout",
+                                      "25", "--check-timeout", "15", "--jobs", "3", "--exercises", "broadcast"],
+                             capture_output=True, text=True, timeout=500)
+        left = _ours_alive()
+    finally:
+        for pid in _ours_alive():
+            os.kill(pid, signal.SIGKILL)
+        changed = runner_file.read_text() != runner_text
+        if changed:
+            runner_file.write_text(runner_text)
+        written = pth.exists()
+        pth.unlink(missing_ok=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert not left, f"processes started by the attacks outlived the grading: {left}"
+    assert not changed and not written, "a submission wrote into pplab or site-packages"
+    with open(out, newline="") as f:
+        rows = {row["student"]: row for row in csv.DictReader(f)}
+    marks = {s: r["broadcast"] for s, r in rows.items()}
+    assert marks == {
+        "aa_good": "1", "zz_good": "1", "huge_expression": "1",
+        "no_source": "missing", "deep_nesting": "0", "binary": "missing", "nbformat3": "missing",
+        "not_json": "missing", "writes_environment": "0", "daemon": "0", "linked": "missing", "'=1+1": "0",
+        "forges_notes": "0", "copies_a_classmate": "0", "imports_checker": "0", "in_a_block": "missing",
+        "floods_output": "1"}, rows
+    notes = {s: r["notes"] for s, r in rows.items()}
+    assert "cell 1 is not a well-formed cell (no cell_type or source): skipped" in notes["no_source"]
+    assert "cell 2 could not be read by Python's parser (RecursionError)" in notes["huge_expression"]
+    assert "could not read the notebook: not a notebook (not JSON" in notes["binary"]
+    assert "nbformat 3: open and save it in Jupyter" in notes["nbformat3"]
+    assert "linked.ipynb is a symbolic link" in notes["linked"]
+    assert not any("FORGED NOTE" in n for n in notes.values())
+    assert "uses `pplab.checks`" in notes["imports_checker"] and "gets no mark" in notes["imports_checker"]
+    assert "my_broadcast is defined inside an `if` block (cell 2, line 2)" in notes["in_a_block"]
+    assert "cell 3 timed out after 25 s" in notes["floods_output"]
+    assert "summary: 17 student(s)" in run.stderr
+    assert (tmp_path / "grades_answers" / "zz_good.md").read_text().count("ceil(log2 p)") == 1
+    assert time.monotonic() - started < 500
+
+
+def test_a_cell_is_refused_and_the_others_read(tmp_path):
+    """read_cells: a malformed cell is skipped with a note, the rest are kept in order."""
+    path = tmp_path / "nb.ipynb"
+    path.write_text(json.dumps({"cells": [
+        {"cell_type": "code", "source": ["a = 1\n", "b = 2"]}, {"cell_type": "code", "source": 7},
+        "not a cell", {"cell_type": "markdown", "source": "text"},
+        {"cell_type": "code", "source": "x" * (grading.MAX_CELL_CHARS + 1)}], "nbformat": 4}))
+    cells, notes = grading.read_cells(path)
+    assert cells == [(1, "code", "a = 1\nb = 2"), (4, "markdown", "text")]
+    assert notes == ["cell 2 is not a well-formed cell (no cell_type or source): skipped",
+                     "cell 3 is not a well-formed cell (no cell_type or source): skipped",
+                     f"cell 5 holds {grading.MAX_CELL_CHARS + 1:,} characters, more than the grader reads "
+                     f"({grading.MAX_CELL_CHARS:,}): skipped"]
+    big = tmp_path / "big.ipynb"
+    with open(big, "wb") as f:                     # sparse: refused by its size, never read
+        f.truncate(grading.MAX_NOTEBOOK_BYTES + 1)
+    with pytest.raises(ValueError, match=r"the notebook is 20 MB, more than the grader reads \(20 MB\)"):
+        grading.read_cells(big)
+
+
+@pytest.mark.parametrize("source, used", [
+    ("import pplab.checks\ndef my_broadcast(t, s):\n    pplab.checks.core", "`pplab.checks`"),
+    ("from pplab.checks import collectives\ndef my_broadcast(t, s):\n    collectives", "`pplab.checks`"),
+    ("from pplab import checks\ndef my_broadcast(t, s):\n    checks", "`pplab.checks`"),
+    ("import pplab\ndef my_broadcast(t, s):\n    getattr(pplab, 'grading')", "`pplab.grading`"),
+    ("import pplab\ndef helper():\n    return pplab.checks.collectives._inputs\n"
+     "def my_broadcast(t, s):\n    helper()", "`pplab.checks`"),
+    ("import importlib\ndef my_broadcast(t, s):\n    importlib.import_module('pplab.check_process')",
+     "`pplab.check_process`"),
+])
+def test_an_answer_that_uses_the_checker_at_any_depth_is_refused(source, used):
+    found = submission.definitions([(3, source)], {"my_broadcast"})
+    assert used in found.refused["my_broadcast"], found.refused
+
+
+def test_an_answer_that_does_not_use_the_checker_is_not_refused():
+    source = ("import pplab\nfrom pplab import comm\nCHECKS = 'checks'\n"
+              "def my_broadcast(t, s):\n    print('see pplab.check in the notebook', CHECKS)\n    comm.send(t, 1)")
+    assert submission.definitions([(1, source)], {"my_broadcast"}).refused == {}
+
+
+def test_csv_cells_that_a_spreadsheet_would_run_are_quoted():
+    assert [grading._csv_safe(v) for v in ["=1+1", "+cmd", "-2", "@SUM(A1)", "bob", 3, "a=b"]] == \
+        ["'=1+1", "'+cmd", "'-2", "'@SUM(A1)", "bob", 3, "a=b"]
+
+
+def test_unknown_exercises_are_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match=r"unknown exercise\(s\) brodcast: the exercises are broadcast, "):
+        grading.grade(tmp_path, tmp_path / "g.csv", exercises=["brodcast"])
+
+
+@pytest.mark.skipif(sandbox.why_not() is not None, reason=f"no sandbox on this machine: {sandbox.why_not()}")
+def test_the_sandbox_hides_and_protects(tmp_path):
+    """Read-only everywhere but the scratch folder, hidden folders empty, own pids, no capability."""
+    secret, work = tmp_path / "secret", tmp_path / "work"
+    secret.mkdir()
+    work.mkdir()
+    (secret / "answer.txt").write_text("42")
+    probe = ("import os, sys\n"
+             "print(sorted(os.listdir(sys.argv[1])) if os.path.isdir(sys.argv[1]) else [], os.getpid(), os.getuid() != 0)\n"
+             "for path in (sys.prefix, os.path.dirname(os.__file__), sys.argv[2]):\n"
+             "    try:\n"
+             "        open(os.path.join(path, 'written-by-sandbox'), 'w').close(); print('wrote', path)\n"
+             "    except OSError as err:\n"
+             "        print('refused', err.errno)\n"
+             "print(open('/proc/self/status').read().split('CapEff:')[1].split()[0])")
+    argv = sandbox.wrap([sys.executable, "-c", probe, str(secret), str(work)], workdir=str(work), hidden=[secret])
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=60).stdout.split("\n")
+    assert out[0] == "[] 1 True"                              # hidden (empty, or gone with /tmp), pid 1, not root
+    assert out[1:4] == ["refused 30", "refused 30", f"wrote {work}"]      # 30: EROFS
+    assert out[4] == "0000000000000000"                       # no capability
+    assert (work / "written-by-sandbox").exists() and not (Path(sys.prefix) / "written-by-sandbox").exists()
+    assert (secret / "answer.txt").read_text() == "42"
