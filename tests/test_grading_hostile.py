@@ -253,3 +253,22 @@ def test_the_sandbox_hides_and_protects(tmp_path):
     assert out[4] == "0000000000000000"                       # no capability
     assert (work / "written-by-sandbox").exists() and not (Path(sys.prefix) / "written-by-sandbox").exists()
     assert (secret / "answer.txt").read_text() == "42"
+
+
+@pytest.mark.parametrize("as_source", [False, True])
+def test_the_library_answer_reached_through_helpers_is_refused(as_source):
+    """refuse_library follows the student's helpers and classes at any depth."""
+    from pplab import checks
+
+    code = ("from pplab import pipeline\n"
+            "class Model:\n    def fraction(self, p, m):\n        return pipeline.bubble_fraction(p, m)\n"
+            "def helper(p, m):\n    return Model().fraction(p, m)\n"
+            "def bubble_fraction(p, m, v=1):\n    return helper(p, m)")
+    if as_source:
+        answer = checks.SourceAnswer("bubble_fraction", (("<cell 1>", 1, code),))
+    else:
+        scope = {"__name__": "student"}
+        exec(compile(code, "<cell 1>", "exec"), scope)
+        answer = scope["bubble_fraction"]
+    message = checks.run_check("bubble_fraction", answer).message
+    assert "you use pplab.pipeline.bubble_fraction, the library's answer" in message

@@ -171,30 +171,44 @@ def watch_comm(exercise_id: str, builds: str):
 
 
 def refuse_library(fn, exercise_id: str, what: str, library: dict, shown: str) -> None:
-    """Fail if `fn` (nested functions included) uses the library's own answer: an attribute
-    of that name (`pipeline.bubble_fraction(...)`), or the object under any name."""
+    """Fail if `fn`, or any function or class of the student's it reaches (helpers, at any
+    depth; nested functions included), uses the library's own answer: an attribute of that
+    name (`pipeline.bubble_fraction(...)`), or the object under any name."""
     if isinstance(fn, SourceAnswer):
         message = inspect_answer(fn, _refused, exercise_id, what, library, shown)
         if message:
             raise Forbidden(str(message))
         return
-    names = getattr(fn, "__globals__", {})
-    cells = [c.cell_contents for c in getattr(fn, "__closure__", None) or () if _filled(c)]
-    codes, found = [getattr(fn, "__code__", None)], False
-    while codes and not found:
-        code = codes.pop()
-        if code is None:
+    home = getattr(fn, "__module__", None)
+    todo, seen = [fn], set()
+    while todo:
+        f = todo.pop()
+        if id(f) in seen:
             continue
-        codes += [c for c in code.co_consts if inspect.iscode(c)]
-        for ins in dis.get_instructions(code):
-            if ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and ins.argval in library:
-                found = True
-            elif ins.opname in ("LOAD_GLOBAL", "LOAD_NAME") and any(names.get(ins.argval) is v
-                                                                   for v in library.values()):
-                found = True
-    if found or any(c is v for c in cells for v in library.values()):
-        raise Forbidden(f"exercise '{exercise_id}' asks you to work out {what} yourself; you use {shown}, "
-                        f"the library's answer.")
+        seen.add(id(f))
+        if inspect.isclass(f):                              # a class of the student's: its methods
+            todo += [m for m in vars(f).values() if inspect.isfunction(m)]
+            continue
+        names = getattr(f, "__globals__", {})
+        cells = [c.cell_contents for c in getattr(f, "__closure__", None) or () if _filled(c)]
+        codes, found = [getattr(f, "__code__", None)], False
+        while codes and not found:
+            code = codes.pop()
+            if code is None:
+                continue
+            codes += [c for c in code.co_consts if inspect.iscode(c)]
+            for ins in dis.get_instructions(code):
+                if ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and ins.argval in library:
+                    found = True
+                elif ins.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
+                    value = names.get(ins.argval)
+                    found = found or any(value is v for v in library.values())
+                    if (inspect.isfunction(value) or inspect.isclass(value)) and value.__module__ == home:
+                        todo.append(value)                  # a helper of the student's: look inside
+        if found or any(c is v for c in cells for v in library.values()):
+            raise Forbidden(f"exercise '{exercise_id}' asks you to work out {what} yourself; you use {shown}, "
+                            f"the library's answer.")
+        todo += [c for c in cells if (inspect.isfunction(c) or inspect.isclass(c)) and c.__module__ == home]
 
 
 def _refused(fn, *args):
