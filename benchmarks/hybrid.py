@@ -9,7 +9,7 @@ layout; and pplab's dp=2×tp=2 against torch's own composition of the same model
    prediction is `pplab.planner.predict` with per-layer times measured on one process
    (`planner.measure`), in three variants:
    A. each layer's time alone × ranks per core (4 ranks on 2 cores: 2); every collective priced
-      by `costmodel.fit()` (chapter 1's model of this machine) told that all 4 ranks are at work
+      by `costfit.fit()` (chapter 1's model of this machine) told that all 4 ranks are at work
       on the cores meanwhile (`ranks_busy`: its s and σ' terms), a pipeline hop as one message;
    B. the same, with compute × the slowdown `planner.calibrate` measures while the 4 ranks run
       a plain training step at once (other programs' load included): what notebook 07 shows;
@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 import pplab
-from pplab import costmodel, data, hybrid, planner
+from pplab import costfit, data, hybrid, planner
 from pplab.data_parallel import shard
 from pplab.mesh import Mesh
 from pplab.models.gpt import GPTConfig, gpt_layers, gpt_loss
@@ -124,16 +124,16 @@ def main():
     cores = os.cpu_count() or 1
     print(f"tiny GPT {cfg}: {cfg.parameters():,} parameters, batch {args.batch}, float32, 4 ranks on {cores} cores")
     print(f"load average before: {os.getloadavg()[0]:.1f}")
-    fit = costmodel.fit()
+    fit = costfit.fit()
     alone = planner.measure(cfg, samples=(1, args.batch), dtype=torch.float32)
     results = pplab.launch(run, cfg, args.batch, args.rounds, args.steps, world_size=4, timeout=1200)
     measured = results[0]
     fit_busy, slowdown = planner.calibrate(cfg, args.batch // 4, 4, fit, alone, [r["contention"] for r in results])
-    print(f"cost model (costmodel.fit()): {fit}\nwhile 4 ranks run at once (planner.calibrate): a latency "
+    print(f"cost model (costfit.fit()): {fit}\nwhile 4 ranks run at once (planner.calibrate): a latency "
           f"round waits {(fit_busy.alpha - fit.alpha) * 1e6:.0f} µs more; compute runs {slowdown:.2f}× slower than alone")
     over = max(1.0, 4 / cores)
-    variants = {"A: one-process layer times × ranks per core; costmodel.fit() with 4 ranks busy": (alone, fit, over),
-                "B: compute slowdown measured while 4 ranks run at once; costmodel.fit() with 4 ranks busy":
+    variants = {"A: one-process layer times × ranks per core; costfit.fit() with 4 ranks busy": (alone, fit, over),
+                "B: compute slowdown measured while 4 ranks run at once; costfit.fit() with 4 ranks busy":
                     (alone, fit, slowdown),
                 "C: compute slowdown and α measured while 4 ranks run at once (classic α-β)": (alone, fit_busy, slowdown)}
     for title, (times, f, o) in variants.items():

@@ -142,10 +142,6 @@ class Fit:
         """A one-way message of n bytes: α + nβ."""
         return self.alpha + self.beta * n_bytes
 
-    def exchange_time(self, n_bytes: float) -> float:
-        """Sending n bytes while receiving n: α₂ + nβ₂."""
-        return self.alpha2 + self.beta2 * n_bytes
-
     def terms(self, collective: str, algorithm: str | None, p: int, n_bytes: float,
               ranks_busy: float | None = None) -> dict:
         """Seconds in each term of T, by name: which one matters where. ranks_busy: ranks at work

@@ -38,8 +38,8 @@ but the server sends (and receives) them one message at a time, so A = 2(p-1), n
 
 `cost` and `predict` are the formulas; `bytes_sent_per_rank` counts exactly what each rank
 of pplab.collectives sends (chunks differ by an element when p does not divide the
-tensor), to compare with a trace; `messages_on_critical_path` reads A off a trace; and
-`fit` measures α, β, γ on this machine, with what a CPU adds to them (pplab.costfit).
+tensor), to compare with a trace; and `messages_on_critical_path` reads A off a trace.
+`pplab.costfit.fit()` measures α, β, γ on this machine, with what a CPU adds to them.
 """
 from __future__ import annotations
 
@@ -220,20 +220,3 @@ def messages_on_critical_path(messages) -> int:
             return max(depth, default=0)
         depth = longer
     raise ValueError("these messages wait for each other in a circle: not one run's trace?")
-
-
-# ----------------------------------------------------------------------------------
-# Measuring α, β, γ (and what a CPU adds) on this machine: pplab.costfit
-
-
-def fit(world_size=None, sizes=None, repeats: int = 15, timeout: float = 300.0):
-    """The model fitted to this machine in a few seconds: see pplab.costfit.fit."""
-    from . import costfit
-    return costfit.fit(world_size, costfit.SIZES if sizes is None else sizes, repeats, timeout)
-
-
-def __getattr__(name):                            # Fit, SIZES, _fit_line live in pplab.costfit
-    if name in ("Fit", "SIZES", "_fit_line", "fit_timings", "measure", "Timings"):
-        from . import costfit
-        return getattr(costfit, name)
-    raise AttributeError(f"module 'pplab.costmodel' has no attribute {name!r}")

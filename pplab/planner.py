@@ -1,7 +1,7 @@
 """A layout planner: which dp × tp × pp (× micro-batches × ZeRO stage) to train a model on.
 
     times = measure(cfg)                           # per-layer forward/backward times on this machine
-    best = plan(cfg, batch=8, world_size=4, memory_per_rank=2e9, fit=costmodel.fit(), times=times)
+    best = plan(cfg, batch=8, world_size=4, memory_per_rank=2e9, fit=costfit.fit(), times=times)
     print(best)                                    # the layouts that fit, fastest first, and why others do not
 
 Every number comes from an earlier chapter, put together:

@@ -183,13 +183,13 @@ def calibrate(cfg: GPTConfig, batch: int, world_size: int, fit, times: LayerTime
     here, each on `batch` sequences: pass them to predict/plan as fit= and oversubscription=.
     measured: every rank's `contention(cfg, batch)`, taken inside your own run (best: the same load);
     without it, a run of its own is launched. On a GPU (a process per device) neither applies."""
-    from . import costmodel
+    from . import costfit
     from .launcher import launch
     from .planner import Layout, predict
     got = measured or launch(contention, cfg, batch, world_size=world_size, timeout=120)
-    free = costmodel.Fit(0.0, 0.0, 0.0, fit.sizes, fit.times)
+    free = costfit.Fit(0.0, 0.0, 0.0, fit.sizes, fit.times)
     alone = predict(cfg, Layout(1, 1, 1), batch, free, times).time["total"]
     wait, slowdown = statistics.median(w for _, w in got), statistics.median(p for p, _ in got) / alone
     # copying and adding bytes is CPU work too: β and γ slow down as compute does
-    busy = costmodel.Fit(fit.alpha + wait, fit.beta * slowdown, fit.gamma * slowdown, fit.sizes, fit.times)
+    busy = costfit.Fit(fit.alpha + wait, fit.beta * slowdown, fit.gamma * slowdown, fit.sizes, fit.times)
     return busy, slowdown

@@ -51,7 +51,7 @@ def draw(pred: Prediction, budget: float | None = None):
 def widget(fit=None, times: LayerTimes | None = None, flops_per_s: float = 2e10, vocab: int | None = None):
     """Model size, sequence, batch, dp/tp/pp, micro-batches, ZeRO stage -> memory per rank and step time.
 
-    fit: a costmodel.Fit (default: costmodel.fit(), measured now); times: measured LayerTimes of the
+    fit: a costfit.Fit (default: costfit.fit(), measured now); times: measured LayerTimes of the
     tiny GPT (used for it only; other models are estimated from FLOPs at flops_per_s).
     Returns an ipywidgets VBox; `.update()` redraws, `.prediction` is the last one shown."""
     import base64
@@ -61,8 +61,8 @@ def widget(fit=None, times: LayerTimes | None = None, flops_per_s: float = 2e10,
     import ipywidgets as w
     import matplotlib.pyplot as plt
 
-    from . import costmodel, data
-    fit = fit if fit is not None else costmodel.fit(sizes=(1024, 65536, 1 << 20), repeats=3)
+    from . import costfit, data
+    fit = fit if fit is not None else costfit.fit(sizes=(1024, 65536, 1 << 20), repeats=3)
     controls = {"model": w.Dropdown(options=list(MODELS), description="model"),
                 "seq": w.IntSlider(16, 8, 4096, description="sequence"),
                 "batch": w.IntSlider(8, 1, 512, description="batch"),

@@ -330,9 +330,6 @@ class Timeline:
         rows.append(f"makespan {self.makespan:.4g} {u}, overall utilisation {self.utilization():.1%}")
         return "\n".join(rows)
 
-    def to_records(self) -> list[dict]:
-        return [asdict(e) for e in self.events]
-
     def __repr__(self):
         return (f"Timeline({self.source}, {self.world_size} ranks, {len(self.events)} events, "
                 f"makespan {self.makespan:.4g} {self.unit})")

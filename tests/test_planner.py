@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import pplab
-from pplab import costfit, costmodel, data, hybrid, planner
+from pplab import costfit, data, hybrid, planner
 from pplab.models.gpt import GPTConfig, gpt_layers, gpt_loss, parallel_layers
 from pplab.planner import Layout, LayerTimes, PlanError
 from pplab.zero import held_bytes
@@ -29,7 +29,7 @@ def synthetic_times(cfg=CFG, per_sample=1e-3, fixed=0.0, saved=1000.0):
 
 
 def synthetic_fit(alpha, beta=1e-10):
-    return costmodel.Fit(alpha, beta, 0.0, [1, 2], [alpha, alpha])
+    return costfit.Fit(alpha, beta, 0.0, [1, 2], [alpha, alpha])
 
 
 # ----------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from .core import Fail, call_answer, exercise, refuse_library, require_function
 
 def _problem(rng):
     """One random problem: the learner's dict, and the planner's inputs that say the same."""
-    from .. import costmodel, planner
+    from .. import costfit, planner
     h = rng.choice([256, 512, 1024, 2048])
     cfg = planner.GPTConfig(vocab=8, seq=rng.choice([128, 256, 512]), hidden=h, heads=8, ffn=4 * h,
                             layers=rng.choice([4, 8, 16]))
@@ -31,7 +31,7 @@ def _problem(rng):
                                [0.0] + [2 * t_f] * cfg.layers + [0.0], [0.0] + [saved] * cfg.layers + [0.0], 0.0,
                                source="exercise")
     alpha, beta = rng.choice([1e-6, 1e-5, 1e-4, 1e-3]), rng.choice([1e-11, 1e-10, 1e-9])
-    fit = costmodel.Fit(alpha, beta, 0.0, [1, 2], [alpha, alpha])
+    fit = costfit.Fit(alpha, beta, 0.0, [1, 2], [alpha, alpha])
     batch = rng.choice([8, 16, 32, 64])
     valid, _ = planner.enumerate_layouts(cfg, batch, world, zero_stages=(0,))
     valid = [L for L in valid if L.pp == 1 or L.m >= L.pp]
