@@ -7,7 +7,8 @@
     r.makespan, r.utilization, r.peak_activations
     pplab.swimlane.draw(r.timeline())         # drawn like a measured run
 
-schedules.py: Action, Schedule, the generators and make_schedule.
+actions.py:   Action, Schedule: a schedule as data.
+schedules.py: the generators and make_schedule.
 simulate.py:  validate (complete? deadlock-free?), simulate, bubble_fraction.
 partition.py: partition, layer_times: cutting the model into stages.
 executor.py:  run_pipeline / PipelineExecutor: the same schedule on real ranks.
@@ -16,7 +17,8 @@ explorer.py:  explore(), a widget: schedule, p, m, v, t_f, t_b, t_w -> swimlane 
 from .executor import PipelineExecutor, run_pipeline
 from .partition import PipelineError, layer_times, partition
 from .explorer import explore, pipeline_timeline
-from .schedules import SCHEDULES, Action, Schedule, ScheduleError, make_schedule
+from .actions import Action, Schedule, ScheduleError
+from .schedules import SCHEDULES, make_schedule
 from .simulate import SimResult, bubble_fraction, simulate, validate
 
 __all__ = ["Action", "Schedule", "ScheduleError", "SCHEDULES", "make_schedule",

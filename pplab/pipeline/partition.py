@@ -16,7 +16,7 @@ from itertools import accumulate
 import torch
 from torch import nn
 
-from .schedules import Schedule
+from .actions import Schedule
 
 
 class PipelineError(ValueError):

@@ -1,121 +1,13 @@
-"""Pipeline schedules as data: for every rank, the ordered list of what it computes.
+"""The schedule generators (GPipe, 1F1B, interleaved, zero-bubble, V) and make_schedule.
 
-A schedule says nothing about time. Rank r runs `schedule.actions[r]` in order, and an
-action starts as soon as its rank is free and its inputs have arrived. The simulator
-(simulate.py) plays that out with durations; an executor plays it out on real processes.
-
-    Action("F", 3, stage=1)   forward of micro-batch 3 through stage 1
-    Action("B", 3, stage=1)   its backward: input gradient and weight gradient together
-    Action("I", 3, stage=1)   or the backward split in two (zero-bubble schedules):
-    Action("W", 3, stage=1)   I = gradient of the stage's input, which stage 0 is waiting
-                              for; W = gradient of the weights, wanted only by the optimizer
-                              step, so it can wait and fill a bubble.
-
-Stages and ranks. The model is cut into `num_stages = num_ranks * chunks` stages, run in
-order 0, 1, ..., num_stages - 1. With one chunk per rank, stage r lives on rank r.
-Interleaved 1F1B (Megatron) deals each rank v chunks round-robin: stage = chunk * p + rank.
-The V shape (ZB-V) goes down the ranks and back up: chunk 0 of rank r is stage r, chunk 1
-is stage 2p-1-r, so the last rank holds the two middle stages. `schedule.stage_to_rank`
-records the placement; `schedule.neighbour_ranks(stage)` says who to receive from and
-send to. The `chunk` of an action is the index of its stage among its rank's stages.
-
-Dependencies (checked by `validate`, obeyed by the simulator):
-    F of stage s, micro-batch i        needs F of stage s-1, i         (its input)
-    B or I of stage s, micro-batch i   needs F of stage s, i           (its activations)
-                                       and B or I of stage s+1, i      (its output's gradient)
-    W of stage s, micro-batch i        needs I of stage s, i
+Each generator returns actions[rank], the ordered list of what each rank computes (see
+actions.py for what an Action and a Schedule are); make_schedule names them, builds the
+Schedule with its placement of stages on ranks, and validates it (simulate.py).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from ..trace import _label
-
-KINDS = ("F", "B", "I", "W")
-
-
-class ScheduleError(ValueError):
-    """A schedule, or the arguments asked of a generator, cannot work; the message says why."""
-
-
-@dataclass(frozen=True, slots=True)
-class Action:
-    kind: str          # "F", "B", "I" (input gradient) or "W" (weight gradient)
-    microbatch: int
-    stage: int         # which piece of the model, 0 .. num_stages-1
-    chunk: int = 0     # which of its rank's stages that is (0 unless chunks > 1)
-
-    def label(self, chunked: bool = False) -> str:
-        """Its name in grids and swimlanes: F3, or F3.1 (chunk 1) when ranks hold several chunks."""
-        return _label(self.kind, self.microbatch, self.chunk if chunked else None)
-
-
-@dataclass
-class Schedule:
-    name: str
-    num_ranks: int                   # p, the pipeline depth
-    num_microbatches: int            # m
-    chunks: int                      # v, stages per rank
-    actions: list[list[Action]]      # actions[rank]: what that rank computes, in order
-    stage_to_rank: list[int]         # stage_to_rank[stage]: the rank holding that stage
-
-    @property
-    def num_stages(self) -> int:
-        """Pieces the model is cut into: num_ranks * chunks."""
-        return len(self.stage_to_rank)
-
-    @property
-    def split_backward(self) -> bool:
-        """True when backwards are split into I and W (zero-bubble schedules)."""
-        return any(a.kind in ("I", "W") for acts in self.actions for a in acts)
-
-    def stages_of(self, rank: int) -> list[int]:
-        """The stages `rank` holds, in model order: its chunk 0, chunk 1, ..."""
-        by_rank = self.__dict__.get("_stages_by_rank")
-        if by_rank is None or by_rank[0] is not self.stage_to_rank:   # built once: O(stages), not per rank
-            table = {}
-            for s, r in enumerate(self.stage_to_rank):
-                table.setdefault(r, []).append(s)
-            by_rank = self.__dict__["_stages_by_rank"] = (self.stage_to_rank, table)
-        return list(by_rank[1].get(rank, []))
-
-    def neighbour_ranks(self, stage: int) -> tuple[int | None, int | None]:
-        """(rank holding stage-1, rank holding stage+1); None at either end of the model.
-
-        An F of `stage` receives its input from the first and sends its output to the
-        second; a B or I receives the gradient from the second and sends one to the
-        first. Where the neighbour is the same rank (the turn of a V) nothing is sent.
-        """
-        if not 0 <= stage < self.num_stages:
-            raise ScheduleError(f"stage {stage} does not exist: this schedule has stages 0..{self.num_stages - 1}")
-        prev = self.stage_to_rank[stage - 1] if stage > 0 else None
-        nxt = self.stage_to_rank[stage + 1] if stage + 1 < self.num_stages else None
-        return prev, nxt
-
-    # -- printing ----------------------------------------------------------------------
-    def grid(self, max_columns: int | None = 48) -> str:
-        """Rows = ranks, columns = the order each rank runs its actions in (not time)."""
-        chunked = self.chunks > 1
-        cells = [[a.label(chunked) for a in acts] for acts in self.actions]
-        width = max((len(c) for row in cells for c in row), default=2)
-        head = f"{self.name}: {self.num_ranks} ranks, {self.num_microbatches} micro-batches"
-        if chunked:
-            head += f", {self.chunks} chunks per rank ({self.num_stages} stages)"
-        lines = [head]
-        for r, row in enumerate(cells):
-            shown = row if max_columns is None else row[:max_columns]
-            more = f" ... (+{len(row) - len(shown)})" if len(shown) < len(row) else ""
-            lines.append(f"rank {r:<{len(str(self.num_ranks - 1))}} | "
-                         + " ".join(c.ljust(width) for c in shown).rstrip() + more)
-        return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.grid()
-
-    def __repr__(self) -> str:
-        return (f"Schedule({self.name!r}, ranks={self.num_ranks}, microbatches={self.num_microbatches}, "
-                f"chunks={self.chunks}, actions={sum(map(len, self.actions))})")
-
+from .actions import Action, Schedule, ScheduleError
+from .simulate import validate
 
 # ----------------------------------------------------------------------------------
 # Generators. Each returns actions[rank]; make_schedule wraps and validates them.
@@ -349,5 +241,4 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int, chunks: int
         _size_check(key, p, m, v)
         actions = generate(p, m)
     schedule = Schedule(key, p, m, v, actions, placement(p, v))
-    from .simulate import validate                      # validating = playing the schedule out
-    return validate(schedule)
+    return validate(schedule)                           # validating = playing the schedule out

@@ -21,7 +21,7 @@ from numbers import Real
 from itertools import accumulate
 
 from ..trace import Event, Timeline
-from .schedules import KINDS, Action, Schedule, ScheduleError
+from .actions import KINDS, Action, Schedule, ScheduleError
 
 
 def bubble_fraction(p: int, m: int, v: int = 1) -> float:
