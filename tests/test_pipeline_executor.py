@@ -15,7 +15,8 @@ import pplab
 from pplab import trace
 from pplab.pipeline import (PipelineError, PipelineExecutor, ScheduleError, layer_times, make_schedule,
                             partition, run_pipeline, simulate)
-from pplab.pipeline.executor import _balanced_split, _message_order
+from pplab.pipeline.executor import _message_order
+from pplab.pipeline.partition import _balanced_split
 
 F64 = torch.float64
 RTOL, ATOL = 1e-10, 1e-12

@@ -20,8 +20,9 @@ from .core import Fail, call_answer, exercise, refuse_library, require_function
 def _problem(rng):
     """One random problem: the learner's dict, and the planner's inputs that say the same."""
     from .. import costfit, planner
+    from ..models.gpt import GPTConfig
     h = rng.choice([256, 512, 1024, 2048])
-    cfg = planner.GPTConfig(vocab=8, seq=rng.choice([128, 256, 512]), hidden=h, heads=8, ffn=4 * h,
+    cfg = GPTConfig(vocab=8, seq=rng.choice([128, 256, 512]), hidden=h, heads=8, ffn=4 * h,
                             layers=rng.choice([4, 8, 16]))
     world = rng.choice([4, 8])
     t_f = rng.choice([1e-4, 3e-4, 1e-3, 3e-3]) * (h / 512) ** 2

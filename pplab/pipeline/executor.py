@@ -50,7 +50,7 @@ from torch import nn
 
 from .. import comm, trace
 from ..launcher import device as rank_device
-from .partition import PipelineError, _as_layers, _balanced_split, layer_times, partition  # noqa: F401
+from .partition import PipelineError, _as_layers, partition
 from .actions import Schedule
 from .simulate import validate
 

@@ -1,6 +1,7 @@
 """Measuring what pplab.planner needs on this machine: each layer's time and saved activations
-(`measure`), a FLOP-count stand-in for shapes too big to time here (`estimate`), and what running
-several ranks on fewer cores adds (`contention`, `calibrate`). pplab.planner re-exports them.
+(`measure`), its parameters (`layer_params`), a FLOP-count stand-in for shapes too big to time
+here (`estimate`), and what running several ranks on fewer cores adds (`contention`; calibrate.py
+turns it into the cost model's terms).
 """
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .models.gpt import GPTConfig, gpt_layers, gpt_loss
-from .sequence_parallel import activation_bytes_formula, saved_activations
-from .tensor_parallel import split_sizes
+from ..models.gpt import GPTConfig, gpt_layers, gpt_loss
+from ..sequence_parallel import activation_bytes_formula, saved_activations
+from ..tensor_parallel import split_sizes
 
 
 # ----------------------------------------------------------------------------------
@@ -119,12 +120,19 @@ def parallel_saved(cfg: GPTConfig, t: int = 1, sequence_parallel: bool = False, 
     return [ids_and_mask] + [block] * cfg.layers + [head]
 
 
+def layer_params(cfg: GPTConfig, tp: int) -> list:
+    """Parameters per pipeline layer on tp rank 0 (the largest shard: splits as torch.tensor_split)."""
+    h, f, v = cfg.hidden, cfg.ffn, cfg.vocab
+    V, F, H3 = split_sizes(v, tp)[0], split_sizes(f, tp)[0], split_sizes(3 * h, tp)[0]
+    block = 4 * h + (H3 * h + H3) + (h * h // tp + h) + (h * F + F) + (F * h + h)
+    return [V * h + cfg.seq * h] + [block] * cfg.layers + [2 * h + h * V]
+
+
 def estimate(cfg: GPTConfig, flops_per_s: float = 2e10) -> LayerTimes:
     """A stand-in for shapes too big to time here: 2 FLOPs per parameter per token forward (+ attention's
     4·s·h), backward twice that, at `flops_per_s`; activations by Korthikanti's formula (chapter 5)."""
     s, h = cfg.seq, cfg.hidden
-    from .planner import _layer_params
-    per_token = [2 * n for n in _layer_params(cfg, 1)]
+    per_token = [2 * n for n in layer_params(cfg, 1)]
     per_token[0] = 0                                    # the embedding is a lookup, not a product
     per_token[1:-1] = [f + 4 * s * h for f in per_token[1:-1]]
     fwd = [f * s / flops_per_s for f in per_token]
@@ -176,20 +184,3 @@ def contention(cfg: GPTConfig, batch: int, iters: int = 40, steps: int = 8):
     plain = timed(step, steps)
     wait = max(0.0, timed(lambda: loop(True), 4) - timed(lambda: loop(False), 4)) / iters / 2   # 2 rounds
     return plain, wait
-
-
-def calibrate(cfg: GPTConfig, batch: int, world_size: int, fit, times: LayerTimes, measured=None):
-    """(classic fit: the fit's α + the wait per round, β and γ × the slowdown; compute slowdown) for `world_size` ranks at once
-    here, each on `batch` sequences: pass them to predict/plan as fit= and oversubscription=.
-    measured: every rank's `contention(cfg, batch)`, taken inside your own run (best: the same load);
-    without it, a run of its own is launched. On a GPU (a process per device) neither applies."""
-    from . import costfit
-    from .launcher import launch
-    from .planner import Layout, predict
-    got = measured or launch(contention, cfg, batch, world_size=world_size, timeout=120)
-    free = costfit.Fit(0.0, 0.0, 0.0, fit.sizes, fit.times)
-    alone = predict(cfg, Layout(1, 1, 1), batch, free, times).time["total"]
-    wait, slowdown = statistics.median(w for _, w in got), statistics.median(p for p, _ in got) / alone
-    # copying and adding bytes is CPU work too: β and γ slow down as compute does
-    busy = costfit.Fit(fit.alpha + wait, fit.beta * slowdown, fit.gamma * slowdown, fit.sizes, fit.times)
-    return busy, slowdown

@@ -6,7 +6,9 @@ The figure is shown as a PNG <img> in an HTML widget, not in an Output widget: a
 """
 from __future__ import annotations
 
-from .planner import GPTConfig, LayerTimes, Layout, Prediction, _why_not, estimate, predict
+from ..models.gpt import GPTConfig
+from .predict import Layout, Prediction, _why_not, predict
+from .times import LayerTimes, estimate
 
 
 MODELS = {"tiny GPT (the course's)": dict(layers=2, hidden=32, heads=4, vocab=None),
@@ -61,7 +63,7 @@ def widget(fit=None, times: LayerTimes | None = None, flops_per_s: float = 2e10,
     import ipywidgets as w
     import matplotlib.pyplot as plt
 
-    from . import costfit, data
+    from .. import costfit, data
     fit = fit if fit is not None else costfit.fit(sizes=(1024, 65536, 1 << 20), repeats=3)
     controls = {"model": w.Dropdown(options=list(MODELS), description="model"),
                 "seq": w.IntSlider(16, 8, 4096, description="sequence"),

@@ -1,48 +1,17 @@
-"""A layout planner: which dp × tp × pp (× micro-batches × ZeRO stage) to train a model on.
-
-    times = measure(cfg)                           # per-layer forward/backward times on this machine
-    best = plan(cfg, batch=8, world_size=4, memory_per_rank=2e9, fit=costfit.fit(), times=times)
-    print(best)                                    # the layouts that fit, fastest first, and why others do not
-
-Every number comes from an earlier chapter, put together:
-
-* memory per rank (the most loaded pipeline rank): parameters, gradients and Adam's state of
-  this rank's tensor-parallel shard of its stages (one, or v chunks for interleaved and ZB-V),
-  divided by ZeRO as chapter 6's `pplab.zero.model_state_bytes` says; activations = one
-  micro-batch's saved tensors per stage (measured per layer, scaled by micro-batch size; for
-  tp > 1 the tensor-parallel layers' own, cut over tp (and SP) as `parallel_saved` counts them
-  tensor by tensor), the most held at once as the rank walks its list of actions in chapter 4's
-  schedule (F keeps a stage's, B or W frees them: GPipe m, 1F1B p−stage).
-* step time: compute = measured per-layer time, fixed part + per-sample part × samples / tp
-  (a tiny layer's time is mostly per-operation overhead, which splitting does not shrink);
-  TP = 2 all-reduces of [s, b, h] per block forward and 2 backward (chapter 3; plus the
-  vocabulary's), each `fit.predict("all_reduce", ..., tp, bytes)`; PP = chapter 4's `simulate`
-  of the schedule with those per-micro-batch times and one message of an activation per hop:
-  its makespan holds the bubble and the sends; DP = the gradient sync of the stage's shard over
-  dp (all-reduce, or reduce-scatter + all-gather for ZeRO) after the last backward, not
-  overlapped (ZeRO-2's reduce-scatter and ZeRO-3's gathers and reduce-scatter come once per
-  micro-batch; DDP also all-gathers every replica's sample count each step); then the optimizer
-  step on the elements this rank owns.
-
-Measuring (pplab/planner_measure.py, re-exported here): `measure`, `estimate`, `contention`,
-`calibrate`. On this CPU the ranks outnumber the cores: `calibrate` measures, with the ranks running at once,
-how much slower compute gets and how long a message waits for its partner's time slice (added
-to α). `compare(plan, measured)` puts predicted next to measured; `widget()` draws it all.
-"""
+"""The planner's predictions: a layout's memory per rank and step time (`predict`), every
+layout that fits (`enumerate_layouts`, `plan`), and predicted next to measured (`compare`).
+What each number is made of is in the package's docstring (pplab/planner/__init__.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .hybrid import check_layout, describe_layout
-from .models.gpt import GPTConfig
-from .pipeline import make_schedule, simulate
-from .pipeline.partition import _balanced_split
-from .planner_measure import LayerTimes, calibrate, contention, estimate, measure, parallel_saved
-from .tensor_parallel import split_sizes
-from .zero import model_state_bytes
+from ..hybrid import check_layout, describe_layout
+from ..models.gpt import GPTConfig
+from ..pipeline import make_schedule, simulate
+from ..pipeline.partition import _balanced_split
+from ..zero import model_state_bytes
+from .times import LayerTimes, layer_params, parallel_saved
 
-__all__ = ["Layout", "LayerTimes", "measure", "estimate", "parallel_saved", "predict", "enumerate_layouts", "plan",
-           "Plan", "PlanError", "compare", "contention", "calibrate", "widget", "draw", "GPTConfig"]
 
 class PlanError(ValueError):
     """The request cannot be planned; the message says what to change."""
@@ -71,17 +40,9 @@ class Layout:
 # Memory and step time of one layout
 
 
-def _layer_params(cfg: GPTConfig, tp: int) -> list:
-    """Parameters per pipeline layer on tp rank 0 (the largest shard: splits as torch.tensor_split)."""
-    h, f, v = cfg.hidden, cfg.ffn, cfg.vocab
-    V, F, H3 = split_sizes(v, tp)[0], split_sizes(f, tp)[0], split_sizes(3 * h, tp)[0]
-    block = 4 * h + (H3 * h + H3) + (h * h // tp + h) + (h * F + F) + (F * h + h)
-    return [V * h + cfg.seq * h] + [block] * cfg.layers + [2 * h + h * V]
-
-
 def stages(cfg: GPTConfig, pp: int) -> list:
     """(start, end) pipeline layers of each stage: cut by the dense parameter counts, as pplab.hybrid does."""
-    counts = _balanced_split(_layer_params(cfg, 1), pp)
+    counts = _balanced_split(layer_params(cfg, 1), pp)
     ends = [sum(counts[:i + 1]) for i in range(pp)]
     return [(e - c, e) for c, e in zip(counts, ends)]
 
@@ -100,7 +61,7 @@ def predict(cfg: GPTConfig, layout: Layout, batch: int, fit, times: LayerTimes, 
     """Memory and step time of one (valid) layout. oversubscription: how many ranks share a core
     (compute runs that much slower: 4 ranks on this 2-core machine = 2)."""
     L, mb = layout, batch // (layout.dp * layout.m)
-    s, h, t, n_layers = cfg.seq, cfg.hidden, layout.tp, cfg.layers + 2
+    s, h, t = cfg.seq, cfg.hidden, layout.tp
     act = mb * s * h * dtype_bytes                                      # one [s, b, h] activation
     world = L.dp * L.tp * L.pp                  # every rank runs at once: on few cores they all share them
     ar = (lambda n: fit.predict("all_reduce", None, t, n, world)) if t > 1 else (lambda n: 0.0)
@@ -110,7 +71,7 @@ def predict(cfg: GPTConfig, layout: Layout, batch: int, fit, times: LayerTimes, 
     if t > 1:                        # the tensor-parallel layers' own, cut over t as counted tensor by tensor
         split, whole = parallel_saved(cfg, t, L.sp, dtype_bytes), parallel_saved(cfg, 1, False, dtype_bytes)
         saved = [n * a / b for n, a, b in zip(times.saved_parallel or times.saved, split, whole)]
-    params = _layer_params(cfg, t)
+    params = layer_params(cfg, t)
     sched = make_schedule(L.schedule, L.pp, L.m) if L.pp > 1 else None
     cuts = stages(cfg, sched.num_stages if sched else 1)               # pp stages, or pp·v chunks (interleaved, V)
     mine = [sched.stages_of(r) for r in range(L.pp)] if sched else [[0]]   # the stages each pp rank holds
@@ -283,19 +244,3 @@ def compare(plan_or_predictions, measured: dict) -> str:
         lines.append(f"{p.layout.name:28s} {p.time['total'] * 1e3:13.2f} {seconds * 1e3:12.2f} "
                      f"{p.time['total'] / seconds:6.2f}")
     return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------------
-# The planner as a widget (pplab/planner_widget.py: controls, stacked bars)
-
-
-def widget(fit=None, times: LayerTimes | None = None, flops_per_s: float = 2e10, vocab: int | None = None):
-    """Model size, sequence, batch, dp/tp/pp, micro-batches, ZeRO stage -> memory per rank and step time."""
-    from .planner_widget import widget as build
-    return build(fit, times, flops_per_s, vocab)
-
-
-def draw(pred: Prediction, budget: float | None = None):
-    """Stacked bars of memory per pipeline stage and the step time's parts (a matplotlib figure)."""
-    from .planner_widget import draw as figure
-    return figure(pred, budget)
