@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import pplab
-from pplab.tensor_parallel_transformer import MLP, ParallelMLP
+from pplab.tensor_parallel.transformer import MLP, ParallelMLP
 
 
 def timed_step(model, x, up):

@@ -15,8 +15,7 @@ from .launcher import LaunchError, LaunchResult, device, launch
 
 __version__ = "0.1.0"
 _LAZY = ("swimlane", "pipeline", "collectives", "checks", "grading", "costmodel", "data_parallel", "overlap",
-         "parameter_server", "compression", "tensor_parallel", "tensor_parallel_transformer",
-         "tensor_parallel_2d", "tensor_parallel_cnn", "zero", "ring_attention", "sequence_parallel", "mesh",
+         "parameter_server", "compression", "tensor_parallel", "zero", "ring_attention", "sequence_parallel", "mesh",
          "hybrid", "models", "data", "expert_parallel", "costfit", "planner")
 __all__ = ["launch", "LaunchError", "LaunchResult", "device", "check", "comm", "trace", *_LAZY]
 

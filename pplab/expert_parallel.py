@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import collectives, comm, trace
-from .tensor_parallel_transformer import MLP
+from .tensor_parallel.transformer import MLP
 
 __all__ = ["MoE", "TinyMoE", "all_to_all", "dispatch_plan", "capacity", "sync_gradients", "my_experts", "steer",
            "all_to_all_bytes"]

@@ -42,8 +42,8 @@ from . import comm, trace
 from .collectives import _pairwise_all_to_all
 from .ring_attention import _agree, gathered_kv_attention, merge, pieces, ring_attention, shard_sequence, \
     unshard_sequence
-from .tensor_parallel import _all_gather, _reduce_scatter, copy_to_parallel
-from .tensor_parallel_transformer import ParallelMLP, ParallelSelfAttention, TransformerBlock
+from .tensor_parallel.layers import _all_gather, _reduce_scatter, copy_to_parallel
+from .tensor_parallel.transformer import ParallelMLP, ParallelSelfAttention, TransformerBlock
 
 __all__ = ["ulysses_attention", "ring_attention", "gathered_kv_attention", "merge", "pieces",
            "shard_sequence", "unshard_sequence", "seq_to_heads", "heads_to_seq", "MegatronBlock",

@@ -24,7 +24,7 @@ from pplab.ring_attention import gathered_kv_attention, merge, pieces, ring_atte
     unshard_sequence
 from pplab.sequence_parallel import MegatronBlock, activation_bytes_formula, heads_to_seq, ring_collectives, \
     saved_activations, seq_to_heads, ulysses_attention
-from pplab.tensor_parallel_transformer import TransformerBlock
+from pplab.tensor_parallel.transformer import TransformerBlock
 
 TOL = 1e-10
 B, H, D = 2, 12, 4                 # 12 heads divide by 1, 2, 3 and 4 ranks

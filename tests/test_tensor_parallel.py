@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 import pplab
+from pplab import comm
 from pplab import tensor_parallel as tp
 
 TOL = 1e-10
@@ -137,7 +138,7 @@ def layers_job(i, o, group_of=None):
     if group_of is not None:                                     # sub-groups: every rank creates all
         groups = [dist.new_group(g) for g in group_of]
         group = next(g for g, members in zip(groups, group_of) if dist.get_rank() in members)
-    r, p = tp.comm.rank(group), tp.comm.world_size(group)
+    r, p = comm.rank(group), comm.world_size(group)
     x = data(5, i, seed=2)
     up = data(5, o, seed=3)
     out = {}

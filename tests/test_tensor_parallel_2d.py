@@ -1,4 +1,4 @@
-"""pplab.tensor_parallel_2d: Linear2D (SUMMA on a q x q grid) against the dense layer on one process.
+"""pplab.tensor_parallel.summa: Linear2D (SUMMA on a q x q grid) against the dense layer on one process.
 
 float64; "equal" means max |difference| <= TOL = 1e-10. Grids 1x1 and 2x2 (and 3x3 once, 9
 ranks, since that is the next square), and a 2x2 grid on a sub-group of a 5-rank world.
@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 import pplab
-from pplab.tensor_parallel_2d import Grid2D, Linear2D, split_2d
+from pplab.tensor_parallel.summa import Grid2D, Linear2D, split_2d
 
 TOL = 1e-10
 

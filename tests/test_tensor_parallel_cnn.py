@@ -1,4 +1,4 @@
-"""pplab.tensor_parallel_cnn: a conv split by filters, and the DP-conv / TP-FC hybrid CNN, against
+"""pplab.tensor_parallel.cnn: a conv split by filters, and the DP-conv / TP-FC hybrid CNN, against
 the same dense modules on one process.
 
 float64; "equal" means max |difference| <= TOL = 1e-10 (1e-8 for parameters after several
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import pplab
-from pplab.tensor_parallel_cnn import ColumnParallelConv2d, HybridParallelCNN, SmallCNN
+from pplab.tensor_parallel.cnn import ColumnParallelConv2d, HybridParallelCNN, SmallCNN
 
 TOL = 1e-10
 

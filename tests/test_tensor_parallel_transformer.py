@@ -1,4 +1,4 @@
-"""pplab.tensor_parallel_transformer: MLP, attention, block, vocabulary and a tiny GPT on 1-4 ranks
+"""pplab.tensor_parallel.transformer: MLP, attention, block, vocabulary and a tiny GPT on 1-4 ranks
 against the same dense modules on one process.
 
 float64 throughout; "equal" means max |difference| <= TOL = 1e-10. Gradients are compared
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import pplab
-from pplab import tensor_parallel_transformer as tpt
+from pplab.tensor_parallel import transformer as tpt
 
 TOL = 1e-10
 S, B, H, HEADS, FFN, VOCAB = 6, 2, 24, 12, 10, 50        # 12 heads: TP 1, 2, 3, 4; ffn 10: uneven over 3, 4

@@ -11,7 +11,7 @@ from torch import nn
 
 from pplab import comm
 from pplab.tensor_parallel import RowParallelLinear, reduce_from_parallel
-from pplab.tensor_parallel_transformer import vocab_parallel_cross_entropy
+from pplab.tensor_parallel.transformer import vocab_parallel_cross_entropy
 
 # ----------------------------------------------------------------------------------
 # f and g
@@ -344,7 +344,7 @@ WRONG = {
                                            r"logits_shard differs", r"target - vocab_start on the rank that owns"],
          None),
         (ce_from_library, [r"^exercise 'vocab_parallel_ce' asks you to work out the vocabulary-parallel loss "
-                           r"yourself; you use pplab\.tensor_parallel_transformer\.vocab_parallel_cross_entropy"],
+                           r"yourself; you use pplab\.tensor_parallel\.transformer\.vocab_parallel_cross_entropy"],
          None),
     ],
 }

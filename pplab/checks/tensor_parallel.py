@@ -362,10 +362,10 @@ def _ce_rank(fn, trial, progress_dir):
 def check_vocab_parallel_ce(fn, seed: int, timeout: float) -> str:
     require_function(fn, "vocab_parallel_ce", "logits_shard, targets, vocab_start, group",
                      torch.zeros(1, 1), torch.zeros(1, dtype=torch.long), 0, None)
-    from .. import tensor_parallel_transformer as tpt
+    from ..tensor_parallel import transformer as tpt
     refuse_library(fn, "vocab_parallel_ce", "the vocabulary-parallel loss",
                    {"vocab_parallel_cross_entropy": tpt.vocab_parallel_cross_entropy},
-                   "pplab.tensor_parallel_transformer.vocab_parallel_cross_entropy")
+                   "pplab.tensor_parallel.transformer.vocab_parallel_cross_entropy")
     rng = random.Random(seed)
     trials = [(2, None, rng.randrange(2**31), False), (3, None, rng.randrange(2**31), False),
               (3, None, rng.randrange(2**31), True)]

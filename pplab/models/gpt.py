@@ -29,7 +29,7 @@ from torch import nn
 from .. import comm
 from ..sequence_parallel import MegatronBlock, sequence_parallel_layer_norm
 from ..tensor_parallel import ColumnParallelLinear, split_to_parallel
-from ..tensor_parallel_transformer import TransformerBlock, VocabParallelEmbedding, vocab_parallel_cross_entropy
+from ..tensor_parallel.transformer import TransformerBlock, VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 
 @dataclass(frozen=True)

@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import comm
-from .tensor_parallel import copy_to_parallel
+from .. import comm
+from .layers import copy_to_parallel
 
 
 class Grid2D:

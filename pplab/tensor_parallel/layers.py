@@ -26,8 +26,8 @@ instead of all-reducing them (all-gather backward). The sequence length must div
 Sizes that do not divide (out_features, ffn, vocab) are split as torch.tensor_split does:
 the first n % p ranks get one more.
 Every layer takes `group=` (None = the whole world), so it can run on the TP sub-group of a mesh.
-Built from these: `tensor_parallel_transformer` (MLP, attention, block, vocabulary-parallel
-embedding and loss), `tensor_parallel_cnn` (convolutions) and `tensor_parallel_2d` (SUMMA).
+Built from these: `transformer.py` (MLP, attention, block, vocabulary-parallel
+embedding and loss), `cnn.py` (convolutions) and `summa.py` (SUMMA), beside this file.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import comm
+from .. import comm
 
 
 def split_sizes(n: int, p: int) -> list[int]:

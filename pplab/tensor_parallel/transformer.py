@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import comm
-from .tensor_parallel import (ColumnParallelLinear, RowParallelLinear, my_range, reduce_from_parallel)
+from .. import comm
+from .layers import (ColumnParallelLinear, RowParallelLinear, my_range, reduce_from_parallel)
 
 
 class MLP(nn.Module):

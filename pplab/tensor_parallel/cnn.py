@@ -30,9 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import comm
-from .data_parallel import shard
-from .tensor_parallel import (ColumnParallelLinear, RowParallelLinear, copy_to_parallel,
+from .. import comm
+from ..data_parallel import shard
+from .layers import (ColumnParallelLinear, RowParallelLinear, copy_to_parallel,
                               gather_from_parallel, my_range)
 
 

@@ -1,0 +1,17 @@
+"""Tensor parallelism (chapter 3): one layer's weights split over the ranks of a group.
+
+layers.py       Megatron's 1D layers: the conjugate operators f and g (and the sequence-parallel
+                all-gather / reduce-scatter) as autograd functions, ColumnParallelLinear and
+                RowParallelLinear, split_sizes.
+transformer.py  a split MLP and attention (heads over ranks), a transformer block, the
+                vocabulary-parallel embedding and cross-entropy, a tiny GPT.
+summa.py        2D tensor parallelism: SUMMA's Linear2D on a q x q grid.
+cnn.py          convolutions with filters split over ranks; data-parallel convolutions with
+                tensor-parallel fully connected layers.
+
+`pplab.tensor_parallel.ColumnParallelLinear` and the other names of layers.py are here too.
+"""
+from .layers import (ColumnParallelLinear, CopyToParallel, GatherFromParallel, GatherFromSequenceParallel,
+                     ReduceFromParallel, ReduceScatterToSequenceParallel, RowParallelLinear, SplitToParallel,
+                     copy_to_parallel, gather_from_parallel, gather_from_sequence_parallel, my_range,
+                     reduce_from_parallel, reduce_scatter_to_sequence_parallel, split_sizes, split_to_parallel)
