@@ -14,7 +14,7 @@ backward compute ended ("exposed").
     python benchmarks/ddp.py [--ranks 2] [--width 1120] [--layers 8] [--batch 64]
                              [--steps 15] [--caps 25 1 5 100] [--threads 1] [--stand-in T_F]
 
---stand-in T_F makes every layer's compute a timed wait (pplab.overlap.stand_in_compute),
+--stand-in T_F makes every layer's compute a timed wait (pplab.data_parallel.overlap.stand_in_compute),
 standing in for an accelerator: the cores are left to gloo, as on a GPU they would be.
 """
 import argparse
@@ -30,7 +30,7 @@ from torch import nn
 import pplab
 from pplab import trace
 from pplab.data_parallel import DDP
-from pplab.overlap import overlap_per_step, stand_in_compute
+from pplab.data_parallel.overlap import overlap_per_step, stand_in_compute
 
 
 def mlp(width, layers):
@@ -112,7 +112,7 @@ def main():
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--stand-in", type=float, default=None, metavar="T_F",
                     help="make each layer a timed wait of T_F s forward, 2 T_F backward, standing in for an "
-                         "accelerator (pplab.overlap.stand_in_compute); try --stand-in 0.005 --batch 4")
+                         "accelerator (pplab.data_parallel.overlap.stand_in_compute); try --stand-in 0.005 --batch 4")
     a = ap.parse_args()
     res = pplab.launch(bench, a.width, a.layers, a.batch, a.steps, a.warmup, a.caps, a.stand_in,
                        world_size=a.ranks, backend="gloo", threads_per_rank=a.threads, timeout=1200)

@@ -3,7 +3,7 @@
 Same shapes, same run, p gloo ranks started by pplab.launch. One step = forward and
 backward of attention over a sequence of S tokens sharded over the ranks (S/p each):
 
-* ring:     `pplab.ring_attention.ring_attention`: K/V blocks go round the ring, sends
+* ring:     `pplab.sequence_parallel.ring_attention.ring_attention`: K/V blocks go round the ring, sends
             overlapped with each block's compute; dK/dV travel back round it;
 * gathered: `gathered_kv_attention`: all-gather K and V (the backend's all-gather), attend
             to the whole sequence, reduce-scatter dK/dV;
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 import pplab
 from pplab import trace
-from pplab.ring_attention import gathered_kv_attention, pieces, ring_attention, shard_sequence
+from pplab.sequence_parallel.ring_attention import gathered_kv_attention, pieces, ring_attention, shard_sequence
 from pplab.sequence_parallel import ulysses_attention
 from pplab.tensor_parallel import gather_from_sequence_parallel
 

@@ -14,9 +14,9 @@ from . import comm, trace
 from .launcher import LaunchError, LaunchResult, device, launch
 
 __version__ = "0.1.0"
-_LAZY = ("swimlane", "pipeline", "collectives", "checks", "grading", "costmodel", "data_parallel", "overlap",
-         "parameter_server", "compression", "tensor_parallel", "zero", "ring_attention", "sequence_parallel", "mesh",
-         "hybrid", "models", "data", "expert_parallel", "costfit", "planner")
+_LAZY = ("swimlane", "pipeline", "collectives", "checks", "grading", "costmodel", "costfit", "data_parallel",
+         "tensor_parallel", "sequence_parallel", "zero", "mesh", "hybrid", "planner", "models", "data",
+         "expert_parallel")
 __all__ = ["launch", "LaunchError", "LaunchResult", "device", "check", "comm", "trace", *_LAZY]
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from pplab import checks, comm
-from pplab.ring_attention import merge
+from pplab.sequence_parallel.ring_attention import merge
 from wrong_solutions_sequence_parallel import WRONG
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")

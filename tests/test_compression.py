@@ -1,4 +1,4 @@
-"""pplab.compression: uncompressed settings give the plain average, every rank rebuilds
+"""pplab.data_parallel.compression: uncompressed settings give the plain average, every rank rebuilds
 the same average, error feedback loses nothing (sent + memory = the sum of the true
 gradients), the bytes on the wire equal each compressor's closed form, and on a small
 task error feedback brings compressed training close to uncompressed.
@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import pplab
-from pplab import compression as C
+from pplab.data_parallel import compression as C
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 

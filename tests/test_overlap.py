@@ -1,4 +1,4 @@
-"""pplab.overlap: overlap read from the trace, variants taking turns, and the stand-in accelerator.
+"""pplab.data_parallel.overlap: overlap read from the trace, variants taking turns, and the stand-in accelerator.
 
 The stand-in sleeps; tests only use lower bounds on its times (a sleep is never shorter
 than asked), never upper bounds, which would depend on the machine's load.
@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import pplab
-from pplab import overlap
+from pplab.data_parallel import overlap
 from pplab.data_parallel import DDP, shard
 from pplab.trace import Event
 

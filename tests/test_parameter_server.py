@@ -1,4 +1,4 @@
-"""pplab.parameter_server: synchronous training equals single-process gradient descent on
+"""pplab.data_parallel.parameter_server: synchronous training equals single-process gradient descent on
 all the data, the server's link carries exactly 2·W·d numbers a step (a ring, 2(W-1)/W·d
 per rank), the asynchronous protocol applies exactly the stale gradients it says it does,
 and too much staleness makes a step size that worked diverge.
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import pplab
 from pplab import collectives
-from pplab import parameter_server as ps
+from pplab.data_parallel import parameter_server as ps
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 TIGHT = dict(rtol=1e-12, atol=1e-12)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 import pplab
 from pplab import trace
-from pplab.ring_attention import gathered_kv_attention, merge, pieces, ring_attention, shard_sequence, \
+from pplab.sequence_parallel.ring_attention import gathered_kv_attention, merge, pieces, ring_attention, shard_sequence, \
     unshard_sequence
 from pplab.sequence_parallel import MegatronBlock, activation_bytes_formula, heads_to_seq, ring_collectives, \
     saved_activations, seq_to_heads, ulysses_attention

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import comm, trace
-from ..data_parallel import _tensors, end_trace_when_done
+from ..data_parallel.ddp import _tensors, end_trace_when_done
 from ..trace import Event, now
 from .flat import FlatBucket, reduce_scatter
 from .optimizer import root_rank

@@ -1,31 +1,12 @@
-"""Sequence parallelism: cut the sequence over ranks, because activations grow with it.
+"""Megatron sequence parallelism (Korthikanti et al. 2022): on top of tensor parallelism, built
+from chapter 3's layers, the parts of a transformer layer that TP replicates (LayerNorm,
+dropout, residual adds) run on a sequence shard, and TP's all-reduce splits into its two
+halves: an all-gather of the sequence before the column-parallel layer, a reduce-scatter after
+the row-parallel one.
 
-Three ways, all taking `group=` (None = every rank) so they can sit inside a larger mesh:
-
-* **Ring attention** (`pplab.ring_attention`, re-exported here): K/V blocks go round a
-  ring of point-to-point sends, partial results merged by the online-softmax rule.
-* **DeepSpeed-Ulysses** (`ulysses_attention`): q, k, v arrive sharded by sequence. One
-  all-to-all re-cuts them by heads: every rank then holds the *whole* sequence for H/p
-  of the heads, runs ordinary attention on them, and a second all-to-all cuts the output
-  back by sequence. Heads are independent, so nothing else needs to talk.
-* **Megatron sequence parallelism** (`MegatronBlock`): on top of tensor parallelism, built
-  from chapter 3's layers, the parts of a transformer layer that TP replicates (LayerNorm,
-  dropout, residual adds) run on a sequence shard, and TP's all-reduce splits into its two
-  halves: an all-gather of the sequence before the column-parallel layer, a reduce-scatter
-  after the row-parallel one.
-
-Ulysses' all-to-all, for p ranks, H heads, local tokens n_r (any split of the sequence:
-the pieces may differ in size), tensor layout (..., heads, seq, head_dim):
-
-    rank r holds (..., H, n_r, d)  --all-to-all-->  (..., H/p, S, d): heads r·H/p .. (r+1)·H/p - 1
-
-Each rank sends (p-1)/p of its tensor per all-to-all (pairwise exchange built from traced
-sends, `pplab.collectives`). Forward moves q, k, v in (one message per peer) and the
-output back: 4·(p-1)/p·N bytes per rank, N = one rank's q in bytes. Backward the same.
-
-Megatron SP's memory is Korthikanti et al.'s s·b·h·(34 + 5·a·s/h)/t bytes per layer
-(`activation_bytes_formula`; `saved_activations` measures what autograd really keeps).
-Its forward sends what TP's two all-reduces send (all-gather + reduce-scatter = all-reduce);
+Its memory is Korthikanti et al.'s s·b·h·(34 + 5·a·s/h)/t bytes per layer
+(`activation_bytes_formula`; `saved_activations` measures what autograd really keeps). Its
+forward sends what TP's two all-reduces send (all-gather + reduce-scatter = all-reduce);
 backward adds one all-gather per column layer, which re-gathers the input it did not keep.
 """
 from __future__ import annotations
@@ -38,102 +19,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from . import comm, trace
-from .collectives import _pairwise_all_to_all
-from .ring_attention import _agree, gathered_kv_attention, merge, pieces, ring_attention, shard_sequence, \
-    unshard_sequence
-from .tensor_parallel.layers import _all_gather, _reduce_scatter, copy_to_parallel
-from .tensor_parallel.transformer import ParallelMLP, ParallelSelfAttention, TransformerBlock
+from .. import comm, trace
+from ..tensor_parallel.layers import _all_gather, _reduce_scatter, copy_to_parallel
+from ..tensor_parallel.transformer import ParallelMLP, ParallelSelfAttention, TransformerBlock
 
-__all__ = ["ulysses_attention", "ring_attention", "gathered_kv_attention", "merge", "pieces",
-           "shard_sequence", "unshard_sequence", "seq_to_heads", "heads_to_seq", "MegatronBlock",
-           "sequence_parallel_layer_norm",
-           "activation_bytes_formula", "saved_activations", "ring_collectives"]
-
-
-# ----------------------------------------------------------------------------------
-# Ulysses: two all-to-alls around ordinary attention.
-
-
-def _seq_to_heads(x, lengths, ranks, me, group):
-    """(..., H, n_me, d) -> (..., H/p, S, d): send heads block j to rank j, stack what comes back by position."""
-    h = x.shape[-3] // len(ranks)
-    ins = [x[..., j * h:(j + 1) * h, :, :].contiguous() for j in range(len(ranks))]
-    outs = [x.new_empty(x.shape[:-3] + (h, n, x.shape[-1])) for n in lengths]
-    _pairwise_all_to_all(outs, ins, ranks, me, group)
-    return torch.cat(outs, -2)
-
-
-def _heads_to_seq(y, lengths, ranks, me, group):
-    """(..., H/p, S, d) -> (..., H, n_me, d): the inverse: tokens of rank i go back to rank i."""
-    ins = [t.contiguous() for t in y.split(lengths, -2)]
-    outs = [y.new_empty(y.shape[:-2] + (lengths[me], y.shape[-1])) for _ in ranks]
-    _pairwise_all_to_all(outs, ins, ranks, me, group)
-    return torch.cat(outs, -3)
-
-
-class _SeqToHeads(torch.autograd.Function):
-    """Forward: sequence-sharded -> head-sharded. Backward: the gradient takes the way back."""
-
-    @staticmethod
-    def forward(ctx, x, lengths, ranks, me, group):
-        ctx.args = (lengths, ranks, me, group)
-        return _seq_to_heads(x, *ctx.args)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _heads_to_seq(g, *ctx.args), None, None, None, None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, lengths, ranks, me, group):
-        ctx.args = (lengths, ranks, me, group)
-        return _heads_to_seq(y, *ctx.args)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _seq_to_heads(g, *ctx.args), None, None, None, None
-
-
-def _ulysses_setup(name, group, q, k, v, causal=False):
-    """Check the call (every rank raises the same error); return every rank's token count, ranks, my index."""
-    ranks, me, runs = _agree(name, group, q, k, v, "contiguous", causal)
-    if q.dim() < 3 or v.shape != q.shape:
-        raise ValueError(f"{name}: q, k, v must be (..., heads, seq, head_dim) and of one shape, "
-                         f"got {list(q.shape)}, {list(k.shape)}, {list(v.shape)}")
-    heads, p = q.shape[-3], len(ranks)
-    if heads % p:
-        raise ValueError(f"{name}: {heads} heads cannot be split over {p} ranks: Ulysses gives every rank "
-                         f"the same number of whole heads. Use a group whose size divides {heads} "
-                         f"({', '.join(str(d) for d in range(1, heads + 1) if heads % d == 0)}), "
-                         f"or ring_attention, which has no such limit.")
-    return [b - a for (a, b), in runs], ranks, me
-
-
-def seq_to_heads(x, group=None):
-    """Re-cut this rank's (..., H, n_r, d) sequence shard into (..., H/p, S, d): all heads' tokens, my heads."""
-    return _SeqToHeads.apply(x, *_ulysses_setup("seq_to_heads", group, x, x, x), group)
-
-
-def heads_to_seq(y, lengths, group=None):
-    """The inverse of seq_to_heads; `lengths` = every rank's number of tokens n_r, in rank order."""
-    ranks, me, _ = _agree("heads_to_seq", group, y, y, y, "contiguous", False)
-    return _HeadsToSeq.apply(y, list(lengths), ranks, me, group)
-
-
-def ulysses_attention(q, k, v, group=None, causal: bool = False, scale=None):
-    """DeepSpeed-Ulysses: exact attention over the whole sequence, sharded by sequence.
-
-    q, k, v: this rank's tokens, (..., heads, n_r, head_dim), cut contiguously
-    (`shard_sequence(x, group)`; n_r may differ by one). The number of heads must divide
-    by the group size. Returns this rank's rows of softmax(q·kᵀ·scale)·v, differentiable.
-    """
-    lengths, ranks, me = _ulysses_setup("ulysses_attention", group, q, k, v, causal)
-    qkv = _SeqToHeads.apply(torch.stack([q, k, v]), lengths, ranks, me, group)   # one exchange for all three
-    with trace.span("F", label="attn", heads=q.shape[-3] // len(ranks)):
-        out = F.scaled_dot_product_attention(*qkv.unbind(0), is_causal=causal, scale=scale)
-    return _HeadsToSeq.apply(out, lengths, ranks, me, group)
+__all__ = ["MegatronBlock", "sequence_parallel_layer_norm", "activation_bytes_formula", "saved_activations",
+           "ring_collectives"]
 
 
 # ----------------------------------------------------------------------------------
@@ -296,7 +187,7 @@ def ring_collectives():
     """Inside this block, pplab.comm's all-gather, reduce-scatter and all-reduce (which forward to
     the backend, so the trace sees only their payload) run as pplab.collectives' rings built from
     traced sends: the trace then counts every byte each rank puts on the wire."""
-    from . import collectives, comm
+    from .. import collectives, comm
     saved = {name: getattr(comm, name) for name in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")}
     comm.all_gather_into_tensor = lambda out, x, group=None, async_op=False: collectives.all_gather_into_tensor(
         out, x, group=group)

@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import trace
-from .trace import _union_length, now
+from .. import trace
+from ..trace import _union_length, now
 
 
 @dataclass
@@ -136,7 +136,7 @@ def stand_in_compute(model: nn.Module, compute_time) -> _Hooks:
     layer's gradients are stored, so DDP sees each gradient when its layer is done.
     The numbers computed are unchanged. Returns an object whose .remove() takes the waits off.
     """
-    from .pipeline.executor import compute_durations   # the one parser of compute_time (chapter 4)
+    from ..pipeline.executor import compute_durations  # the one parser of compute_time (chapter 4)
     if isinstance(compute_time, bool) or not isinstance(compute_time, (int, float, dict)):
         raise ValueError(f"stand_in_compute: compute_time must be seconds >= 0 per layer forward (e.g. 0.005), "
                          f"or a dict {{'F': t_f, 'B': t_b}}, got {compute_time!r}")

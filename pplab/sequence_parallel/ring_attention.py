@@ -45,7 +45,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from . import comm, trace
+from .. import comm, trace
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -135,7 +135,7 @@ def _agree(name, group, q, k, v, layout, causal):
         raise ValueError(
             f"{name}: the ranks hold {lengths} tokens, but a {layout} layout of {sum(lengths)} tokens "
             f"over {len(ranks)} ranks gives them {expected}. Cut the sequence with "
-            f"pplab.ring_attention.shard_sequence(x, group, layout={layout!r}).")
+            f"pplab.sequence_parallel.ring_attention.shard_sequence(x, group, layout={layout!r}).")
     return ranks, ranks.index(comm.rank()), runs
 
 

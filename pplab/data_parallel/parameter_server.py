@@ -53,8 +53,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import comm, trace
-from .launcher import device, launch
+from .. import comm, trace
+from ..launcher import device, launch
 
 SERVER = 0
 

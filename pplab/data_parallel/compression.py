@@ -50,8 +50,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import collectives, comm, trace
-from .launcher import device, launch
+from .. import collectives, comm, trace
+from ..launcher import device, launch
 
 
 def _flatten(tensors):
@@ -327,7 +327,7 @@ def train_with(compressor=None, steps: int = 100, world_size: int = 4, lr: float
     own copy of the compressor (its own error-feedback memory)."""
     compressor = Dense() if compressor is None else compressor
     if not isinstance(compressor, Compressor):
-        raise TypeError(f"compressor must be a pplab.compression.Compressor (Dense, TopK, SignSGD, "
+        raise TypeError(f"compressor must be a pplab.data_parallel.compression.Compressor (Dense, TopK, SignSGD, "
                         f"PowerSGD) or None, got {type(compressor).__name__}")
     res = launch(_train_rank, compressor, steps, lr, task, world_size=world_size, timeout=timeout)
     return Run(res[0]["losses"], [r["bytes"] / max(steps, 1) for r in res],

@@ -55,7 +55,7 @@ under no_sync() or without grad (torch's rule). So rank 0's running stats are th
 model's, and every rank evaluates alike.
 
 Whether overlap pays depends on where backward runs: on a CPU the backend's threads
-take cores from backward. `pplab.overlap` measures it from the trace, and its
+take cores from backward. `pplab.data_parallel.overlap` measures it from the trace, and its
 `stand_in_compute` makes each layer a timed wait standing in for an accelerator.
 """
 from __future__ import annotations
@@ -67,8 +67,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import comm, trace
-from .trace import Event, now
+from .. import comm, trace
+from ..trace import Event, now
 
 
 def shard(batch, rank: int | None = None, world_size: int | None = None):
