@@ -120,7 +120,7 @@ def scatter(tensor, scatter_list=None, src=0, group=None):
     Cost: (p-1)·n bytes leave the root: up to (p-1)(α + nβ) if its link sends one at a time.
     (scatter_list is only looked at on the root.)"""
     root = comm.rank() == src
-    problems = _list_problems("scatter_list", scatter_list, tensor, len(_group_ranks(group))) if root else []
+    problems = _list_problems("scatter_list", scatter_list, tensor, len(list(comm.group_ranks(group)))) if root else []
     ranks, me = _setup("scatter", group, tensor, problems, src=src)
     if root:
         handles = [comm.isend(piece, r, group) for r, piece in zip(ranks, scatter_list)
@@ -138,7 +138,7 @@ def gather(tensor, gather_list=None, dst=0, group=None):
 
     Linear, the mirror of scatter: (p-1)·n bytes arrive at the root, p-1 messages."""
     root = comm.rank() == dst
-    problems = _list_problems("gather_list", gather_list, tensor, len(_group_ranks(group))) if root else []
+    problems = _list_problems("gather_list", gather_list, tensor, len(list(comm.group_ranks(group)))) if root else []
     ranks, me = _setup("gather", group, tensor, problems, dst=dst)
     if root:
         handles = [comm.irecv(out, r, group) for r, out in zip(ranks, gather_list)
@@ -184,7 +184,7 @@ def _ring_reduce_scatter(chunks, ranks, me, group, op):
 @torch.no_grad()
 def all_gather_into_tensor(output, input, group=None):
     """output = every rank's `input`, concatenated in group-rank order (p × input.numel())."""
-    p = len(_group_ranks(group))
+    p = len(list(comm.group_ranks(group)))
     problems = _output_problem(output, input.dtype, p * input.numel(), f"{p} x input.numel()")
     ranks, me = _setup("all_gather", group, input, problems)
     if input.numel():
@@ -196,7 +196,7 @@ def all_gather_into_tensor(output, input, group=None):
 @torch.no_grad()
 def all_gather(tensor_list, tensor, group=None):
     """tensor_list[i] = the i-th rank's `tensor`, on every rank (ring)."""
-    problems = _list_problems("tensor_list", tensor_list, tensor, len(_group_ranks(group)))
+    problems = _list_problems("tensor_list", tensor_list, tensor, len(list(comm.group_ranks(group))))
     ranks, me = _setup("all_gather", group, tensor, problems)
     tensor_list[me].copy_(tensor)
     _ring_all_gather(tensor_list, ranks, me, group)
@@ -206,7 +206,7 @@ def all_gather(tensor_list, tensor, group=None):
 def reduce_scatter_tensor(output, input, op="sum", group=None):
     """output = the i-th of p equal pieces of the ranks' `input`s, combined with `op` (ring).
     `input` is left as it was."""
-    p = len(_group_ranks(group))
+    p = len(list(comm.group_ranks(group)))
     problems = _output_problem(output, input.dtype, input.numel() / p, f"input.numel() / {p}")
     ranks, me = _setup("reduce_scatter", group, input, problems, op=op)
     if output.numel():
@@ -250,7 +250,7 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
 
 
 def _equal_all_to_all(output, input, group):
-    p = len(_group_ranks(group))
+    p = len(list(comm.group_ranks(group)))
     problems = _output_problem(output, input.dtype, input.numel(), "input.numel()")
     if input.numel() % p:
         problems.append(f"input has {input.numel()} elements: it must split into {p} equal pieces")
@@ -261,7 +261,7 @@ def _equal_all_to_all(output, input, group):
 
 
 def _uneven_all_to_all(output, input, output_split_sizes, input_split_sizes, group):
-    p = len(_group_ranks(group))
+    p = len(list(comm.group_ranks(group)))
     sizes = {"output": (output, output_split_sizes), "input": (input, input_split_sizes)}
     problems = []
     for name, (t, split) in sizes.items():
@@ -431,14 +431,6 @@ def unchecked():
         _checking["on"] = before
 
 
-def _group_ranks(group) -> list[int]:
-    if not dist.is_initialized():
-        return [0]
-    if group is None or group is dist.group.WORLD:
-        return list(range(dist.get_world_size()))
-    return list(dist.get_process_group_ranks(group))
-
-
 def _describe(t) -> str:
     return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}"
 
@@ -471,7 +463,7 @@ def _setup(kind, group, tensor, problems=(), across=None, **call):
     rank's facts returning problems (the uneven all-to-all's split sizes must match).
     Inside `unchecked()` that exchange is skipped.
     """
-    ranks = _group_ranks(group)
+    ranks = list(comm.group_ranks(group))
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank not in ranks:
         raise ValueError(f"{kind}: rank {rank} is not in the group {ranks}; only its ranks may call it")

@@ -50,7 +50,10 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _group_ranks(group) -> tuple:
+def group_ranks(group=None) -> tuple:
+    """The global ranks in `group` (None: every rank), in the group's order; (0,) outside a launch."""
+    if not dist.is_initialized():
+        return (0,)
     if group is None or group is dist.group.WORLD:
         return tuple(range(dist.get_world_size()))
     return tuple(dist.get_process_group_ranks(group))
@@ -91,7 +94,7 @@ def _check_peer(peer, what):
 
 def _blocking(kind, tensor, group, call, **where):
     """Run a blocking call with this rank's board slot saying it is inside it."""
-    callboard.enter(kind, tensor, group, _group_ranks(group), collective=False, **where)
+    callboard.enter(kind, tensor, group, group_ranks(group), collective=False, **where)
     try:
         call()
     finally:
@@ -166,13 +169,13 @@ def exchange(send_tensor: torch.Tensor, dst: int, recv_tensor: torch.Tensor, src
 def _collective(kind, tensor, group, fn, async_op=False, **call):
     """Forward one collective to the backend, noting it on the trace and on the call board."""
     start = now()
-    callboard.enter(kind, tensor, group, _group_ranks(group), **call)
+    callboard.enter(kind, tensor, group, group_ranks(group), **call)
     try:
         work = fn()
     finally:
         callboard.leave()
     event = trace.record(Event(trace._state["rank"], kind, "comm", start, None, _SHORT.get(kind, kind),
-                               group=_group_ranks(group), meta={"payload": 0 if tensor is None else _nbytes(tensor)}))
+                               group=group_ranks(group), meta={"payload": 0 if tensor is None else _nbytes(tensor)}))
     handle = Handle(work if async_op else None, event)
     if not async_op:
         handle.wait()
@@ -182,7 +185,7 @@ def _collective(kind, tensor, group, fn, async_op=False, **call):
 
 def _check_root(kind, name, root, group):
     """The same ValueError on every rank for a root that is not in the group."""
-    ranks = _group_ranks(group)
+    ranks = group_ranks(group)
     if isinstance(root, bool) or not isinstance(root, int) or root not in ranks:
         raise ValueError(f"{kind}: {name}={root!r} is not a rank of the group: use one of {list(ranks)} "
                          f"({name} is a global rank, as in torch.distributed)")
@@ -224,7 +227,7 @@ def reduce(tensor, dst, op="sum", group=None, async_op=False):
 
 
 def all_gather(tensor_list, tensor, group=None, async_op=False):
-    p = len(_group_ranks(group))
+    p = len(group_ranks(group))
     if tensor_list is None or len(tensor_list) != p:
         raise ValueError(f"all_gather: tensor_list must hold one tensor per rank of the group ({p}), "
                          f"got {0 if tensor_list is None else len(tensor_list)}")
@@ -233,7 +236,7 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
 
 
 def all_gather_into_tensor(output, input, group=None, async_op=False):
-    p = len(_group_ranks(group))
+    p = len(group_ranks(group))
     _check_sizes("all_gather_into_tensor", output, input, input.numel() * p, f"input.numel() * {p} ranks")
     return _collective("all_gather", input, group,
                        lambda: _all_gather_single(output, input, group=group, async_op=async_op),
@@ -241,7 +244,7 @@ def all_gather_into_tensor(output, input, group=None, async_op=False):
 
 
 def reduce_scatter_tensor(output, input, op="sum", group=None, async_op=False):
-    p = len(_group_ranks(group))
+    p = len(group_ranks(group))
     if input.numel() % p:
         raise ValueError(f"reduce_scatter_tensor: input is {_describe(input)}, {input.numel()} elements, "
                          f"which do not split evenly over the {p} ranks of the group: pad it to a multiple "

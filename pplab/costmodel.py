@@ -45,6 +45,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .split import split_sizes
+
 COLLECTIVES = {      # collective: its algorithms in pplab.collectives (the first is the default)
     "broadcast": ("tree",), "reduce": ("tree",), "scatter": ("linear",), "gather": ("linear",),
     "all_gather": ("ring",), "reduce_scatter": ("ring",), "all_to_all": ("pairwise",),
@@ -130,11 +132,6 @@ def _tree_sends(vr: int, p: int) -> int:
     return sum(1 for k in range((p - 1).bit_length()) if vr < 2 ** k and vr + 2 ** k < p)
 
 
-def _chunks(n: int, p: int) -> list[int]:
-    """Elements in each of the p chunks of tensor.tensor_split(p): the first n % p get one more."""
-    return [n // p + (i < n % p) for i in range(p)]
-
-
 def _doubling_sends(algorithm: str, n: int, p: int, me: int) -> int:
     q = 1 << (p.bit_length() - 1)
     r = p - q
@@ -145,7 +142,7 @@ def _doubling_sends(algorithm: str, n: int, p: int, me: int) -> int:
     masks = [2 ** k for k in range(q.bit_length() - 1)]
     if algorithm == "recursive_doubling":          # the whole tensor each step
         return len(masks) * n + give_back
-    c = _chunks(n, q)
+    c = split_sizes(n, q)
 
     def block(i, m):                               # the m chunks of the block of size m holding chunk i
         return sum(c[i // m * m:(i // m + 1) * m])
@@ -189,7 +186,7 @@ def bytes_sent_per_rank(collective: str, algorithm: str | None, p: int, n_bytes:
         if algorithm == "tree":                   # reduce to rank 0, then broadcast from it
             return (me != 0) * n + _tree_sends(me, p) * n
         if algorithm == "ring":                   # all chunks but mine, then all but my right's
-            c = _chunks(n, p)
+            c = split_sizes(n, p)
             return 2 * n - c[me] - c[(me + 1) % p]
         return _doubling_sends(algorithm, n, p, me)
 

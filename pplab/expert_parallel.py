@@ -55,7 +55,7 @@ __all__ = ["MoE", "TinyMoE", "all_to_all", "dispatch_plan", "capacity", "sync_gr
 
 
 def _ranks(group) -> list[int]:
-    return collectives._group_ranks(group)
+    return list(comm.group_ranks(group))
 
 
 def my_experts(num_experts: int, group=None) -> tuple[int, int]:

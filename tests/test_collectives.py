@@ -426,7 +426,7 @@ def test_built_only_from_traced_point_to_point():
     """No torch collective moves data behind the trace's back: collectives.py calls only
     pplab.comm's point-to-point functions, plus torch.distributed for bookkeeping."""
     source = (Path(C.__file__)).read_text()
-    assert set(re.findall(r"\bcomm\.(\w+)\(", source)) <= {"send", "recv", "isend", "irecv", "rank"}
+    assert set(re.findall(r"\bcomm\.(\w+)\(", source)) <= {"send", "recv", "isend", "irecv", "rank", "group_ranks"}
     assert set(re.findall(r"\bdist\.(\w+)\(", source)) <= {
         "is_initialized", "get_rank", "get_world_size", "get_process_group_ranks",
         "all_gather_object"}                    # all_gather_object: the untraced argument check only

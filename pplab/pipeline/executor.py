@@ -129,7 +129,7 @@ class PipelineExecutor:
         validate(schedule)
         self.schedule, self.loss_fn, self.optimizer, self.group = schedule, loss_fn, optimizer, group
         self.rank, world = comm.rank(group), comm.world_size(group)
-        self.peers = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+        self.peers = list(comm.group_ranks(group))
         if world != schedule.num_ranks:
             fix = (f"give it a group of {schedule.num_ranks} ranks (e.g. a mesh with pp={schedule.num_ranks})"
                    if group is not None else f"launch with world_size={schedule.num_ranks}")

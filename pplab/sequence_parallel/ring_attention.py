@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm, trace
+from ..split import split_sizes
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -54,18 +55,13 @@ LAYOUTS = ("contiguous", "zigzag")
 # Layouts: which global positions each rank holds.
 
 
-def _sizes(n: int, parts: int) -> list[int]:
-    """n tokens cut into `parts` pieces like torch.tensor_split: the first n % parts get one more."""
-    return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
-
-
 def pieces(seq_len: int, p: int, layout: str = "contiguous") -> list[list[tuple[int, int]]]:
     """For each of p ranks, the runs [start, stop) of global positions it holds, in order."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}: use one of {', '.join(map(repr, LAYOUTS))}")
     chunks = p if layout == "contiguous" else 2 * p
     bounds = [0]
-    for n in _sizes(seq_len, chunks):
+    for n in split_sizes(seq_len, chunks):
         bounds.append(bounds[-1] + n)
     run = [(bounds[c], bounds[c + 1]) for c in range(chunks)]
     return [[run[r]] if layout == "contiguous" else [run[r], run[2 * p - 1 - r]] for r in range(p)]
@@ -101,8 +97,7 @@ def _agree(name, group, q, k, v, layout, causal):
     part of the algorithm), so all of them raise the same clear error instead of some
     waiting forever for a message that never comes.
     """
-    ranks = list(dist.get_process_group_ranks(group)) if group not in (None, dist.group.WORLD) \
-        else list(range(comm.world_size()))
+    ranks = list(comm.group_ranks(group))
     if comm.rank() not in ranks:
         raise ValueError(f"{name}: rank {comm.rank()} is not in the group {ranks}")
     problems = []

@@ -38,11 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import comm
-
-
-def split_sizes(n: int, p: int) -> list[int]:
-    """How n rows are shared by p ranks: the first n % p get one more (as torch.tensor_split)."""
-    return [n // p + (r < n % p) for r in range(p)]
+from ..split import split_sizes
 
 
 def my_range(n: int, group=None) -> tuple[int, int]:

@@ -40,7 +40,7 @@ class Grid2D:
     row and per grid column. Every rank of `group` must create it, in the same order."""
 
     def __init__(self, group=None):
-        ranks = list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
+        ranks = list(comm.group_ranks(group))
         p, q = len(ranks), math.isqrt(len(ranks))
         if q * q != p:
             raise ValueError(f"a 2D grid needs a square number of ranks, and {p} is not one: "
