@@ -122,15 +122,17 @@ class Exercise:
     answer: str                          # the name the student defines: a function or a variable
     checker: Callable                    # checker(answer, seed, timeout) -> summary, or raise Fail
     notebook: str = ""                   # where the exercise lives, for messages and the grader
+    sealed: bool = False                 # the checker uses run_sealed: run_check starts a zygote first
 
 
 EXERCISES: dict[str, Exercise] = {}
 
 
-def exercise(id: str, title: str, answer: str, notebook: str = ""):
-    """Register the decorated function as the checker of exercise `id`."""
+def exercise(id: str, title: str, answer: str, notebook: str = "", sealed: bool = False):
+    """Register the decorated function as the checker of exercise `id` (sealed=True: it
+    launches ranks with run_sealed, see sealed.py)."""
     def register(checker):
-        EXERCISES[id] = Exercise(id, title, answer, checker, notebook)
+        EXERCISES[id] = Exercise(id, title, answer, checker, notebook, sealed)
         return checker
     return register
 
@@ -169,6 +171,13 @@ def run_check(exercise_id: str, answer, *, seed: int | None = None, timeout: flo
     """
     ex = get_exercise(exercise_id)
     _SETTINGS["timeout"] = timeout                      # call_answer's limit in a child, by default
+    if ex.sealed and answer is not None and answer is not Ellipsis and callable(answer):
+        with zygote(answer):                            # forked now, before the seed exists
+            return _run_check(ex, answer, seed, timeout)
+    return _run_check(ex, answer, seed, timeout)
+
+
+def _run_check(ex: Exercise, answer, seed, timeout) -> CheckResult:
     if seed is None:
         seed = int.from_bytes(os.urandom(4), "little")
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
@@ -293,3 +302,5 @@ from .answers import SourceAnswer, allow_type, decode, encode, observe, progress
 from .running import (_SETTINGS, _not_implemented, _student_frame, call_answer, inspect_answer,  # noqa: E402
                       run_on_ranks)
 from .forbidden import CommWatch, forbidden_references, refuse_library, watch_comm  # noqa: E402
+from . import sealed  # noqa: E402
+from .sealed import zygote  # noqa: E402

@@ -1,0 +1,441 @@
+"""A sealed launch: the student's code runs on ranks that hold no secret of the check,
+and every message between them goes through the checker's process.
+
+    run_sealed(job, answer, inputs, world_size=p, timeout=timeout, exercise=("broadcast", "broadcast"),
+               describe=describe, check=check)
+
+Why. Ranks forked from the checker's own process would inherit its stack (the seed, the
+references: `sys._getframe()`, `gc.get_objects()`), and ranks that hold a real process
+group can talk by routes a watch in the rank cannot see. So, in a sealed launch:
+
+1. Ranks never hold a secret. `run_check` starts a *zygote* (`zygote(answer)`) before it
+   draws the seed: a fork of this process that keeps the answer (a function object, or a
+   SourceAnswer's source, resolved in each rank) and nothing the check computes later.
+   For each launch the zygote forks the ranks. Each gets only its own channel (a
+   socketpair made here, passed with `socket.send_fds`) and pipes for its output.
+2. Inputs come from the checker, per rank. `inputs[i][r]` is plain data for rank r in
+   trial i; rank r receives only `[inputs[i][r] for each trial]`, never the seed. The
+   checker computes every input and every reference in its own process.
+3. All communication goes through the checker. A sealed rank has no process group:
+   pplab.comm and torch.distributed's entry points are requests to the `Router`
+   (router.py), which matches sends with receives, computes the collectives the
+   exercise allows, refuses (and records) those it forbids, and records every call.
+   The checker reads that record (`traffic`), not a count kept in the rank.
+4. A deadlock is exact (every live rank blocked in the router: stopped at once, with
+   what each one waits for); a rank still running at `timeout` is told apart as busy on
+   the CPU (a loop) or waiting.
+5. What a rank sends back (observations, its result) is plain data decoded with
+   `torch.load(weights_only=True)`; it can forge only what it legitimately controls.
+6. Isolation between ranks (sealed_rank.isolate, Linux): new user, mount, network and
+   PID namespaces, a read-only root, private /tmp, /dev/shm and working folder, locked
+   by a nested user namespace; no rank can reach another through files, sockets,
+   signals or ptrace. The checker (and the zygote) are made non-dumpable, so a rank
+   cannot read their memory. Where the system does not permit unprivileged namespaces
+   (some containers) this step is skipped (`isolation()` says what was missing): the
+   check still works, but ranks can then reach each other through shared files.
+
+The job, in each rank (a module-level function of a pplab.checks module):
+
+    def _rank(fn, trials):                       # trials: this rank's inputs only
+        for i, t in enumerate(trials):
+            begin(i)                             # the router files the calls under trial i
+            returned = fn(t["tensor"], t["src"]) # the student's code
+            observe(i, {"tensor": t["tensor"]})  # plain data
+
+and `check(world_size, i, observed, traffic)` runs here: observed is {rank: data},
+traffic is the router's record of trial i, {rank: {"sends": [(dst, bytes)],
+"received": [(src, bytes)]}}. Converting a run_on_ranks checker: compute inputs here
+from the seed and pass them; in the job, replace `progress` with `begin`, drop
+`watch_comm` (the router refuses the forbidden collectives; `forbidden=` lists them,
+"*" for all) and take counts from `traffic`.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import select
+import signal
+import socket
+import sys
+import time
+import warnings
+
+from . import sealed_rank
+from .sealed_rank import begin, observe  # noqa: F401 - what a sealed job calls
+from .answers import _not_plain, answer_files, decode, encode
+from .core import Fail, Forbidden
+from .forbidden import _forbidden_message
+from .router import Reader, Router, WireError, pack
+from .running import _hang_message, _not_implemented, _student_frame
+
+_ZYGOTES: list = []
+_ISOLATION = {"missing": None}          # what the last launch's ranks could not isolate ("" = nothing)
+
+
+def isolation() -> str | None:
+    """What the ranks of the last sealed launch could not set up ("" if nothing, None if no launch)."""
+    return _ISOLATION["missing"]
+
+
+# ----------------------------------------------------------------------------------
+# The zygote: forked before the seed exists, it forks the ranks
+
+
+class Zygote:
+    def __init__(self, answer):
+        self.control, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*fork.*", category=DeprecationWarning)
+            self.pid = os.fork()
+        if self.pid == 0:
+            try:
+                self.control.close()
+                _zygote_main(theirs, answer)
+            finally:
+                os._exit(0)
+        theirs.close()
+
+    def launch(self, world_size: int):
+        """Ask for `world_size` ranks: ([channel], [stdout pipe], [stderr pipe], [pid]) on this side."""
+        mine, fds = [], []
+        for _ in range(world_size):
+            chan, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            out_r, out_w = os.pipe()
+            err_r, err_w = os.pipe()
+            mine.append((chan, out_r, err_r))
+            fds += [theirs.detach(), out_w, err_w]
+        try:
+            socket.send_fds(self.control, [json.dumps({"launch": world_size}).encode()], fds)
+            pids = json.loads(self.control.recv(1 << 16))["pids"]
+        finally:
+            for fd in fds:
+                os.close(fd)
+        return [m[0] for m in mine], [m[1] for m in mine], [m[2] for m in mine], pids
+
+    def end(self) -> dict:
+        """Kill what is left of the launch's ranks; {pid: exit status} of each."""
+        self.control.send(json.dumps({"end": True}).encode())
+        return {int(k): v for k, v in json.loads(self.control.recv(1 << 16))["ended"].items()}
+
+    def close(self) -> None:
+        self.control.close()                             # the zygote kills its ranks and exits
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(self.pid, 0)
+
+
+def _zygote_main(control: socket.socket, answer) -> None:
+    sealed_rank.prctl(1, signal.SIGKILL)                 # PR_SET_PDEATHSIG: never outlive the checker
+    sealed_rank.prctl(4, 0)                              # PR_SET_DUMPABLE
+    keep = control.fileno()
+    os.closerange(3, keep)
+    os.closerange(keep + 1, 1 << 16)
+    _forget_the_seed()
+    sealed_rank._STATE["answer"] = answer
+    me, ranks = os.getpid(), []
+    while True:
+        try:
+            data, fds, _, _ = socket.recv_fds(control, 1 << 16, 1024)
+        except OSError:
+            data = b""
+        if not data:
+            break
+        request = json.loads(data)
+        if "launch" in request:
+            for r in range(request["launch"]):
+                pid = os.fork()
+                if pid == 0:
+                    control.close()
+                    chan, out, err = fds[3 * r:3 * r + 3]
+                    sealed_rank.rank_main(me, chan, out, err)
+                ranks.append(pid)
+            for fd in fds:
+                os.close(fd)
+            control.send(json.dumps({"pids": ranks}).encode())
+        elif "end" in request:
+            control.send(json.dumps({"ended": _reap(ranks)}).encode())
+            ranks = []
+    _reap(ranks)
+
+
+def _reap(pids) -> dict:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    statuses = {}
+    for pid in pids:
+        with contextlib.suppress(ChildProcessError):
+            statuses[pid] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    return statuses
+
+
+def _forget_the_seed() -> None:
+    """A seed passed to run_check(seed=...) sits in its frame, which the ranks inherit."""
+    frame = sys._getframe()
+    while frame is not None:
+        if "seed" in frame.f_locals:
+            frame.f_locals["seed"] = None
+            with contextlib.suppress(Exception):
+                ctypes.pythonapi.PyFrame_LocalsToFast(ctypes.py_object(frame), ctypes.c_int(0))
+        frame = frame.f_back
+
+
+@contextlib.contextmanager
+def zygote(answer):
+    """Around a check (run_check): the zygote its sealed launches fork their ranks from.
+    Enter it before the seed is drawn. The checker is non-dumpable meanwhile."""
+    dumpable = _dumpable()
+    sealed_rank.prctl(4, 0)
+    z = Zygote(answer)
+    _ZYGOTES.append(z)
+    try:
+        yield z
+    finally:
+        _ZYGOTES.remove(z)
+        z.close()
+        sealed_rank.prctl(4, dumpable)
+
+
+def _dumpable() -> int:
+    with contextlib.suppress(Exception):
+        return int(ctypes.CDLL(None).prctl(3, 0, 0, 0, 0))         # PR_GET_DUMPABLE
+    return 1
+
+
+# ----------------------------------------------------------------------------------
+# A launch, run from here
+
+
+class _Busy:
+    """How often each rank was seen running, for _hang_message (0 for a rank blocked in the router)."""
+
+    def __init__(self, pids):
+        import psutil
+        self.procs, self.samples, self.blocked = {}, {}, set()
+        for rank, pid in enumerate(pids):
+            with contextlib.suppress(Exception):
+                holder = psutil.Process(pid)
+                self.procs[rank] = (holder.children() or [holder])[0]
+
+    def sample(self, blocked) -> None:
+        self.blocked = set(blocked)
+        for rank, proc in self.procs.items():
+            with contextlib.suppress(Exception):
+                running = proc.status() == "running" and rank not in self.blocked
+                self.samples[rank] = (self.samples.get(rank, []) + [running])[-8:]
+
+    def busy(self, rank):
+        if rank in self.blocked:
+            return 0.0
+        s = self.samples.get(rank, [])
+        return sum(s) / len(s) if len(s) >= 3 else None
+
+
+_OUTPUT_LIMIT = 1 << 20                 # bytes of output printed per rank and launch
+
+
+def run_sealed(job, answer, inputs, *, world_size: int, timeout: float, exercise: tuple, describe=None,
+               check=None, forbidden=("*",)):
+    """Run `job(answer, [inputs[i][rank] for i])` on `world_size` sealed ranks, then
+    `check(world_size, i, observed, traffic)` here for every trial i. Raises Fail for any
+    way it went wrong (see the module docstring). Returns each rank's result of `job`.
+
+    exercise: (exercise id, what it builds), for the wording of a forbidden call;
+    forbidden: the collectives the router refuses ("*": all of them)."""
+    if not _ZYGOTES:
+        raise RuntimeError("a sealed launch needs the zygote that run_check starts before it draws the seed: "
+                           "run the checker through pplab.checks.run_check")
+    zygote, p, trials = _ZYGOTES[-1], world_size, len(inputs)
+    name, files = getattr(answer, "__name__", "your function"), answer_files(answer)
+
+    def forbidden_message(kind, shown):
+        if "*" in forbidden or kind in forbidden:
+            return _forbidden_message(exercise[0], exercise[1], shown)
+        return None
+
+    router = Router(p, forbidden_message)
+    socks, outs, errs, pids = zygote.launch(p)
+    observed = [{} for _ in range(trials)]
+    results, refused = {}, []
+    try:
+        outcome = _serve(router, socks, outs, errs, pids, job, inputs, forbidden, exercise, timeout, observed,
+                         results, refused)
+    finally:
+        statuses = zygote.end()
+        for s in socks:
+            s.close()
+        for fd in outs + errs:
+            os.close(fd)
+
+    def where(rank, trial=None):
+        trial = router.trial[rank] if trial is None else trial
+        return f"{describe(p, trial)}: " if describe is not None and trial is not None else f"world_size={p}: "
+
+    for rank, trial, message in router.record.forbidden + refused:
+        raise Forbidden(message)
+    complete = outcome[0] == "complete"
+    for i in range(trials):
+        seen = observed[i]
+        if not seen:
+            if complete:
+                raise Fail(f"{where(0, i)}no rank recorded a result for this trial.")
+            break
+        missing = [r for r in range(p) if r not in seen]
+        if missing and complete:
+            raise Fail(f"{where(missing[0], i)}rank {missing[0]} recorded no result for this trial.")
+        for rank, data in seen.items():
+            if _not_plain(data):
+                raise Fail(f"{where(rank, i)}rank {rank}: the answer gave a {_not_plain(data)}, which cannot come "
+                           f"back from the process it ran in: return numbers, strings, lists, tuples, dicts or "
+                           f"tensors.")
+        try:
+            check(p, i, seen, router.record.traffic(i))
+        except Forbidden:
+            raise
+        except Fail as failure:
+            raise Fail(f"{where(0, i)}{failure}", failure.seed_matters) from None
+        except Exception as exc:  # noqa: BLE001 - data shaped unlike what the job records: refused
+            raise Fail(f"{where(0, i)}the results recorded by the ranks could not be read "
+                       f"({type(exc).__name__}: {exc}).") from None
+    if not complete:
+        raise _failure(outcome, where, name, files, timeout, statuses, pids) from None
+    return [results[r] for r in range(p)]
+
+
+def _serve(router, socks, outs, errs, pids, job, inputs, forbidden, exercise, timeout, observed, results,
+           refused):
+    """The checker's side of a launch: route requests, print output, until the ranks end
+    or cannot go on. Returns ("complete",) or what stopped it."""
+    p = len(socks)
+    outbox = {r: bytearray() for r in range(p)}
+    readers = {r: Reader() for r in range(p)}
+    for r in range(p):
+        outbox[r] += pack({"job": f"{job.__module__}:{job.__name__}", "rank": r, "world_size": p,
+                           "forbidden": list(forbidden), "refuse": list(exercise)},
+                          [encode([trial[r] for trial in inputs])])
+        socks[r].setblocking(False)
+    pipes = {fd: (r, stream) for r, fd in enumerate(outs) for stream in ["out"]}
+    pipes.update({fd: (r, "err") for r, fd in enumerate(errs)})
+    printed = [0] * p
+    busy, deadline, next_sample = _Busy(pids), time.monotonic() + timeout, 0.0
+    done = set()
+
+    def output(fd):
+        r, stream = pipes[fd]
+        data = os.read(fd, 1 << 16)
+        if not data:
+            del pipes[fd]
+            return
+        if printed[r] < _OUTPUT_LIMIT:
+            text = data[:_OUTPUT_LIMIT - printed[r]].decode(errors="replace")
+            printed[r] += len(data)
+            for line in text.rstrip("\n").split("\n"):
+                print(f"[rank {r}] {line}", file=sys.stdout if stream == "out" else sys.stderr, flush=True)
+
+    while len(done) < p:
+        now = time.monotonic()
+        if now >= deadline:
+            return ("hang", [r for r in range(p) if r not in done], busy)
+        if now >= next_sample:
+            busy.sample(router.blocked)
+            next_sample = now + 0.5
+        live = [socks[r] for r in range(p) if r not in done]
+        ready, writable, _ = select.select(live + list(pipes), [socks[r] for r in range(p) if outbox[r]], [],
+                                           min(0.5, deadline - now))
+        for s in writable:
+            r = socks.index(s)
+            with contextlib.suppress(BlockingIOError):
+                del outbox[r][:s.send(outbox[r])]
+        for item in ready:
+            if not isinstance(item, socket.socket):
+                output(item)
+                continue
+            r = socks.index(item)
+            try:
+                data = item.recv(1 << 20)
+            except (BlockingIOError, ConnectionError):
+                data = b"" if not isinstance(sys.exc_info()[1], BlockingIOError) else None
+            if data is None:
+                continue
+            if not data:
+                return ("died", r)
+            try:
+                messages = readers[r].feed(data)
+                for header, blobs in messages:
+                    op = header.get("op")
+                    if op == "hello":
+                        _ISOLATION["missing"] = str(header.get("isolation", ""))
+                    elif op == "observe":
+                        trial = header.get("trial")
+                        if not isinstance(trial, int) or not 0 <= trial < len(observed) or len(blobs) != 1:
+                            raise WireError("an observation of no trial")
+                        try:
+                            observed[trial][r] = decode(blobs[0])
+                        except Exception as exc:  # noqa: BLE001 - not plain data: a fail
+                            return ("not plain", r, trial, type(exc).__name__)
+                    elif op == "refused":
+                        refused.append((r, None, str(header.get("message"))))
+                    elif op == "done":
+                        try:
+                            results[r] = decode(blobs[0])
+                        except Exception as exc:  # noqa: BLE001
+                            return ("not plain", r, None, type(exc).__name__)
+                        done.add(r)
+                        router.finish(r)
+                    elif op == "raised":
+                        return ("raised", r, str(header.get("kind")), str(header.get("message")),
+                                str(header.get("traceback")))
+                    else:
+                        for rank, reply, out in router.handle(r, header, blobs):
+                            outbox[rank] += pack(reply, out)
+            except WireError as exc:
+                return ("malformed", r, str(exc))
+        waiting = router.deadlock()
+        if waiting:
+            return ("deadlock", waiting, [r for r in range(p) if router.finished[r]])
+    while pipes:                                         # what the ranks printed last
+        ready, _, _ = select.select(list(pipes), [], [], 0.5)
+        if not ready:
+            break
+        for fd in ready:
+            output(fd)
+    return ("complete",)
+
+
+def _failure(outcome, where, name, files, timeout, statuses, pids) -> Fail:
+    """The Fail that says why a launch did not complete."""
+    kind = outcome[0]
+    if kind == "raised":
+        _, rank, exc, message, text = outcome
+        if exc == "Forbidden":
+            return Forbidden(message)
+        if exc == "Fail":
+            return Fail(where(rank) + message)
+        if exc == "NotImplementedError":
+            return Fail(_not_implemented(name), seed_matters=False)
+        return Fail(f"{where(rank)}rank {rank} raised {exc}: {message}{_student_frame(text, files)}.")
+    if kind == "deadlock":
+        _, waiting, finished = outcome
+        what = ", ".join(f"rank {r} {w}" for r, w in waiting)
+        ended = f"; rank{'s' if len(finished) > 1 else ''} {', '.join(map(str, finished))} had returned" \
+            if finished else ""
+        return Fail(f"{where(waiting[0][0])}a deadlock: {what}{ended}. No rank could go on, so the check stopped "
+                    f"them at once. Every recv needs a matching send from the rank it names, and a rank that "
+                    f"waits to receive before it sends waits forever if its sender is waiting too.")
+    if kind == "hang":
+        _, running, busy = outcome
+        return Fail(where(running[0]) + _hang_message(running, timeout, busy, name))
+    if kind == "died":
+        rank = outcome[1]
+        status = statuses.get(pids[rank])
+        signal_number = -status if isinstance(status, int) and status < 0 else \
+            status - 128 if isinstance(status, int) and status > 128 else None
+        how = f"killed by signal {signal_number}" if signal_number else f"exit code {status}"
+        return Fail(f"{where(rank)}rank {rank} died ({how}) while running {name}, without raising an exception: "
+                    f"did the code call os._exit, or kill a process?")
+    if kind == "not plain":
+        _, rank, trial, why = outcome
+        return Fail(f"{where(rank, trial)}rank {rank} recorded something that is not plain data ({why}).")
+    return Fail(f"{where(outcome[1])}rank {outcome[1]} broke its channel to the checker ({outcome[2]}): does the "
+                f"code write to file descriptors it did not open?")
