@@ -211,17 +211,27 @@ class _Busy:
     """How often each rank was seen running, for _hang_message (0 for a rank blocked in the router)."""
 
     def __init__(self, pids):
+        self.pids, self.procs, self.samples, self.blocked = pids, {}, {}, set()
+        self.forked: dict = {}                           # rank -> whether isolate() forked it (its hello says)
+
+    def _process(self, rank):
+        """The rank's process: the child of the pid the zygote gave (isolate() forks once), once it exists."""
         import psutil
-        self.procs, self.samples, self.blocked = {}, {}, set()
-        for rank, pid in enumerate(pids):
-            with contextlib.suppress(Exception):
-                holder = psutil.Process(pid)
-                self.procs[rank] = (holder.children() or [holder])[0]
+        if rank not in self.procs:
+            holder = psutil.Process(self.pids[rank])
+            children = holder.children()
+            if rank not in self.forked or (self.forked[rank] and not children):
+                return None
+            self.procs[rank] = (children or [holder])[0]
+        return self.procs[rank]
 
     def sample(self, blocked) -> None:
         self.blocked = set(blocked)
-        for rank, proc in self.procs.items():
+        for rank in range(len(self.pids)):
             with contextlib.suppress(Exception):
+                proc = self._process(rank)
+                if proc is None:
+                    continue
                 running = proc.status() == "running" and rank not in self.blocked
                 self.samples[rank] = (self.samples.get(rank, []) + [running])[-8:]
 
@@ -272,7 +282,7 @@ def run_sealed(job, answer, inputs, *, world_size: int, timeout: float, exercise
         trial = router.trial[rank] if trial is None else trial
         return f"{describe(p, trial)}: " if describe is not None and trial is not None else f"world_size={p}: "
 
-    for rank, trial, message in router.record.forbidden + refused:
+    for rank, trial, message in refused + router.record.forbidden:      # a name bound before, then a call
         raise Forbidden(message)
     complete = outcome[0] == "complete"
     for i in range(trials):
@@ -366,6 +376,7 @@ def _serve(router, socks, outs, errs, pids, job, inputs, forbidden, exercise, ti
                     op = header.get("op")
                     if op == "hello":
                         _ISOLATION["missing"] = str(header.get("isolation", ""))
+                        busy.forked[r] = not _ISOLATION["missing"].startswith("no namespaces")
                     elif op == "observe":
                         trial = header.get("trial")
                         if not isinstance(trial, int) or not 0 <= trial < len(observed) or len(blobs) != 1:
