@@ -268,11 +268,13 @@ def run_sealed(job, answer, inputs, *, world_size: int, timeout: float, exercise
     socks, outs, errs, pids = zygote.launch(p)
     observed = [{} for _ in range(trials)]
     results, refused = {}, []
+    output = _Output(outs, errs)
     try:
-        outcome = _serve(router, socks, outs, errs, pids, job, inputs, forbidden, exercise, timeout, observed,
-                         results, refused)
+        outcome = _serve(router, socks, output, pids, job, inputs, forbidden, exercise, timeout, observed, results,
+                         refused)
     finally:
         statuses = zygote.end()
+        output.drain()
         for s in socks:
             s.close()
         for fd in outs + errs:
@@ -313,8 +315,39 @@ def run_sealed(job, answer, inputs, *, world_size: int, timeout: float, exercise
     return [results[r] for r in range(p)]
 
 
-def _serve(router, socks, outs, errs, pids, job, inputs, forbidden, exercise, timeout, observed, results,
-           refused):
+class _Output:
+    """What the ranks print, shown here as "[rank r] line", at most _OUTPUT_LIMIT bytes per rank."""
+
+    def __init__(self, outs, errs):
+        self.pipes = {fd: (r, sys.stdout) for r, fd in enumerate(outs)}
+        self.pipes.update({fd: (r, sys.stderr) for r, fd in enumerate(errs)})
+        self.printed = {}
+
+    def __call__(self, fd) -> None:
+        r, stream = self.pipes[fd]
+        data = os.read(fd, 1 << 16)
+        if not data:
+            del self.pipes[fd]
+            return
+        printed = self.printed.get(r, 0)
+        if printed < _OUTPUT_LIMIT:
+            text = data[:_OUTPUT_LIMIT - printed].decode(errors="replace")
+            for line in text.rstrip("\n").split("\n"):
+                print(f"[rank {r}] {line}", file=stream, flush=True)
+        self.printed[r] = printed + len(data)
+
+    def drain(self) -> None:
+        """After the ranks ended: what they printed last (a process they left behind gets 1 s)."""
+        end = time.monotonic() + 1.0
+        while self.pipes and time.monotonic() < end:
+            ready, _, _ = select.select(list(self.pipes), [], [], 0.2)
+            if not ready:
+                break
+            for fd in ready:
+                self(fd)
+
+
+def _serve(router, socks, output, pids, job, inputs, forbidden, exercise, timeout, observed, results, refused):
     """The checker's side of a launch: route requests, print output, until the ranks end
     or cannot go on. Returns ("complete",) or what stopped it."""
     p = len(socks)
@@ -325,23 +358,9 @@ def _serve(router, socks, outs, errs, pids, job, inputs, forbidden, exercise, ti
                            "forbidden": list(forbidden), "refuse": list(exercise)},
                           [encode([trial[r] for trial in inputs])])
         socks[r].setblocking(False)
-    pipes = {fd: (r, stream) for r, fd in enumerate(outs) for stream in ["out"]}
-    pipes.update({fd: (r, "err") for r, fd in enumerate(errs)})
-    printed = [0] * p
+    pipes = output.pipes
     busy, deadline, next_sample = _Busy(pids), time.monotonic() + timeout, 0.0
     done = set()
-
-    def output(fd):
-        r, stream = pipes[fd]
-        data = os.read(fd, 1 << 16)
-        if not data:
-            del pipes[fd]
-            return
-        if printed[r] < _OUTPUT_LIMIT:
-            text = data[:_OUTPUT_LIMIT - printed[r]].decode(errors="replace")
-            printed[r] += len(data)
-            for line in text.rstrip("\n").split("\n"):
-                print(f"[rank {r}] {line}", file=sys.stdout if stream == "out" else sys.stderr, flush=True)
 
     while len(done) < p:
         now = time.monotonic()
@@ -405,12 +424,6 @@ def _serve(router, socks, outs, errs, pids, job, inputs, forbidden, exercise, ti
         waiting = router.deadlock()
         if waiting:
             return ("deadlock", waiting, [r for r in range(p) if router.finished[r]])
-    while pipes:                                         # what the ranks printed last
-        ready, _, _ = select.select(list(pipes), [], [], 0.5)
-        if not ready:
-            break
-        for fd in ready:
-            output(fd)
     return ("complete",)
 
 
