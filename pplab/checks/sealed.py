@@ -116,8 +116,11 @@ class Zygote:
 
     def end(self) -> dict:
         """Kill what is left of the launch's ranks; {pid: exit status} of each."""
-        self.control.send(json.dumps({"end": True}).encode())
-        return {int(k): v for k, v in json.loads(self.control.recv(1 << 16))["ended"].items()}
+        try:
+            self.control.send(json.dumps({"end": True}).encode())
+            return {int(k): v for k, v in json.loads(self.control.recv(1 << 16))["ended"].items()}
+        except (OSError, ValueError, KeyError):
+            return {}                                    # the zygote is gone, and its ranks with it
 
     def close(self) -> None:
         self.control.close()                             # the zygote kills its ranks and exits
@@ -374,8 +377,12 @@ def _serve(router, socks, output, pids, job, inputs, forbidden, exercise, timeou
                                            min(0.5, deadline - now))
         for s in writable:
             r = socks.index(s)
-            with contextlib.suppress(BlockingIOError):
+            try:
                 del outbox[r][:s.send(outbox[r])]
+            except BlockingIOError:
+                pass
+            except OSError:                              # the rank is gone: its EOF comes next
+                outbox[r].clear()
         for item in ready:
             if not isinstance(item, socket.socket):
                 output(item)
