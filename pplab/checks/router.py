@@ -6,8 +6,9 @@ them all:
 
 * point-to-point: a send is matched with the receive that names the same (src, dst,
   tag), first posted first matched. A blocking send returns once its receive is posted
-  (as with gloo: every rank sending first is a deadlock), `isend`/`irecv` return a
-  handle at once and `wait` blocks until the match;
+  (as with gloo: every rank sending first is a deadlock); `isend`/`irecv` get no reply
+  (the rank numbers its handles itself: one round trip fewer) and `wait` blocks until
+  the match, or raises what went wrong with the post;
 * collectives the exercise allows are computed here (the router has every rank's part);
   those it forbids are refused *and recorded*, so a forbidden call counts even if the
   student's code catches the error;
@@ -154,7 +155,6 @@ class Router:
         self.blocked: dict[int, str] = {}               # rank -> what it waits for
         self.sends, self.recvs = defaultdict(deque), defaultdict(deque)   # (src, dst, tag) -> posts
         self.handles: dict[tuple, dict] = {}            # (rank, id) -> {"done", "reply", "waiting"}
-        self.next_handle = [0] * world_size
         self.joined: dict[tuple, dict] = {}             # (group, index) -> {rank: (header, blobs)}
         self.calls = defaultdict(int)                   # (rank, group) -> collectives entered
 
@@ -171,9 +171,8 @@ class Router:
         tag = int(header.get("tag", 0))
         meta = {k: header["tensor"][k] for k in ("dtype", "shape")}
         nbytes = len(blobs[0]) if sending else int(header["nbytes"])
-        handle = None
+        handle = None if blocking else header["handle"]
         if not blocking:
-            handle = self.next_handle[rank] = self.next_handle[rank] + 1
             self.handles[(rank, handle)] = {"done": False, "reply": None, "waiting": False}
         post = _Post(rank, self.trial[rank], {**meta, "nbytes": nbytes}, blobs[0] if sending else b"", handle)
         key = (rank, peer, tag) if sending else (peer, rank, tag)
@@ -188,8 +187,6 @@ class Router:
             if blocking:
                 self.blocked[rank] = (f"waits for rank {peer} to receive what it sends" if sending else
                                       f"waits to receive from rank {peer}") + (f" (tag {tag})" if tag else "")
-        if not blocking:
-            out.append((rank, {"handle": handle}, []))
 
     def _match(self, send: _Post, recv: _Post, out):
         if send.meta["nbytes"] != recv.meta["nbytes"]:
@@ -295,8 +292,17 @@ class Router:
         try:
             if op == "begin":
                 self.trial[rank] = int(header["trial"])
-            elif op in ("send", "isend", "recv", "irecv"):
-                self._post(rank, header, blobs, out, sending=op in ("send", "isend"), blocking=op in ("send", "recv"))
+            elif op in ("send", "recv"):
+                self._post(rank, header, blobs, out, sending=op == "send", blocking=True)
+            elif op in ("isend", "irecv"):
+                handle = header.get("handle")
+                if not isinstance(handle, int) or (rank, handle) in self.handles:
+                    raise WireError("an isend/irecv without a handle of its own")
+                try:
+                    self._post(rank, header, blobs, out, sending=op == "isend", blocking=False)
+                except (ValueError, TypeError, KeyError, IndexError) as exc:     # told at its wait()
+                    self.handles[(rank, handle)] = {"done": True, "waiting": False,
+                                                    "reply": ({"error": "ValueError", "message": str(exc)}, [])}
             elif op in ("wait", "test"):
                 self._wait(rank, header, out, test=op == "test")
             elif op == "collective":

@@ -25,6 +25,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import traceback
 
 import torch
@@ -128,14 +129,20 @@ def isolate() -> str:
 
 class Channel:
     def __init__(self, sock: socket.socket):
-        self.sock, self.reader, self.queue = sock, Reader(), []
+        self.sock, self.reader, self.queue, self.lock = sock, Reader(), [], threading.Lock()
 
     def tell(self, header: dict, blobs=()) -> None:
-        self.sock.sendall(pack(header, blobs))
+        with self.lock:
+            self.sock.sendall(pack(header, blobs))
 
     def call(self, header: dict, blobs=()):
-        """Send a request, wait for its reply; raise what the router says went wrong."""
-        self.tell(header, blobs)
+        """Send a request, wait for its reply; raise what the router says went wrong.
+        One request at a time: a thread of the student's waits for another's reply."""
+        with self.lock:
+            return self._call(header, blobs)
+
+    def _call(self, header, blobs):
+        self.sock.sendall(pack(header, blobs))
         while not self.queue:
             data = self.sock.recv(1 << 20)
             if not data:
@@ -219,15 +226,16 @@ def _p2p(op, tensor, peer, group, tag, name):
         raise TypeError(f"{op} needs a tensor, got {type(tensor).__name__}")
     if not tensor.is_contiguous():
         raise ValueError(f"{op}: the tensor must be contiguous (pass .contiguous(), or a tensor of its own)")
-    header = {"op": op, name: peer, "tag": tag, "tensor": tensor_meta(tensor)}
-    if op in ("send", "isend"):
-        reply, blobs = _STATE["channel"].call(header, [tensor_bytes(tensor)])
-    else:
-        reply, blobs = _STATE["channel"].call({**header, "nbytes": tensor.numel() * tensor.element_size()})
+    header = {"op": op, name: peer, "tag": tag, "tensor": tensor_meta(tensor),
+              "nbytes": tensor.numel() * tensor.element_size()}
+    blobs = [tensor_bytes(tensor)] if op in ("send", "isend") else []
+    if op in ("isend", "irecv"):                         # no reply: the router files it under our handle
+        _STATE["handles"] = handle = _STATE.get("handles", 0) + 1
+        _STATE["channel"].tell({**header, "handle": handle}, blobs)
+        return Work(handle, tensor if op == "irecv" else None, op)
+    reply, blobs = _STATE["channel"].call(header, blobs)
     if op == "recv":
         _write_into(tensor, blobs[0])
-    if op in ("isend", "irecv"):
-        return Work(reply["handle"], tensor if op == "irecv" else None, op)
     return None
 
 
@@ -386,6 +394,7 @@ def rank_main(zygote_pid: int, chan_fd: int, out_fd: int, err_fd: int) -> None:
     sys.stderr = open(2, "w", buffering=1, closefd=False)
     missing = isolate()
     prctl(_PR_SET_DUMPABLE, 0)                           # no other process may read this one's memory
+    torch.set_num_threads(1)                             # p ranks share the cores
     channel = Channel(socket.socket(fileno=chan))
     try:
         _run(channel, missing)
