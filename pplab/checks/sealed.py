@@ -136,6 +136,7 @@ def _zygote_main(control: socket.socket, answer) -> None:
     os.closerange(keep + 1, 1 << 16)
     _forget_the_seed()
     sealed_rank._STATE["answer"] = answer
+    sealed_rank.preload()                                # once here, not in every rank
     me, ranks = os.getpid(), []
     while True:
         try:

@@ -331,6 +331,14 @@ def _no_process_group(*args, **kwargs):
                        "send/recv/isend/irecv (their messages go through the checker)")
 
 
+def preload() -> None:
+    """Import what install() patches (in the zygote: its ranks then start faster)."""
+    from .forbidden import _collectives_module
+    _collectives_module()
+    with contextlib.suppress(ImportError):
+        importlib.import_module("torch.distributed._functional_collectives")
+
+
 def install(forbidden: list) -> None:
     """Route torch.distributed (and pplab.comm through it) to the router; refuse, at the
     router, the collectives in `forbidden` ("*": all) wherever they are called from."""
