@@ -64,9 +64,7 @@ def steals_from_frames(tensor, src):
             found = obj["tensor"]               # a tensor of another rank, if this rank held one
     if found is not None and rank != src:
         tensor.copy_(found)
-    comm.send(tensor.view(-1)[:1].clone(), (rank + 1) % p) if rank == src else None
-    if rank == (src + 1) % p:
-        comm.recv(torch.empty(1, dtype=tensor.dtype), src)
+    _token(tensor, src)
 
 
 def erases_the_record(tensor, src):
@@ -138,8 +136,8 @@ def uses_the_library_through_a_helper(tensor, src):
 
 def shares_a_file(tensor, src):
     """src writes its tensor to /tmp and /dev/shm, the others read it there; a token message."""
-    rank = comm.rank()
-    names = ["/tmp/pplab-attack.pt", "/dev/shm/pplab-attack.pt"]
+    rank, kind = comm.rank(), f"{tensor.dtype}-{tensor.numel()}"
+    names = [f"/tmp/pplab-attack-{kind}.pt", f"/dev/shm/pplab-attack-{kind}.pt"]
     if rank == src:
         for name in names:
             torch.save(tensor, name + ".part")
