@@ -26,7 +26,7 @@ group can talk by routes a watch in the rank cannot see. So, in a sealed launch:
    the CPU (a loop) or waiting.
 5. What a rank sends back (observations, its result) is plain data decoded with
    `torch.load(weights_only=True)`; it can forge only what it legitimately controls.
-6. Isolation between ranks (sealed_rank.isolate, Linux): new user, mount, network and
+6. Isolation between ranks (isolation.py, Linux): new user, mount, network and
    PID namespaces, a read-only root, private /tmp, /dev/shm and working folder, locked
    by a nested user namespace; no rank can reach another through files, sockets,
    signals or ptrace. The checker (and the zygote) are made non-dumpable, so a rank
@@ -52,159 +52,26 @@ from the seed and pass them; in the job, replace `progress` with `begin`, drop
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import json
 import os
 import select
-import signal
 import socket
 import sys
 import time
-import warnings
 
-from . import sealed_rank
 from .sealed_rank import begin, observe  # noqa: F401 - what a sealed job calls
+from .zygote import _ZYGOTES, zygote  # noqa: F401 - run_check enters zygote()
 from .answers import _not_plain, answer_files, decode, encode
 from .core import Fail, Forbidden
 from .forbidden import _forbidden_message
 from .router import Reader, Router, WireError, pack
 from .running import _hang_message, _not_implemented, _student_frame
 
-_ZYGOTES: list = []
 _ISOLATION = {"missing": None}          # what the last launch's ranks could not isolate ("" = nothing)
 
 
 def isolation() -> str | None:
     """What the ranks of the last sealed launch could not set up ("" if nothing, None if no launch)."""
     return _ISOLATION["missing"]
-
-
-# ----------------------------------------------------------------------------------
-# The zygote: forked before the seed exists, it forks the ranks
-
-
-class Zygote:
-    def __init__(self, answer):
-        self.control, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*fork.*", category=DeprecationWarning)
-            self.pid = os.fork()
-        if self.pid == 0:
-            try:
-                self.control.close()
-                _zygote_main(theirs, answer)
-            finally:
-                os._exit(0)
-        theirs.close()
-
-    def launch(self, world_size: int):
-        """Ask for `world_size` ranks: ([channel], [stdout pipe], [stderr pipe], [pid]) on this side."""
-        mine, fds = [], []
-        for _ in range(world_size):
-            chan, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-            out_r, out_w = os.pipe()
-            err_r, err_w = os.pipe()
-            mine.append((chan, out_r, err_r))
-            fds += [theirs.detach(), out_w, err_w]
-        try:
-            socket.send_fds(self.control, [json.dumps({"launch": world_size}).encode()], fds)
-            pids = json.loads(self.control.recv(1 << 16))["pids"]
-        finally:
-            for fd in fds:
-                os.close(fd)
-        return [m[0] for m in mine], [m[1] for m in mine], [m[2] for m in mine], pids
-
-    def end(self) -> dict:
-        """Kill what is left of the launch's ranks; {pid: exit status} of each."""
-        try:
-            self.control.send(json.dumps({"end": True}).encode())
-            return {int(k): v for k, v in json.loads(self.control.recv(1 << 16))["ended"].items()}
-        except (OSError, ValueError, KeyError):
-            return {}                                    # the zygote is gone, and its ranks with it
-
-    def close(self) -> None:
-        self.control.close()                             # the zygote kills its ranks and exits
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(self.pid, 0)
-
-
-def _zygote_main(control: socket.socket, answer) -> None:
-    sealed_rank.prctl(1, signal.SIGKILL)                 # PR_SET_PDEATHSIG: never outlive the checker
-    sealed_rank.prctl(4, 0)                              # PR_SET_DUMPABLE
-    keep = control.fileno()
-    os.closerange(3, keep)
-    os.closerange(keep + 1, 1 << 16)
-    _forget_the_seed()
-    sealed_rank._STATE["answer"] = answer
-    sealed_rank.preload()                                # once here, not in every rank
-    me, ranks = os.getpid(), []
-    while True:
-        try:
-            data, fds, _, _ = socket.recv_fds(control, 1 << 16, 1024)
-        except OSError:
-            data = b""
-        if not data:
-            break
-        request = json.loads(data)
-        if "launch" in request:
-            for r in range(request["launch"]):
-                pid = os.fork()
-                if pid == 0:
-                    control.close()
-                    chan, out, err = fds[3 * r:3 * r + 3]
-                    sealed_rank.rank_main(me, chan, out, err)
-                ranks.append(pid)
-            for fd in fds:
-                os.close(fd)
-            control.send(json.dumps({"pids": ranks}).encode())
-        elif "end" in request:
-            control.send(json.dumps({"ended": _reap(ranks)}).encode())
-            ranks = []
-    _reap(ranks)
-
-
-def _reap(pids) -> dict:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    statuses = {}
-    for pid in pids:
-        with contextlib.suppress(ChildProcessError):
-            statuses[pid] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-    return statuses
-
-
-def _forget_the_seed() -> None:
-    """A seed passed to run_check(seed=...) sits in its frame, which the ranks inherit."""
-    frame = sys._getframe()
-    while frame is not None:
-        if "seed" in frame.f_locals:
-            frame.f_locals["seed"] = None
-            with contextlib.suppress(Exception):
-                ctypes.pythonapi.PyFrame_LocalsToFast(ctypes.py_object(frame), ctypes.c_int(0))
-        frame = frame.f_back
-
-
-@contextlib.contextmanager
-def zygote(answer):
-    """Around a check (run_check): the zygote its sealed launches fork their ranks from.
-    Enter it before the seed is drawn. The checker is non-dumpable meanwhile."""
-    dumpable = _dumpable()
-    sealed_rank.prctl(4, 0)
-    z = Zygote(answer)
-    _ZYGOTES.append(z)
-    try:
-        yield z
-    finally:
-        _ZYGOTES.remove(z)
-        z.close()
-        sealed_rank.prctl(4, dumpable)
-
-
-def _dumpable() -> int:
-    with contextlib.suppress(Exception):
-        return int(ctypes.CDLL(None).prctl(3, 0, 0, 0, 0))         # PR_GET_DUMPABLE
-    return 1
 
 
 # ----------------------------------------------------------------------------------
