@@ -7,6 +7,7 @@ import os
 import re
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -232,6 +233,38 @@ def test_a_deadlock_is_named_at_once(answer):
     result = checks.run_check("broadcast", answer, timeout=600)
     assert re.search(r"^world_size=2, .*: a deadlock: rank 0 waits to receive from rank 1, rank 1 waits to receive "
                      r"from rank 0\. No rank could go on, so the check stopped them at once\.", result.message)
+
+
+def sleeps_on_the_last_rank(tensor, src):
+    if comm.rank() == comm.world_size() - 1:
+        time.sleep(3600)
+    receives_first(tensor, src)
+
+
+def test_a_rank_that_waits_for_something_else_is_not_called_a_deadlock():
+    result = checks.run_check("broadcast", sleeps_on_the_last_rank, timeout=2)
+    assert re.search(r"^world_size=2, .*: rank 1 was still running after 2 s, neither busy on the CPU nor waiting for "
+                     r"a message: what is it waiting for \(a sleep, an input, a lock\)\? \(rank 0 waits to receive "
+                     r"from rank 1\)", result.message), result.message
+
+
+def finds_no_seed(tensor, src):
+    """A right broadcast that first looks for the seed in every frame of its stack."""
+    for frame in [sys._getframe(k) for k in range(len(inspect.stack(0)))]:
+        if isinstance(frame.f_locals.get("seed"), int):
+            raise RuntimeError(f"found the seed, {frame.f_locals['seed']}, in {frame.f_code.co_name}")
+    rank, p = comm.rank(), comm.world_size()
+    if rank == src:
+        for r in range(p):
+            if r != src:
+                comm.send(tensor, r)
+    else:
+        comm.recv(tensor, src)
+
+
+def test_not_even_a_seed_given_to_run_check_reaches_the_ranks():
+    result = checks.run_check("broadcast", finds_no_seed, seed=12345)
+    assert result, result.message
 
 
 @pytest.mark.parametrize("exercise_id", ["broadcast", "reduce_scatter", "ring_all_reduce"])

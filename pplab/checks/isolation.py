@@ -75,13 +75,15 @@ def isolate() -> str:
     try:
         _call(_libc().unshare(_CLONE_NEWUSER | _CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWPID), "unshare")
         _map_root(uid, gid)
-    except OSError as exc:
+    except (OSError, AttributeError) as exc:            # not permitted, or not Linux
         return f"no namespaces ({exc})"
     child = os.fork()                                    # the first child of a new PID namespace is its PID 1
     if child:
         _, status = os.waitpid(child, 0)
         os._exit(os.waitstatus_to_exitcode(status) & 0xFF if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
     prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    with contextlib.suppress(OSError):
+        os.setsid()                                      # kill(0, ...) reaches no process outside
     missing = []
     with contextlib.suppress(OSError):
         _mount(None, "/", None, _MS_REC | _MS_PRIVATE)

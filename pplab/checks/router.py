@@ -32,7 +32,7 @@ import torch
 # ----------------------------------------------------------------------------------
 # The wire: [4-byte header length][JSON header][raw bytes of each blob]
 
-MAX_HEADER, MAX_BLOBS = 1 << 20, 1 << 30
+MAX_HEADER, MAX_BLOBS = 1 << 20, 1 << 28
 _DTYPES = {str(d).replace("torch.", ""): d for d in (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
     torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)}

@@ -82,7 +82,7 @@ class _Busy:
     """How often each rank was seen running, for _hang_message (0 for a rank blocked in the router)."""
 
     def __init__(self, pids):
-        self.pids, self.procs, self.samples, self.blocked = pids, {}, {}, set()
+        self.pids, self.procs, self.samples, self.blocked = pids, {}, {}, {}
         self.forked: dict = {}                           # rank -> whether isolate() forked it (its hello says)
 
     def _process(self, rank):
@@ -97,7 +97,7 @@ class _Busy:
         return self.procs[rank]
 
     def sample(self, blocked) -> None:
-        self.blocked = set(blocked)
+        self.blocked = dict(blocked)
         for rank in range(len(self.pids)):
             with contextlib.suppress(Exception):
                 proc = self._process(rank)
@@ -236,6 +236,7 @@ def _serve(router, socks, output, pids, job, inputs, forbidden, exercise, timeou
     while len(done) < p:
         now = time.monotonic()
         if now >= deadline:
+            busy.sample(router.blocked)
             return ("hang", [r for r in range(p) if r not in done], busy)
         if now >= next_sample:
             busy.sample(router.blocked)
@@ -324,7 +325,16 @@ def _failure(outcome, where, name, files, timeout, statuses, pids) -> Fail:
                     f"waits to receive before it sends waits forever if its sender is waiting too.")
     if kind == "hang":
         _, running, busy = outcome
-        return Fail(where(running[0]) + _hang_message(running, timeout, busy, name))
+        looping = [r for r in running if (busy.busy(r) or 0) >= 0.7]
+        if looping or all(r in busy.blocked for r in running):
+            return Fail(where(looping[0]) + _hang_message(running, timeout, busy, name))
+        idle = [r for r in running if r not in busy.blocked]     # not waiting for a message, not busy
+        waiting = [f"rank {r} {busy.blocked[r]}" for r in running if r in busy.blocked]
+        also = f" ({'; '.join(waiting)})" if waiting else ""
+        return Fail(f"{where(idle[0])}rank{'s' if len(idle) > 1 else ''} {', '.join(map(str, idle))} "
+                    f"{'were' if len(idle) > 1 else 'was'} still running after {timeout:g} s, neither busy on the "
+                    f"CPU nor waiting for a message: what {'are they' if len(idle) > 1 else 'is it'} waiting for "
+                    f"(a sleep, an input, a lock)?{also}")
     if kind == "died":
         rank = outcome[1]
         status = statuses.get(pids[rank])
