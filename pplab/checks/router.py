@@ -248,7 +248,13 @@ class Router:
                                  f"{', '.join(map(str, missing))} to join it"
             return
         del self.joined[(group, index)]
-        for r, reply in self._compute(kind, group, parts).items():
+        try:
+            replies = self._compute(kind, group, parts)
+        except (RuntimeError, ValueError, KeyError, IndexError, TypeError) as exc:   # shapes that do not agree
+            error = ({"error": "RuntimeError", "message": f"{kind}: the ranks' tensors do not fit together "
+                                                          f"({type(exc).__name__}: {exc})"}, [])
+            replies = {r: error for r in group}
+        for r, reply in replies.items():
             self.blocked.pop(r, None)
             out.append((r, *reply))
 

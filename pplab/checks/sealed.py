@@ -116,8 +116,8 @@ class _Busy:
 _OUTPUT_LIMIT = 1 << 20                 # bytes of output printed per rank and launch
 
 
-def run_sealed(job, answer, inputs, *, world_size: int, timeout: float, exercise: tuple, describe=None,
-               check=None, forbidden=("*",)):
+def run_sealed(job, answer, inputs, *, world_size: int, timeout: float, exercise: tuple, check, describe=None,
+               forbidden=("*",)):
     """Run `job(answer, [inputs[i][rank] for i])` on `world_size` sealed ranks, then
     `check(world_size, i, observed, traffic)` here for every trial i. Raises Fail for any
     way it went wrong (see the module docstring). Returns each rank's result of `job`.
@@ -155,8 +155,9 @@ def run_sealed(job, answer, inputs, *, world_size: int, timeout: float, exercise
         trial = router.trial[rank] if trial is None else trial
         return f"{describe(p, trial)}: " if describe is not None and trial is not None else f"world_size={p}: "
 
-    for rank, trial, message in refused + router.record.forbidden:      # a name bound before, then a call
-        raise Forbidden(message)
+    forbidden_calls = refused + router.record.forbidden        # a name bound before the launch, then a call
+    if forbidden_calls:
+        raise Forbidden(forbidden_calls[0][2])
     complete = outcome[0] == "complete"
     for i in range(trials):
         seen = observed[i]
@@ -224,26 +225,54 @@ def _serve(router, socks, output, pids, job, inputs, forbidden, exercise, timeou
     p = len(socks)
     outbox = {r: bytearray() for r in range(p)}
     readers = {r: Reader() for r in range(p)}
-    for r in range(p):
+    for r in range(p):                                   # the launch message: this rank's inputs only
         outbox[r] += pack({"job": f"{job.__module__}:{job.__name__}", "rank": r, "world_size": p,
                            "forbidden": list(forbidden), "refuse": list(exercise)},
                           [encode([trial[r] for trial in inputs])])
         socks[r].setblocking(False)
-    pipes = output.pipes
     busy, deadline, next_sample = _Busy(pids), time.monotonic() + timeout, 0.0
     done = set()
 
+    def take(r, header, blobs):
+        """One message from rank r: the checker's own kinds here, requests to the router."""
+        op = header.get("op")
+        if op == "hello":
+            _ISOLATION["missing"] = str(header.get("isolation", ""))
+            busy.forked[r] = not _ISOLATION["missing"].startswith("no namespaces")
+        elif op == "observe":
+            trial = header.get("trial")
+            if not isinstance(trial, int) or not 0 <= trial < len(observed) or len(blobs) != 1:
+                raise WireError("an observation of no trial")
+            try:
+                observed[trial][r] = decode(blobs[0])
+            except Exception as exc:  # noqa: BLE001 - not plain data: a fail
+                return ("not plain", r, trial, type(exc).__name__)
+        elif op == "refused":
+            refused.append((r, None, str(header.get("message"))))
+        elif op == "done":
+            try:
+                results[r] = decode(blobs[0])
+            except Exception as exc:  # noqa: BLE001
+                return ("not plain", r, None, type(exc).__name__)
+            done.add(r)
+            router.finish(r)
+        elif op == "raised":
+            return ("raised", r, str(header.get("kind")), str(header.get("message")), str(header.get("traceback")))
+        else:
+            for rank, reply, out in router.handle(r, header, blobs):
+                outbox[rank] += pack(reply, out)
+        return None
+
     while len(done) < p:
         now = time.monotonic()
-        if now >= deadline:
-            busy.sample(router.blocked)
-            return ("hang", [r for r in range(p) if r not in done], busy)
-        if now >= next_sample:
+        if now >= next_sample or now >= deadline:
             busy.sample(router.blocked)
             next_sample = now + 0.5
+        if now >= deadline:
+            return ("hang", [r for r in range(p) if r not in done], busy)
         live = [socks[r] for r in range(p) if r not in done]
-        ready, writable, _ = select.select(live + list(pipes), [socks[r] for r in range(p) if outbox[r]], [],
-                                           min(0.5, deadline - now))
+        ready, writable, _ = select.select(live + list(output.pipes), [socks[r] for r in range(p) if outbox[r]],
+                                           [], min(0.5, deadline - now))
         for s in writable:
             r = socks.index(s)
             try:
@@ -259,42 +288,17 @@ def _serve(router, socks, output, pids, job, inputs, forbidden, exercise, timeou
             r = socks.index(item)
             try:
                 data = item.recv(1 << 20)
-            except (BlockingIOError, ConnectionError):
-                data = b"" if not isinstance(sys.exc_info()[1], BlockingIOError) else None
-            if data is None:
+            except BlockingIOError:
                 continue
+            except ConnectionError:
+                data = b""
             if not data:
                 return ("died", r)
             try:
-                messages = readers[r].feed(data)
-                for header, blobs in messages:
-                    op = header.get("op")
-                    if op == "hello":
-                        _ISOLATION["missing"] = str(header.get("isolation", ""))
-                        busy.forked[r] = not _ISOLATION["missing"].startswith("no namespaces")
-                    elif op == "observe":
-                        trial = header.get("trial")
-                        if not isinstance(trial, int) or not 0 <= trial < len(observed) or len(blobs) != 1:
-                            raise WireError("an observation of no trial")
-                        try:
-                            observed[trial][r] = decode(blobs[0])
-                        except Exception as exc:  # noqa: BLE001 - not plain data: a fail
-                            return ("not plain", r, trial, type(exc).__name__)
-                    elif op == "refused":
-                        refused.append((r, None, str(header.get("message"))))
-                    elif op == "done":
-                        try:
-                            results[r] = decode(blobs[0])
-                        except Exception as exc:  # noqa: BLE001
-                            return ("not plain", r, None, type(exc).__name__)
-                        done.add(r)
-                        router.finish(r)
-                    elif op == "raised":
-                        return ("raised", r, str(header.get("kind")), str(header.get("message")),
-                                str(header.get("traceback")))
-                    else:
-                        for rank, reply, out in router.handle(r, header, blobs):
-                            outbox[rank] += pack(reply, out)
+                for header, blobs in readers[r].feed(data):
+                    stopped = take(r, header, blobs)
+                    if stopped:
+                        return stopped
             except WireError as exc:
                 return ("malformed", r, str(exc))
         waiting = router.deadlock()

@@ -176,7 +176,15 @@ _OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "
 
 
 def _op_name(op) -> str:
-    return op if isinstance(op, str) else _OPS.get(op, "sum")
+    if isinstance(op, str) or op in _OPS:
+        return op if isinstance(op, str) else _OPS[op]
+    raise RuntimeError(f"the reduce op {op} is not available in a sealed check: use SUM, MAX, MIN or PRODUCT")
+
+
+def _all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+    if output_split_sizes is not None or input_split_sizes is not None:
+        raise RuntimeError("all_to_all_single with split sizes is not available in a sealed check")
+    return _collective("all_to_all_single", "torch.distributed.all_to_all_single", group, output, input, async_op)
 
 
 def _collective(kind, shown, group, into=None, tensor=None, async_op=False, **params):
@@ -204,7 +212,8 @@ def _entry_points():
         "barrier": lambda group=None, async_op=False, device_ids=None:
             _collective("barrier", "torch.distributed.barrier", group, async_op=async_op),
         "all_reduce": lambda tensor, op=dist.ReduceOp.SUM, group=None, async_op=False:
-            _collective("all_reduce", "torch.distributed.all_reduce", group, tensor, tensor, async_op, reduce=_op_name(op)),
+            _collective("all_reduce", "torch.distributed.all_reduce", group, tensor, tensor, async_op,
+                        reduce=_op_name(op)),
         "broadcast": lambda tensor, src=None, group=None, async_op=False, group_src=None:
             _collective("broadcast", "torch.distributed.broadcast", group, tensor, tensor, async_op, src=src),
         "all_gather_into_tensor": lambda output, input, group=None, async_op=False:
@@ -213,9 +222,7 @@ def _entry_points():
         "reduce_scatter_tensor": lambda output, input, op=dist.ReduceOp.SUM, group=None, async_op=False:
             _collective("reduce_scatter_tensor", "torch.distributed.reduce_scatter_tensor", group, output, input,
                         async_op, reduce=_op_name(op)),
-        "all_to_all_single": lambda output, input, output_split_sizes=None, input_split_sizes=None, group=None,
-        async_op=False: _collective("all_to_all_single", "torch.distributed.all_to_all_single", group, output,
-                                    input, async_op),
+        "all_to_all_single": _all_to_all_single,
     }
 
 
