@@ -114,6 +114,7 @@ def to_tensor(meta: dict, blob: bytes) -> torch.Tensor:
 class Record:
     """Every call of every rank, as the router saw it (the only record a checker trusts)."""
 
+    calls: list = field(default_factory=list)       # (rank, trial, op, peer or collective, bytes): every request
     sends: list = field(default_factory=list)       # (rank, trial, dst, bytes), when posted
     received: list = field(default_factory=list)    # (rank, trial, src, bytes), when delivered
     forbidden: list = field(default_factory=list)   # (rank, trial, message)
@@ -295,6 +296,10 @@ class Router:
         """Serve one request of `rank`; return the replies that can be sent now."""
         out: list = []
         op = header.get("op")
+        if op not in ("begin", "wait", "test"):
+            peer = {"send": "dst", "isend": "dst", "recv": "src", "irecv": "src"}.get(op, "kind")
+            nbytes = len(blobs[0]) if blobs else header.get("nbytes")       # a receive: the size posted
+            self.record.calls.append((rank, self.trial[rank], str(op), header.get(peer), nbytes))
         try:
             if op == "begin":
                 self.trial[rank] = int(header["trial"])
