@@ -115,6 +115,15 @@ def broadcast_last_rank_spins(tensor, src):
         comm.recv(tensor, src)
 
 
+def broadcast_sends_before_receiving(tensor, src):
+    """Passes the tensor round the ring with every rank sending before it receives: each
+    blocking send waits for a receiver that is itself sending."""
+    rank, p = comm.rank(), comm.world_size()
+    for _ in range(p - 1):
+        comm.send(tensor, (rank + 1) % p)
+        comm.recv(tensor, (rank - 1) % p)
+
+
 # Failures are reported for the first trial that went wrong, lowest rank first.
 TRIAL = r"^world_size=\d, src=\d, dtype=(float32|int64), shape=\([\d, ]*\): "
 WRONG = {
@@ -146,6 +155,9 @@ WRONG = {
         (broadcast_last_rank_spins,
          [r"^world_size=2\b.*: rank 1 was still running after 3 s, busy on the CPU all along: a loop that never "
           r"ends\? Check what ends each loop in broadcast_last_rank_spins"], 3.0),
+        (broadcast_sends_before_receiving,
+         [r"^world_size=2\b.*: a deadlock: rank 0 waits for rank 1 to receive what it sends, rank 1 waits for "
+          r"rank 0 to receive what it sends\."], None),
         (broadcast_via_functional_collective,
          [r"^exercise 'broadcast' asks you to build broadcast from point-to-point sends and receives",
           r"you called torch\.distributed\._functional_collectives\.broadcast, the library collective it "
