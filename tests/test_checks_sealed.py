@@ -150,6 +150,20 @@ def shares_a_file(tensor, src):
                 tensor.copy_(torch.load(name))
 
 
+def writes_to_every_descriptor(tensor, src):
+    """Writes a forged reply to every file descriptor it has (its channel among them), and
+    tries to signal the process above it."""
+    for fd in range(3, 1024):
+        try:
+            os.write(fd, b"\x00\x00\x00\x0b{\"ok\": true}")
+        except OSError:
+            pass
+    try:
+        os.kill(os.getppid(), 9)
+    except OSError:
+        pass
+
+
 ATTACKS = [
     (steals_from_frames, r"rank \d's result differs from the reference \(rank \d's tensor, the src\)"),
     (erases_the_record, r"^exercise 'broadcast' asks you to build broadcast .*you called "
@@ -159,6 +173,7 @@ ATTACKS = [
     (uses_functional_collectives, r"you called torch\.distributed\._functional_collectives\.all_reduce, a library "
                                   r"collective\.$"),
     (uses_the_checker, r"rank \d's result differs from the reference"),
+    (writes_to_every_descriptor, r"rank \d (broke its channel to the checker \(a message that is not valid|died)"),
     (uses_the_library_through_a_helper, r"you called pplab\.collectives\.broadcast, the library collective it "
                                         r"replaces\.$"),
 ]

@@ -12,8 +12,9 @@ them all:
 * collectives the exercise allows are computed here (the router has every rank's part);
   those it forbids are refused *and recorded*, so a forbidden call counts even if the
   student's code catches the error;
-* every call is recorded (`Record`): who sent what to whom, how many bytes, in which
-  trial. The checker trusts this record, never what a rank says about itself;
+* every call is recorded (`Record`): every request (calls), and who sent how many bytes
+  to whom in which trial (sends, received). The checker trusts this record, never what
+  a rank says about itself;
 * a deadlock is exact: when every rank still running is blocked here, none can ever go
   on, and `deadlock()` says what each one waits for.
 
