@@ -124,8 +124,9 @@ class _Done(Work):
 
 
 def _write_into(tensor: torch.Tensor, blob: bytes) -> None:
+    """The bytes that arrived, as this tensor's dtype and shape (as gloo does: bytes, not values)."""
     with torch.no_grad():
-        tensor.copy_(to_tensor({**tensor_meta(tensor), "dtype": str(tensor.dtype).replace("torch.", "")}, blob))
+        tensor.copy_(to_tensor(tensor_meta(tensor), blob))
 
 
 def _ranks(group) -> tuple:

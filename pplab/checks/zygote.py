@@ -26,9 +26,9 @@ from .isolation import _PR_SET_DUMPABLE, _PR_SET_PDEATHSIG, prctl
 _ZYGOTES: list = []                     # the zygote of the check running now (run_check enters one)
 
 
-
-
 class Zygote:
+    """The checker's handle on its zygote: `launch` ranks, `end` them, `close` it."""
+
     def __init__(self, answer):
         self.control, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with warnings.catch_warnings():
@@ -53,7 +53,10 @@ class Zygote:
             fds += [theirs.detach(), out_w, err_w]
         try:
             socket.send_fds(self.control, [json.dumps({"launch": world_size}).encode()], fds)
-            pids = json.loads(self.control.recv(1 << 16))["pids"]
+            reply = self.control.recv(1 << 16)
+            if not reply:
+                raise RuntimeError("the zygote of this check has died: run the check again")
+            pids = json.loads(reply)["pids"]
         finally:
             for fd in fds:
                 os.close(fd)
