@@ -237,8 +237,9 @@ def _serve(router, socks, output, pids, job, inputs, forbidden, exercise, timeou
         """One message from rank r: the checker's own kinds here, requests to the router."""
         op = header.get("op")
         if op == "hello":
-            _ISOLATION["missing"] = str(header.get("isolation", ""))
-            busy.forked[r] = not _ISOLATION["missing"].startswith("no namespaces")
+            missing = str(header.get("isolation", ""))
+            _ISOLATION["missing"] = missing if r == 0 else _ISOLATION["missing"] or missing
+            busy.forked[r] = not missing.startswith("no namespaces")
         elif op == "observe":
             trial = header.get("trial")
             if not isinstance(trial, int) or not 0 <= trial < len(observed) or len(blobs) != 1:
