@@ -8,8 +8,8 @@
 The first two run on 2, 3 and 4 real ranks with random float32 and int64 tensors, some
 smaller than p and some that p does not divide, and compare every rank with the sum
 computed in one process (exact for int64, to 1e-5 for float32). They also read whom each
-rank sent to and how many bytes, from the record of the checker's router (the three
-launch sealed ranks, sealed.py): a ring sends only to its right neighbour, one chunk of
+rank sent to and how many bytes, from the record the checker's router keeps (all three
+run on sealed ranks, sealed.py): a ring sends only to its right neighbour, one chunk of
 about 1/p of the data per step.
 """
 from __future__ import annotations
