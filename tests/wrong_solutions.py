@@ -82,8 +82,7 @@ def broadcast_forgets_wraparound(tensor, src):
 
 
 def broadcast_via_functional_collective(tensor, src):
-    """Gets the right values without a single send or recv (a functional collective the
-    check does not intercept by name): the check sees that nothing was received."""
+    """A functional collective: the checker's router refuses it like any other library collective."""
     out = funcol.broadcast(tensor, src, dist.group.WORLD)
     tensor.copy_(out.wait() if hasattr(out, "wait") else out)
 
@@ -116,6 +115,15 @@ def broadcast_last_rank_spins(tensor, src):
         comm.recv(tensor, src)
 
 
+def broadcast_sends_before_receiving(tensor, src):
+    """Passes the tensor round the ring with every rank sending before it receives: each
+    blocking send waits for a receiver that is itself sending."""
+    rank, p = comm.rank(), comm.world_size()
+    for _ in range(p - 1):
+        comm.send(tensor, (rank + 1) % p)
+        comm.recv(tensor, (rank - 1) % p)
+
+
 # Failures are reported for the first trial that went wrong, lowest rank first.
 TRIAL = r"^world_size=\d, src=\d, dtype=(float32|int64), shape=\([\d, ]*\): "
 WRONG = {
@@ -136,7 +144,8 @@ WRONG = {
          [TRIAL, r"returned the result as a new tensor on rank \d but left `tensor` unchanged", r"in place"],
          None),
         (broadcast_receives_first,
-         [r"^world_size=2\b.*: ranks 0, 1 were still waiting after 3 s: a deadlock\?"], 3.0),
+         [r"^world_size=2\b.*: a deadlock: rank 0 waits to receive from rank 1, rank 1 waits to receive from "
+          r"rank 0\. No rank could go on, so the check stopped them at once\."], 3.0),
         (broadcast_forgets_wraparound,
          [TRIAL, r"rank \d raised ValueError: dst=\d is not a rank",
           r"\(in broadcast_forgets_wraparound, line \d+: `comm\.send\(tensor, relative \+ mask \+ src\)`\)"],
@@ -146,7 +155,12 @@ WRONG = {
         (broadcast_last_rank_spins,
          [r"^world_size=2\b.*: rank 1 was still running after 3 s, busy on the CPU all along: a loop that never "
           r"ends\? Check what ends each loop in broadcast_last_rank_spins"], 3.0),
+        (broadcast_sends_before_receiving,
+         [r"^world_size=2\b.*: a deadlock: rank 0 waits for rank 1 to receive what it sends, rank 1 waits for "
+          r"rank 0 to receive what it sends\."], None),
         (broadcast_via_functional_collective,
-         [TRIAL, r"rank \d ended with the right values but received no point-to-point message"], None),
+         [r"^exercise 'broadcast' asks you to build broadcast from point-to-point sends and receives",
+          r"you called torch\.distributed\._functional_collectives\.broadcast, the library collective it "
+          r"replaces\.$"], None),
     ],
 }

@@ -8,8 +8,9 @@
 The first two run on 2, 3 and 4 real ranks with random float32 and int64 tensors, some
 smaller than p and some that p does not divide, and compare every rank with the sum
 computed in one process (exact for int64, to 1e-5 for float32). They also read whom each
-rank sent to and how many bytes (counted where the process group posts each send): a
-ring sends only to its right neighbour, one chunk of about 1/p of the data per step.
+rank sent to and how many bytes, from the record the checker's router keeps (all three
+run on sealed ranks, sealed.py): a ring sends only to its right neighbour, one chunk of
+about 1/p of the data per step.
 """
 from __future__ import annotations
 
@@ -23,8 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .. import costmodel
-from .core import (Fail, Forbidden, call_answer, check_number, exercise, first_difference, forbidden_references,
-                   observe, progress, require_function, run_on_ranks, watch_comm)
+from .core import Fail, call_answer, check_number, exercise, first_difference, require_function, sealed
 from .core import _fmt, refuse_library
 
 # ----------------------------------------------------------------------------------
@@ -54,7 +54,7 @@ def _broadcast_trials(seed: int, world_size: int) -> list[_Trial]:
 
 
 def _broadcast_inputs(seed: int, world_size: int, index: int, trial: _Trial) -> list[torch.Tensor]:
-    """A different random tensor for every rank; every rank can compute all of them."""
+    """A different random tensor for every rank (computed here: each rank gets only its own)."""
     g = torch.Generator().manual_seed(seed * 1000 + world_size * 100 + index)
     if trial.dtype == "int64":
         return [torch.randint(-10**6, 10**6, trial.shape, generator=g) for _ in range(world_size)]
@@ -73,28 +73,27 @@ def _returned_copy(returned, tensor):
     return returned.detach().clone() if isinstance(returned, torch.Tensor) and returned is not tensor else None
 
 
-def _broadcast_rank(fn, trials, seed, progress_dir):
-    """Run on every rank: call the student's fn on each trial, record what it left in the tensor."""
-    rank, p = dist.get_rank(), dist.get_world_size()
-    with watch_comm("broadcast", "broadcast") as watch:
-        for i, trial in enumerate(trials):
-            progress(progress_dir, i)
-            tensor = _broadcast_inputs(seed, p, i, trial)[rank].clone()
-            received = watch.receives
-            returned = fn(tensor, trial.src)
-            watch.raise_if_forbidden()
-            observe(progress_dir, i, {"tensor": tensor, "returned": _returned_copy(returned, tensor),
-                                      "received": watch.receives - received, "forbidden": watch.forbidden})
+def _broadcast_rank(fn, trials):
+    """Run on every (sealed) rank: call the student's fn on each trial, record what it left in the tensor."""
+    for i, trial in enumerate(trials):
+        sealed.begin(i)
+        tensor = trial["tensor"]
+        returned = fn(tensor, trial["src"])
+        sealed.observe(i, {"tensor": tensor, "returned": _returned_copy(returned, tensor)})
+
+
+def _received(traffic, rank) -> int:
+    """Bytes the router delivered to `rank` in one trial."""
+    return sum(n for _, n in traffic[rank]["received"])
 
 
 def _check_broadcast(name, trials, seed):
-    """check(world_size, trial, observed), in the checker's process: every rank's tensor is src's."""
-    def check(p, i, observed):
+    """check(world_size, trial, observed, traffic), in the checker's process: every rank's tensor is src's."""
+    def check(p, i, observed, traffic):
         trial = trials[p][i]
         expected = _broadcast_inputs(seed, p, i, trial)[trial.src]
+        n_bytes = expected.numel() * expected.element_size()
         for rank, seen in sorted(observed.items()):
-            if seen["forbidden"]:
-                raise Forbidden(seen["forbidden"][0])
             tensor, returned = seen["tensor"], seen["returned"]
             if tensor.dtype != expected.dtype or tensor.shape != expected.shape:
                 raise Fail(f"rank {rank}'s tensor changed from {expected.dtype}{tuple(expected.shape)} to "
@@ -113,15 +112,15 @@ def _check_broadcast(name, trials, seed):
                                f"index {index} (got {_fmt(got)}, expected {_fmt(want)}).")
                 raise Fail(f"rank {rank}'s result differs from the reference (rank {trial.src}'s tensor, the src) "
                            f"at index {index} (got {_fmt(got)}, expected {_fmt(want)}).")
-            if rank != trial.src and not seen["received"]:
-                raise Fail(f"rank {rank} ended with the right values but received no point-to-point message: "
-                           f"the data must travel with send/recv (pplab.comm or torch.distributed), not another "
-                           f"way.")
+            if rank != trial.src and _received(traffic, rank) < n_bytes:
+                raise Fail(f"rank {rank} ended with the right values but received {_received(traffic, rank):,} "
+                           f"bytes by point-to-point messages, less than its tensor's {n_bytes:,}: the data must "
+                           f"travel with send/recv (pplab.comm or torch.distributed), not another way.")
     return check
 
 
 @exercise("broadcast", "Broadcast built from point-to-point messages", answer="my_broadcast",
-          notebook="00_broadcast")
+          notebook="00_broadcast", sealed=True)
 def check_broadcast(fn, seed: int, timeout: float) -> str:
     """my_broadcast(tensor, src), called on every rank, leaves every rank's tensor equal to
     rank src's, in place, using only point-to-point operations."""
@@ -135,15 +134,14 @@ def check_broadcast(fn, seed: int, timeout: float) -> str:
                    seed_matters=False) from None
     except ValueError:
         pass                                             # no signature to inspect (a builtin)
-    reference = forbidden_references(fn, "broadcast", "broadcast")
-    if reference:
-        raise Forbidden(reference)
     sizes = (2, 3, 4)                                    # 3: not a power of two
     trials = {p: _broadcast_trials(seed, p) for p in sizes}
     for p in sizes:
-        run_on_ranks(_broadcast_rank, fn, trials[p], seed, world_size=p, timeout=timeout, answer=fn,
-                     describe=_describe_broadcast(trials), trials=len(trials[p]),
-                     check=_check_broadcast(fn.__name__, trials, seed))
+        inputs = [[{"tensor": tensor, "src": t.src} for tensor in _broadcast_inputs(seed, p, i, t)]
+                  for i, t in enumerate(trials[p])]
+        sealed.run_sealed(_broadcast_rank, fn, inputs, world_size=p, timeout=timeout,
+                          exercise=("broadcast", "broadcast"), describe=_describe_broadcast(trials),
+                          check=_check_broadcast(fn.__name__, trials, seed))
     n = sum(len(t) for t in trials.values())
     return (f"on world sizes {', '.join(map(str, sizes))} ({n} trials with random data: every src, "
             f"float32 and int64, 1 to 1000 elements, exact match)")
@@ -174,7 +172,7 @@ def _random(g, dtype: str, shape) -> torch.Tensor:
 
 
 def _inputs(seed, world_size, index, dtype, shape) -> list[torch.Tensor]:
-    """A different random tensor for every rank; every rank can compute all of them."""
+    """A different random tensor for every rank (computed here: each rank gets only its own)."""
     g = torch.Generator().manual_seed(seed * 1000 + world_size * 100 + index)
     return [_random(g, dtype, shape) for _ in range(world_size)]
 
@@ -223,14 +221,13 @@ def _describe(trials, what="shape"):
     return describe
 
 
-def _run(fn, exercise_id, builds, job, check, cases, seed, timeout, what="shape"):
-    reference = forbidden_references(fn, exercise_id, builds)
-    if reference:
-        raise Forbidden(reference)
+def _run(fn, exercise_id, builds, job, check, cases, seed, timeout, what="shape", shape=lambda p, x: x):
+    """Every trial on 2, 3 and 4 sealed ranks; shape(p, case) is the shape of each rank's input tensor."""
     trials = {p: _trials(seed, p, cases) for p in (2, 3, 4)}   # 3: not a power of two
     for p in trials:
-        run_on_ranks(job, fn, trials[p], seed, world_size=p, timeout=timeout, answer=fn,
-                     describe=_describe(trials, what), trials=len(trials[p]), check=check(fn.__name__, trials, seed))
+        inputs = [_inputs(seed, p, i, dtype, shape(p, x)) for i, (dtype, x) in enumerate(trials[p])]
+        sealed.run_sealed(job, fn, inputs, world_size=p, timeout=timeout, exercise=(exercise_id, builds),
+                          describe=_describe(trials, what), check=check(fn.__name__, trials, seed))
     return sum(map(len, trials.values()))
 
 
@@ -240,30 +237,22 @@ def _run(fn, exercise_id, builds, job, check, cases, seed, timeout, what="shape"
 _RS_CASES = ([("float32", 7), ("int64", 5), ("float32", 250)], [("float32", 1), ("int64", 1)])  # elements per rank
 
 
-def _reduce_scatter_rank(fn, trials, seed, progress_dir):
-    """Run on every rank: call the student's fn on each trial, record output, input and traffic."""
-    rank, p = dist.get_rank(), dist.get_world_size()
-    with watch_comm("reduce_scatter", "reduce_scatter") as watch:
-        for i, (dtype, n) in enumerate(trials):
-            progress(progress_dir, i)
-            input = _inputs(seed, p, i, dtype, (p * n,))[rank].clone()
-            output = torch.full((n,), -7777, dtype=input.dtype)
-            received, sent = watch.receives, len(watch.sends)
-            returned = fn(output, input)
-            watch.raise_if_forbidden()
-            observe(progress_dir, i, {"output": output, "input": input, "returned": _returned_copy(returned, output),
-                                      "received": watch.receives - received, "sends": watch.sends[sent:],
-                                      "forbidden": watch.forbidden})
+def _reduce_scatter_rank(fn, inputs):
+    """Run on every (sealed) rank: call the student's fn on each trial, record output and input."""
+    p = dist.get_world_size()
+    for i, input in enumerate(inputs):
+        sealed.begin(i)
+        output = torch.full((input.numel() // p,), -7777, dtype=input.dtype)
+        returned = fn(output, input)
+        sealed.observe(i, {"output": output, "input": input, "returned": _returned_copy(returned, output)})
 
 
 def _check_reduce_scatter(name, trials, seed):
-    def check(p, i, observed):
+    def check(p, i, observed, traffic):
         dtype, n = trials[p][i]
         inputs = _inputs(seed, p, i, dtype, (p * n,))
         chunk_sums = torch.stack(inputs).double().sum(0).to(inputs[0].dtype).view(p, n)
         for rank, seen in sorted(observed.items()):
-            if seen["forbidden"]:
-                raise Forbidden(seen["forbidden"][0])
             output, input, expected = seen["output"], seen["input"], chunk_sums[rank]
             _same_kind(rank, output, expected, "output")
             tol = _tolerance(expected.dtype)
@@ -291,7 +280,7 @@ def _check_reduce_scatter(name, trials, seed):
                            f"torch.distributed.reduce_scatter_tensor, leave input as it was (add up partial sums "
                            f"in a copy, input.clone()).")
             n_bytes = input.numel() * input.element_size()
-            _check_ring_traffic(rank, p, seen["sends"], seen["received"] > 0,
+            _check_ring_traffic(rank, p, traffic[rank]["sends"], _received(traffic, rank) > 0,
                                 (p - 1) * n * input.element_size(), n_bytes,
                                 "a ring reduce-scatter (p-1 steps of one chunk)",
                                 "sending each chunk straight to the rank that owns it is not a ring")
@@ -299,13 +288,13 @@ def _check_reduce_scatter(name, trials, seed):
 
 
 @exercise("reduce_scatter", "Ring reduce-scatter from point-to-point messages", answer="my_reduce_scatter",
-          notebook="01a_reduce_scatter")
+          notebook="01a_reduce_scatter", sealed=True)
 def check_reduce_scatter(fn, seed: int, timeout: float) -> str:
     """my_reduce_scatter(output, input), on every rank: output <- the sum over ranks of chunk
     `rank` of input (p equal chunks), by a ring of send/recv; input unchanged."""
     require_function(fn, "reduce_scatter", "output, input", torch.zeros(1), torch.zeros(2))
     n = _run(fn, "reduce_scatter", "reduce_scatter", _reduce_scatter_rank, _check_reduce_scatter, _RS_CASES, seed,
-             timeout, what="elements per rank")
+             timeout, what="elements per rank", shape=lambda p, n: (p * n,))
     return (f"on world sizes 2, 3, 4 ({n} trials with random float32 and int64 inputs of 1 to 250 elements per "
             f"rank; sums exact for int64, to 1e-5 for float32; every rank sent only to its right neighbour, "
             f"p-1 chunks)")
@@ -315,29 +304,20 @@ def check_reduce_scatter(fn, seed: int, timeout: float) -> str:
 # Exercise "ring_all_reduce"
 
 
-def _all_reduce_rank(fn, trials, seed, progress_dir):
-    """Run on every rank: call the student's fn on each trial, record the tensor and the traffic."""
-    rank, p = dist.get_rank(), dist.get_world_size()
-    with watch_comm("ring_all_reduce", "all_reduce") as watch:
-        for i, (dtype, shape) in enumerate(trials):
-            progress(progress_dir, i)
-            tensor = _inputs(seed, p, i, dtype, shape)[rank].clone()
-            received, sent = watch.receives, len(watch.sends)
-            returned = fn(tensor)
-            watch.raise_if_forbidden()
-            observe(progress_dir, i, {"tensor": tensor, "returned": _returned_copy(returned, tensor),
-                                      "received": watch.receives - received, "sends": watch.sends[sent:],
-                                      "forbidden": watch.forbidden})
+def _all_reduce_rank(fn, inputs):
+    """Run on every (sealed) rank: call the student's fn on each trial, record the tensor."""
+    for i, tensor in enumerate(inputs):
+        sealed.begin(i)
+        returned = fn(tensor)
+        sealed.observe(i, {"tensor": tensor, "returned": _returned_copy(returned, tensor)})
 
 
 def _check_all_reduce(name, trials, seed):
-    def check(p, i, observed):
+    def check(p, i, observed, traffic):
         dtype, shape = trials[p][i]
         inputs = _inputs(seed, p, i, dtype, shape)
         expected = torch.stack(inputs).sum(0) if dtype == "int64" else torch.stack(inputs).double().sum(0).float()
         for rank, seen in sorted(observed.items()):
-            if seen["forbidden"]:
-                raise Forbidden(seen["forbidden"][0])
             tensor = seen["tensor"]
             _same_kind(rank, tensor, expected)
             diff = first_difference(tensor, expected, **_tolerance(expected.dtype))
@@ -364,14 +344,14 @@ def _check_all_reduce(name, trials, seed):
                 raise Fail(message)
             n_bytes = tensor.numel() * tensor.element_size()
             limit = 2 * (p - 1) * math.ceil(tensor.numel() / p) * tensor.element_size()
-            _check_ring_traffic(rank, p, seen["sends"], seen["received"] > 0, limit, n_bytes,
+            _check_ring_traffic(rank, p, traffic[rank]["sends"], _received(traffic, rank) > 0, limit, n_bytes,
                                 "a ring all-reduce (2(p-1) steps of one chunk of at most ceil(numel/p) elements)",
                                 "sending everything to one rank and back is a parameter server, not a ring")
     return check
 
 
 @exercise("ring_all_reduce", "Ring all-reduce from point-to-point messages", answer="my_ring_all_reduce",
-          notebook="01b_ring_all_reduce")
+          notebook="01b_ring_all_reduce", sealed=True)
 def check_ring_all_reduce(fn, seed: int, timeout: float) -> str:
     """my_ring_all_reduce(tensor), on every rank: tensor <- the sum of every rank's tensor, in
     place, by a reduce-scatter then an all-gather round a ring of send/recv."""

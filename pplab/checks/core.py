@@ -15,18 +15,30 @@ The contract that keeps a mark honest
 `pplab grade` runs the checker, a `SourceAnswer`: the student's definitions as source
 text, which must never run in the checker's process (the grader runs checkers in a
 fresh process where no student code runs, and believes only what that process says).
-So a checker never calls the answer itself; it goes through one of these (answers.py, running.py):
+So a checker never calls the answer itself; it goes through one of these (sealed.py,
+answers.py, running.py):
 
-* `run_on_ranks(job, answer, *args, world_size=, timeout=, describe=, trials=, check=)`
-  launches `job(answer, *args, PROGRESS)` on real ranks (a SourceAnswer among the args
-  arrives in the job as the function it defines, run in that rank). The job, in each
-  rank, calls the answer and, per trial, `progress(PROGRESS, i)` (which trial it is on,
-  for messages about hangs and crashes) and `observe(PROGRESS, i, data)`: plain data
-  (tensors, numbers, strings, None, lists, tuples, dicts) of what the student's code
-  produced and what the rank observed (e.g. a `CommWatch`'s counts, copied out). The
-  job decides nothing: `check(world_size, i, {rank: data})` runs afterwards in the
-  checker's process, recomputes the reference from the seed, compares every rank and
-  raises each `Fail` (run_on_ranks puts `describe(world_size, i)` in front of it).
+* `sealed.run_sealed(job, answer, inputs, world_size=, timeout=, exercise=, describe=, check=)`
+  (register the exercise with `sealed=True`): the way a checker runs the answer on ranks.
+  `run_check` forks a zygote before it draws the seed; the ranks are forked from it and
+  hold no secret of the check. The checker computes every input here and passes
+  `inputs[trial][rank]`; rank r gets only its own, as `job(answer, [its input per trial])`.
+  The job calls `sealed.begin(i)` at each trial and `sealed.observe(i, data)` with plain
+  data of what the student's code produced. The ranks have no process group: every
+  send, receive and collective goes through a router in the checker's process, which
+  refuses the collectives in `forbidden=` ("*": all, the default), records every call,
+  and stops a deadlock at once. `check(world_size, i, {rank: data}, traffic)` runs here
+  afterwards; traffic is the router's record of trial i, {rank: {"sends": [(dst, bytes)],
+  "received": [(src, bytes)]}}: the bytes each rank really sent and received. It
+  compares every rank with the reference and raises each `Fail` (prefixed with
+  `describe(world_size, i)`). The module docstring of sealed.py has the whole contract.
+* `run_on_ranks(job, answer, *args, world_size=, timeout=, describe=, trials=, check=)`,
+  the older way, still used by the chapters not converted yet: ranks forked from the
+  checker's process with a real process group. A job there must not receive the seed
+  (it can read the checker's stack) and the counts a `CommWatch` keeps in the rank can
+  be forged; convert such a checker to run_sealed (sealed.py says how). The job gets a
+  progress directory: `progress(PROGRESS, i)`, `observe(PROGRESS, i, data)`, and
+  `check(world_size, i, {rank: data})`.
 * `call_answer(answer, *args, where=)` returns what the answer returned (in a child
   process for a SourceAnswer, with a time limit); the checker compares it.
 * `inspect_answer(answer, probe, *args)` runs `probe(function, *args)` where the
@@ -42,43 +54,42 @@ inside a rank still fails the check, but a pass can only come from `check` here.
 
 A sketch (see collectives.py's broadcast for a whole one):
 
-    def _rank(fn, trials, seed, progress_dir):            # in every rank
-        for i, trial in enumerate(trials):
-            progress(progress_dir, i)
-            tensor = inputs(seed, i)[dist.get_rank()].clone()
-            fn(tensor)                                    # the student's code
-            observe(progress_dir, i, {"tensor": tensor})
+    def _rank(fn, trials):                                 # in every sealed rank
+        for i, tensor in enumerate(trials):                # this rank's inputs only
+            sealed.begin(i)
+            fn(tensor)                                     # the student's code
+            sealed.observe(i, {"tensor": tensor})
 
-    def _check(name, trials, seed):
-        def check(p, i, observed):                        # here, after the ranks ran
-            for rank, seen in sorted(observed.items()):   # every rank, not only rank 0
+    def _check(name, seed):
+        def check(p, i, observed, traffic):                # here, after the ranks ran
+            for rank, seen in sorted(observed.items()):    # every rank, not only rank 0
                 if first_difference(seen["tensor"], reference(seed, i, p)) is not None:
                     raise Fail(f"rank {rank}'s result differs ...")
         return check
 
-    run_on_ranks(_rank, fn, trials, seed, world_size=p, timeout=timeout, answer=fn,
-                 describe=..., trials=len(trials), check=_check(fn.__name__, trials, seed))
+    inputs = [[make_input(seed, i, p, rank) for rank in range(p)] for i in range(n)]
+    sealed.run_sealed(_rank, fn, inputs, world_size=p, timeout=timeout, exercise=(id, "all_reduce"),
+                      describe=..., check=_check(fn.__name__, seed))
 
 `check` gets only the ranks that recorded trial i when the launch failed (a rank hung
 or crashed), so loop over what it is given; when the launch succeeded, every rank must
-have recorded every trial (run_on_ranks fails it otherwise). Treat observed data as
+have recorded every trial (the launch fails it otherwise). Treat observed data as
 untrusted: anything that is not what your job records (a KeyError, a wrong type) makes
 the check fail with "could not be read". A SourceAnswer has `__name__` and, for a plain
 def, `__signature__` (so `require_function` and messages work), and `callable()` is
 true, but calling it here raises TypeError. The answer runs with a fresh temporary
 folder as its working directory.
 
-* a checker for a collective runs the answer on real ranks with `run_on_ranks`, compares
-  every rank with a reference, and forbids the library collective the exercise replaces
-  (`watch_comm` in the job, `forbidden_references` before the launch);
+* a checker for a collective runs the answer on sealed ranks with `run_sealed`, compares
+  every rank with a reference, and forbids the library collectives (the router refuses
+  and records them; each rank also looks for one bound by name, `forbidden_references`);
 * a checker for a numeric answer (a bubble fraction, a byte count) compares a number
   (`check_number`); one for a pure function calls it with `call_answer`.
 
 Inputs are random, from a seed drawn fresh on every call (os.urandom) unless you
 pass seed=, so an answer cannot be tuned to them; a failure says which seed
-reproduces it. What a rank observes is measured in the process where the student's
-code runs: the values are checked against a reference here, but counts such as
-"received something" can be hidden by code that sets out to subvert the watch.
+reproduces it. In a sealed launch, what a rank says (its observations) is only what the
+student's code left in its own tensors; what it sent and received is the router's record.
 """
 from __future__ import annotations
 
@@ -122,15 +133,17 @@ class Exercise:
     answer: str                          # the name the student defines: a function or a variable
     checker: Callable                    # checker(answer, seed, timeout) -> summary, or raise Fail
     notebook: str = ""                   # where the exercise lives, for messages and the grader
+    sealed: bool = False                 # the checker uses run_sealed: run_check starts a zygote first
 
 
 EXERCISES: dict[str, Exercise] = {}
 
 
-def exercise(id: str, title: str, answer: str, notebook: str = ""):
-    """Register the decorated function as the checker of exercise `id`."""
+def exercise(id: str, title: str, answer: str, notebook: str = "", sealed: bool = False):
+    """Register the decorated function as the checker of exercise `id` (sealed=True: it
+    launches ranks with run_sealed, see sealed.py)."""
     def register(checker):
-        EXERCISES[id] = Exercise(id, title, answer, checker, notebook)
+        EXERCISES[id] = Exercise(id, title, answer, checker, notebook, sealed)
         return checker
     return register
 
@@ -169,6 +182,13 @@ def run_check(exercise_id: str, answer, *, seed: int | None = None, timeout: flo
     """
     ex = get_exercise(exercise_id)
     _SETTINGS["timeout"] = timeout                      # call_answer's limit in a child, by default
+    if ex.sealed and answer is not None and answer is not Ellipsis and callable(answer):
+        with zygote(answer):                            # forked now, before the seed exists
+            return _run_check(ex, answer, seed, timeout)
+    return _run_check(ex, answer, seed, timeout)
+
+
+def _run_check(ex: Exercise, answer, seed, timeout) -> CheckResult:
     if seed is None:
         seed = int.from_bytes(os.urandom(4), "little")
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
@@ -293,3 +313,5 @@ from .answers import SourceAnswer, allow_type, decode, encode, observe, progress
 from .running import (_SETTINGS, _not_implemented, _student_frame, call_answer, inspect_answer,  # noqa: E402
                       run_on_ranks)
 from .forbidden import CommWatch, forbidden_references, refuse_library, watch_comm  # noqa: E402
+from . import sealed  # noqa: E402
+from .sealed import zygote  # noqa: E402

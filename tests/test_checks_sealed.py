@@ -1,0 +1,330 @@
+"""Sealed launches (pplab/checks/sealed.py): attacks on the check from inside the student's
+answer get no pass, as a function object (pplab.check in a notebook) and as source (the
+grader's form); the router's record is exact; a deadlock is named at once."""
+import gc
+import inspect
+import os
+import re
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pplab import checks, comm, submission
+from pplab.checks import sealed
+from notebook_answers import solution
+
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")
+
+IMPORTS = "import gc\nimport os\nimport sys\nimport time\n\nimport torch\nimport torch.distributed as dist\n" \
+          "from pplab import comm"
+
+
+def as_source(fn):
+    """The answer as the grader takes it from a notebook: source text, run only in the ranks."""
+    cells = [(1, IMPORTS), (2, inspect.getsource(_token)), (3, textwrap.dedent(inspect.getsource(fn)))]
+    found = submission.definitions(cells, {fn.__name__})
+    return found.answers[fn.__name__]
+
+
+def both_forms(fn):
+    return [pytest.param(fn, id=f"{fn.__name__}-function"), pytest.param(as_source(fn), id=f"{fn.__name__}-source")]
+
+
+def _token(tensor, src):
+    """A one-element message from src to every other rank: "received something" holds."""
+    if comm.rank() == src:
+        for r in range(comm.world_size()):
+            if r != src:
+                comm.send(tensor.view(-1)[:1].clone(), r)
+    else:
+        comm.recv(torch.empty(1, dtype=tensor.dtype), src)
+
+
+# -- the attacks, each written as a student's answer -----------------------------------
+
+def steals_from_frames(tensor, src):
+    """Look for the seed, the trials and another rank's input in the stack and the heap,
+    write src's tensor without sending it; then a token message."""
+    import pplab.checks.collectives as c
+    rank, p, found = comm.rank(), comm.world_size(), None
+    frame = sys._getframe()
+    while frame is not None and found is None:
+        seen = frame.f_locals
+        if isinstance(seen.get("seed"), int) and "trials" in seen and isinstance(seen.get("i"), int):
+            trial = seen["trials"][seen["i"]]
+            found = c._broadcast_inputs(seen["seed"], p, seen["i"], trial)[src]
+        frame = frame.f_back
+    for obj in gc.get_objects():
+        if found is None and isinstance(obj, dict) and obj.get("src") == src and \
+                isinstance(obj.get("tensor"), torch.Tensor) and obj["tensor"] is not tensor and \
+                obj["tensor"].shape == tensor.shape and not torch.equal(obj["tensor"], tensor):
+            found = obj["tensor"]               # a tensor of another rank, if this rank held one
+    if found is not None and rank != src:
+        tensor.copy_(found)
+    _token(tensor, src)
+
+
+def erases_the_record(tensor, src):
+    """Calls the forbidden collective, catches the error, erases every record of it it can
+    find (a CommWatch's list, watch_comm's saved originals), then does it right."""
+    try:
+        dist.all_reduce(tensor.clone())
+    except Exception:
+        pass
+    for obj in gc.get_objects():
+        if type(obj).__name__ == "CommWatch":
+            obj.forbidden.clear()
+        if type(obj).__name__ == "Record" and hasattr(obj, "forbidden"):
+            obj.forbidden.clear()
+    rank, p = comm.rank(), comm.world_size()
+    if rank == src:
+        for r in range(p):
+            if r != src:
+                comm.send(tensor, r)
+    else:
+        comm.recv(tensor, src)
+
+
+def uses_the_backend(tensor, src):
+    """All-reduce through the process group's backend object (zeros everywhere but src),
+    plus a token message."""
+    if comm.rank() != src:
+        tensor.zero_()
+    group = dist.distributed_c10d._get_default_group()
+    group.allreduce([tensor]).wait()
+    _token(tensor, src)
+
+
+def uses_functional_collectives(tensor, src):
+    """The same through torch.distributed._functional_collectives."""
+    from torch.distributed import _functional_collectives as funcol
+    if comm.rank() != src:
+        tensor.zero_()
+    tensor.copy_(funcol.all_reduce(tensor, "sum", list(range(comm.world_size()))))
+    _token(tensor, src)
+
+
+def uses_the_checker(tensor, src):
+    """Import the checker, try to recompute the inputs (no seed to find: try the small ones)
+    and to run the check itself from inside; then a token message."""
+    import pplab.checks
+    import pplab.checks.collectives as c
+    rank, p = comm.rank(), comm.world_size()
+    for seed in range(200):
+        for i, trial in enumerate(c._broadcast_trials(seed, p)):
+            inputs = c._broadcast_inputs(seed, p, i, trial)
+            if torch.equal(inputs[rank], tensor) and trial.src == src:
+                tensor.copy_(inputs[src])
+    try:
+        pplab.checks.run_check("broadcast", lambda t, s: None)
+    except Exception:
+        pass
+    _token(tensor, src)
+
+
+def uses_the_library_through_a_helper(tensor, src):
+    """pplab.collectives.broadcast (the library's answer), called by a helper."""
+    import pplab.collectives
+
+    def helper(t, s):
+        return getattr(pplab.collectives, "broad" + "cast")(t, s)
+    helper(tensor, src)
+
+
+def shares_a_file(tensor, src):
+    """src writes its tensor to /tmp and /dev/shm, the others read it there; a token message."""
+    rank, kind = comm.rank(), f"{tensor.dtype}-{tensor.numel()}"
+    names = [f"/tmp/pplab-attack-{kind}.pt", f"/dev/shm/pplab-attack-{kind}.pt"]
+    if rank == src:
+        for name in names:
+            torch.save(tensor, name + ".part")
+            os.replace(name + ".part", name)
+    _token(tensor, src)                     # after it: src has written the files
+    if rank != src:
+        for name in names:
+            if os.path.exists(name):
+                tensor.copy_(torch.load(name))
+
+
+def writes_to_every_descriptor(tensor, src):
+    """Writes a forged reply to every file descriptor it has (its channel among them), and
+    tries to signal the process above it."""
+    for fd in range(3, 1024):
+        try:
+            os.write(fd, b"\x00\x00\x00\x0b{\"ok\": true}")
+        except OSError:
+            pass
+    try:
+        os.kill(os.getppid(), 9)
+    except OSError:
+        pass
+
+
+ATTACKS = [
+    (steals_from_frames, r"rank \d's result differs from the reference \(rank \d's tensor, the src\)"),
+    (erases_the_record, r"^exercise 'broadcast' asks you to build broadcast .*you called "
+                        r"torch\.distributed\.all_reduce, a library collective\.$"),
+    (uses_the_backend, r"rank \d raised RuntimeError: a check's ranks have no process group.* \(in uses_the_backend, "
+                       r"line \d+: `group = dist\.distributed_c10d\._get_default_group\(\)`\)"),
+    (uses_functional_collectives, r"you called torch\.distributed\._functional_collectives\.all_reduce, a library "
+                                  r"collective\.$"),
+    (uses_the_checker, r"rank \d's result differs from the reference"),
+    (writes_to_every_descriptor, r"rank \d (broke its channel to the checker \(a message that is not valid|died)"),
+    (uses_the_library_through_a_helper, r"you called pplab\.collectives\.broadcast, the library collective it "
+                                        r"replaces\.$"),
+]
+
+
+@pytest.mark.parametrize("answer, pattern", [pytest.param(form.values[0], pattern, id=form.id)
+                                             for fn, pattern in ATTACKS
+                                             for form in both_forms(fn)])
+def test_an_attack_from_inside_the_answer_gets_no_pass(answer, pattern):
+    result = checks.run_check("broadcast", answer)
+    assert not result
+    assert re.search(pattern, result.message), result.message
+
+
+@pytest.mark.parametrize("answer", both_forms(shares_a_file))
+def test_ranks_share_no_file(answer):
+    result = checks.run_check("broadcast", answer)
+    if sealed.isolation():
+        pytest.skip(f"this system does not isolate the ranks ({sealed.isolation()})")
+    assert not result
+    assert re.search(r"rank \d's result differs from the reference \(rank \d's tensor, the src\)", result.message)
+
+
+# -- the router's record and its deadlock detection ------------------------------------
+
+RECORDED = []
+
+
+@pytest.fixture
+def ring_bytes_exercise():
+    """A check that runs the ring all-reduce once on 3 ranks, 13 float32 elements, and keeps
+    the router's record."""
+    from pplab.checks import collectives
+
+    @checks.exercise("test_ring_bytes", "the router's record", answer="f", sealed=True)
+    def check_ring_bytes(fn, seed, timeout):
+        def keep(p, i, observed, traffic):
+            RECORDED.append(({r: traffic[r] for r in range(p)}, observed))
+        inputs = [[torch.arange(13, dtype=torch.float32) * (r + 1) for r in range(3)]]
+        sealed.run_sealed(collectives._all_reduce_rank, fn, inputs, world_size=3, timeout=timeout,
+                          exercise=("test_ring_bytes", "all_reduce"), check=keep)
+        return "(recorded)"
+    RECORDED.clear()
+    yield
+    del checks.EXERCISES["test_ring_bytes"]
+
+
+@pytest.mark.usefixtures("ring_bytes_exercise")
+def test_the_router_records_every_byte_of_a_ring():
+    """13 elements in 3 chunks of 5, 4, 4 (tensor.tensor_split(3)): 20, 16, 16 bytes. Step s
+    of the reduce-scatter sends chunk (r-s-1) % 3, step s of the all-gather chunk (r-s) % 3."""
+    result = checks.run_check("test_ring_bytes", solution("ring_all_reduce"))
+    assert result, result.message
+    (traffic, observed), = RECORDED
+    assert traffic[0]["sends"] == [(1, 16), (1, 16), (1, 20), (1, 16)]      # chunks 2, 1 | 0, 2
+    assert traffic[1]["sends"] == [(2, 20), (2, 16), (2, 16), (2, 20)]      # chunks 0, 2 | 1, 0
+    assert traffic[2]["sends"] == [(0, 16), (0, 20), (0, 16), (0, 16)]      # chunks 1, 0 | 2, 1
+    for r in range(3):
+        assert traffic[r]["received"] == [((r - 1) % 3, n) for _, n in traffic[(r - 1) % 3]["sends"]]
+        assert torch.equal(observed[r]["tensor"], torch.arange(13, dtype=torch.float32) * 6)
+
+
+def receives_first(tensor, src):
+    comm.recv(tensor, (comm.rank() - 1) % comm.world_size())
+    comm.send(tensor, (comm.rank() + 1) % comm.world_size())
+
+
+@pytest.mark.parametrize("answer", both_forms(receives_first))
+def test_a_deadlock_is_named_at_once(answer):
+    """The router sees every rank waiting for another: the message names the cycle (a
+    timeout would say "still waiting after 600 s" instead)."""
+    result = checks.run_check("broadcast", answer, timeout=600)
+    assert re.search(r"^world_size=2, .*: a deadlock: rank 0 waits to receive from rank 1, rank 1 waits to receive "
+                     r"from rank 0\. No rank could go on, so the check stopped them at once\.", result.message)
+
+
+def sleeps_on_the_last_rank(tensor, src):
+    if comm.rank() == comm.world_size() - 1:
+        time.sleep(3600)
+    receives_first(tensor, src)
+
+
+def test_a_rank_that_waits_for_something_else_is_not_called_a_deadlock():
+    result = checks.run_check("broadcast", sleeps_on_the_last_rank, timeout=2)
+    assert re.search(r"^world_size=2, .*: rank 1 was still running after 2 s, neither busy on the CPU nor waiting for "
+                     r"a message: what is it waiting for \(a sleep, an input, a lock\)\? \(rank 0 waits to receive "
+                     r"from rank 1\)", result.message), result.message
+
+
+def finds_no_seed(tensor, src):
+    """A right broadcast that first looks for the seed in every frame of its stack."""
+    for frame in [sys._getframe(k) for k in range(len(inspect.stack(0)))]:
+        if isinstance(frame.f_locals.get("seed"), int):
+            raise RuntimeError(f"found the seed, {frame.f_locals['seed']}, in {frame.f_code.co_name}")
+    rank, p = comm.rank(), comm.world_size()
+    if rank == src:
+        for r in range(p):
+            if r != src:
+                comm.send(tensor, r)
+    else:
+        comm.recv(tensor, src)
+
+
+def test_not_even_a_seed_given_to_run_check_reaches_the_ranks():
+    result = checks.run_check("broadcast", finds_no_seed, seed=12345)
+    assert result, result.message
+
+
+@pytest.mark.parametrize("exercise_id", ["broadcast", "reduce_scatter", "ring_all_reduce"])
+@pytest.mark.parametrize("form", ["function", "source"])
+def test_correct_answers_pass_on_2_3_and_4_ranks(exercise_id, form):
+    fn = solution(exercise_id)
+    if form == "source":
+        from notebook_answers import solution_notebook
+        cells = [(n, c.source) for n, c in enumerate(solution_notebook(exercise_id).cells, 1)
+                 if c.cell_type == "code"]
+        fn = submission.definitions(cells, {fn.__name__}).answers[fn.__name__]
+    result = checks.run_check(exercise_id, fn)
+    assert result, result.message
+    assert "on world sizes 2, 3, 4" in result.message
+
+
+# -- collectives an exercise allows are computed by the router --------------------------
+
+def _collectives_job(fn, inputs):
+    sealed.begin(0)
+    t = inputs[0].clone()
+    dist.all_reduce(t)
+    b = inputs[0].clone()
+    dist.broadcast(b, 1)
+    out = torch.empty(inputs[0].numel() * dist.get_world_size())
+    dist.all_gather_into_tensor(out, inputs[0])
+    sealed.observe(0, {"sum": t, "from_1": b, "all": out, "rank": comm.rank(), "p": comm.world_size()})
+
+
+def test_allowed_collectives_go_through_the_router():
+    seen = {}
+
+    @checks.exercise("test_collectives", "collectives", answer="f", sealed=True)
+    def check_collectives(fn, seed, timeout):
+        def keep(p, i, observed, traffic):
+            seen.update(observed)
+        inputs = [[torch.full((2,), float(r + 1)) for r in range(3)]]
+        sealed.run_sealed(_collectives_job, fn, inputs, world_size=3, timeout=timeout, exercise=("x", "y"),
+                          check=keep, forbidden=())
+        return ""
+    try:
+        assert checks.run_check("test_collectives", lambda: None), "the launch failed"
+    finally:
+        del checks.EXERCISES["test_collectives"]
+    for r in range(3):
+        assert seen[r]["rank"] == r and seen[r]["p"] == 3
+        assert seen[r]["sum"].tolist() == [6.0, 6.0] and seen[r]["from_1"].tolist() == [2.0, 2.0]
+        assert seen[r]["all"].tolist() == [1.0, 1.0, 2.0, 2.0, 3.0, 3.0]
