@@ -223,7 +223,7 @@ def test_grade_a_folder_of_good_and_bad_submissions(tmp_path):
     assert "is not implemented yet" not in rows["bob"]["notes"]
     assert rows["cyd"]["notes"] == ""
     assert "kernel died in cell 2" in rows["dan"]["notes"]
-    assert "still waiting after 6 s: a deadlock?" in rows["eve"]["notes"]
+    assert "a deadlock: rank 0 waits to receive from rank 1" in rows["eve"]["notes"]
     assert rows["hal"]["notes"].startswith("could not read the notebook: not a notebook (not JSON")
 
 
