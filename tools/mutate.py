@@ -50,9 +50,11 @@ def T(*names, k=None):
     return args + (("-k", k) if k else ())
 
 
-COLL, DP, TP, ZERO = T("test_collectives"), T("test_data_parallel"), T("test_tensor_parallel"), T("test_zero")
+COLL, DP, TP, ZERO = T("test_collectives"), T("test_data_parallel", "test_data_parallel_more"), \
+    T("test_tensor_parallel"), T("test_zero")
 PIPE, SP, EP, TRACE = T("test_pipeline_schedules", "test_pipeline_executor"), T("test_sequence_parallel"), \
-    T("test_expert_parallel"), T("test_trace")
+    T("test_expert_parallel", "test_expert_parallel_more"), T("test_trace")
+TPT = T("test_tensor_parallel_transformer", "test_tensor_parallel_transformer_more")
 
 MUTANTS = [
     # collectives.py: the algorithms behind every chapter
@@ -71,8 +73,9 @@ MUTANTS = [
     Mutant("pplab/collectives.py", "OPS = {\"sum\": torch.add, \"product\": torch.mul, \"max\": torch.maximum,",
            "OPS = {\"sum\": torch.add, \"product\": torch.mul, \"max\": torch.minimum,", COLL,
            "max computed as min"),
-    Mutant("pplab/collectives.py", "partner, mid = ranks[me ^ mask], (lo + hi) // 2",
-           "partner, mid = ranks[me ^ mask], (lo + hi + 1) // 2", COLL, "halving-doubling: uneven halves"),
+    Mutant("pplab/collectives.py", "_sendrecv(part(lo, hi), partner, part(other, other + mask), partner, group)",
+           "_sendrecv(part(lo, hi), partner, part(other, other + mask - 1), partner, group)", COLL,
+           "halving-doubling: all-gather receives one chunk short"),
     Mutant("pplab/collectives.py", "if r != src and piece.numel()]", "if r != src and piece.numel() > 1]", COLL,
            "scatter: one-element pieces never sent"),
     Mutant("pplab/collectives.py", "chunks = flat.tensor_split(len(ranks))",
@@ -105,10 +108,10 @@ MUTANTS = [
            "self.j, self.i = divmod(ranks.index(dist.get_rank()), q)", T("test_tensor_parallel_2d"),
            "2D grid: rows and columns swapped"),
     Mutant("pplab/tensor_parallel_transformer.py", "mine = (targets >= start) & (targets < start + logits.shape[-1])",
-           "mine = (targets >= start) & (targets <= start + logits.shape[-1])", T("test_tensor_parallel_transformer"),
+           "mine = (targets >= start) & (targets <= start + logits.shape[-1])", TPT,
            "vocab-parallel loss: a target owned by two ranks"),
     Mutant("pplab/tensor_parallel_transformer.py", "comm.all_reduce(m, op=\"max\", group=group)",
-           "comm.all_reduce(m, op=\"min\", group=group)", T("test_tensor_parallel_transformer"),
+           "comm.all_reduce(m, op=\"min\", group=group)", TPT,
            "vocab-parallel loss: min instead of max"),
     Mutant("pplab/tensor_parallel_cnn.py", "m.weight.copy_(conv.weight[start:end])",
            "m.weight.copy_(conv.weight[start:end].flip(0))", T("test_tensor_parallel_cnn"),
@@ -144,9 +147,9 @@ MUTANTS = [
            "Ulysses back: every rank assumes rank 0's length"),
     Mutant("pplab/ring_attention.py", "if qb > qa and kb > ka and ka < qb:", "if qb > qa and kb > ka and ka < qa:",
            SP, "causal ring: the diagonal block skipped"),
-    Mutant("pplab/ring_attention.py", "out.append((slice(qo, qo + qb - qa), slice(ko, ko + kb - ka), kb > qa))",
-           "out.append((slice(qo, qo + qb - qa), slice(ko, ko + kb - ka), kb > qa + 1))", SP,
-           "causal ring: a one-token block left unmasked"),
+    Mutant("pplab/ring_attention.py", "dtype=torch.bool, device=s.device).triu(1), -math.inf)",
+           "dtype=torch.bool, device=s.device).triu(2), -math.inf)", SP,
+           "causal mask off by one: a query sees the next key"),
     Mutant("pplab/ring_attention.py", "lse = torch.logaddexp(lse1, lse2)", "lse = torch.maximum(lse1, lse2)", SP,
            "merge: max instead of log-sum-exp"),
     # expert_parallel.py
