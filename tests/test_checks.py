@@ -97,9 +97,7 @@ def test_other_correct_broadcasts_pass(fn):
 # -- library collectives are refused ------------------------------------------------
 
 def test_course_collectives_are_refused_too():
-    collectives = pytest.importorskip("pplab.collectives")
-    if not hasattr(collectives, "broadcast"):
-        pytest.skip("pplab.collectives has no broadcast")
+    from pplab import collectives
     bc = collectives.broadcast
 
     def through_module(tensor, src):
@@ -143,6 +141,26 @@ def test_the_seed_reproduces_a_failure():
     assert "Re-run with seed=12345 to reproduce." in first.message
     # without a seed, the inputs come from os.urandom: a fresh seed every time
     assert len({checks.run_check("broadcast", broadcast_to_next_only).seed for _ in range(2)}) == 2
+
+
+def test_after_a_failed_launch_trials_are_judged_up_to_the_first_one_a_rank_never_recorded(tmp_path):
+    """Rank 2 never finished trial 1; ranks 0 and 1 did, went on, and recorded trial 2. Trial 1
+    is judged on what 0 and 1 saw (a wrong value there is the clearest message), trial 2 not:
+    what they saw there is out of step with rank 2, so the launch's own failure (the hang,
+    naming the ranks still waiting) is what gets reported. Had the launch ended well, the
+    missing record would be a fail naming rank 2."""
+    from pplab.checks.answers import encode
+    from pplab.checks.running import _check_observed
+
+    for trial, ranks in ((0, (0, 1, 2)), (1, (0, 1)), (2, (0, 1))):
+        for r in ranks:
+            (tmp_path / f"observed.{r}.{trial}").write_bytes(encode({"rank": r}))
+    judged = []
+    _check_observed(str(tmp_path), 3, 3, lambda p, i, seen: judged.append((i, sorted(seen))),
+                    lambda rank, trial=None: "", complete=False)
+    assert judged == [(0, [0, 1, 2]), (1, [0, 1])]
+    with pytest.raises(checks.Fail, match="^rank 2 recorded no result for this trial"):
+        _check_observed(str(tmp_path), 3, 3, lambda p, i, seen: None, lambda rank, trial=None: "", complete=True)
 
 
 def test_trials_cover_every_src_dtype_and_shape():

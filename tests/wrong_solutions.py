@@ -124,6 +124,25 @@ def broadcast_sends_before_receiving(tensor, src):
         comm.recv(tensor, (rank - 1) % p)
 
 
+_listened = []
+
+
+def broadcast_rank_2_listens_to_the_wrong_rank_once(tensor, src):
+    """Right everywhere but on rank 2, and there in one trial only: it waits for src's
+    neighbour instead of src, so it never finishes (never records) that trial while the
+    other ranks finish it and go on. The message must still name rank 2 as stuck."""
+    rank, p = comm.rank(), comm.world_size()
+    if rank == src:
+        for r in range(p):
+            if r != src:
+                comm.send(tensor, r)
+    elif rank == 2 and not _listened:
+        _listened.append(src)
+        comm.recv(tensor, next(r for r in range(src + 1, src + p) if r % p != 2) % p)
+    else:
+        comm.recv(tensor, src)
+
+
 # Failures are reported for the first trial that went wrong, lowest rank first.
 TRIAL = r"^world_size=\d, src=\d, dtype=(float32|int64), shape=\([\d, ]*\): "
 WRONG = {
@@ -132,6 +151,8 @@ WRONG = {
          [TRIAL, r"src=[1-9]",
           r"(result differs from the reference|is the src, so its tensor must stay as it was, but it changed)"],
          None),
+        (broadcast_rank_2_listens_to_the_wrong_rank_once,      # the router sees every rank wait: named at once
+         [r"^world_size=3, .*: a deadlock: .*rank 2 waits to receive from rank \d"], 10.0),
         (broadcast_to_next_only,
          [r"^world_size=[34], .*: rank \d's result differs from the reference \(rank \d's tensor, the src\) "
           r"at index [\d(]"], None),

@@ -52,6 +52,16 @@ def dispatch_unstable(expert, num_experts, world_size):
     return torch.bincount(expert[order] // (num_experts // world_size), minlength=world_size).tolist(), order
 
 
+def dispatch_drops_last_choice_on_rank_2(expert, num_experts, world_size):
+    """Right on ranks 0 and 1; on rank 2 the last kept choice is left out (a loop bound
+    off by one that only that rank's code path hits). Only a check of every rank sees it."""
+    order = _kept_sorted(expert)
+    if comm.rank() == 2:
+        last = (expert >= 0).nonzero().flatten()[-1]
+        order = order[order != last]
+    return torch.bincount(expert[order] // (num_experts // world_size), minlength=world_size).tolist(), order
+
+
 def dispatch_from_the_library(expert, num_experts, world_size):
     from pplab import expert_parallel
     return expert_parallel.dispatch_plan(expert, num_experts, world_size)
@@ -94,6 +104,7 @@ WRONG = {
         (dispatch_keeps_dropped, [WHERE + r"'s send_counts is", r"expert -1 were dropped"], None),
         (dispatch_my_experts_first, [r"^world_size=\d, .*: rank [1-3]'s order is", r"whatever rank you are"], None),
         (dispatch_unstable, [WHERE + r"'s order is", r"sort stably"], None),
+        (dispatch_drops_last_choice_on_rank_2, [r"^world_size=3, .*: rank 2's send_counts is"], None),
         (dispatch_from_the_library, [r"pplab\.expert_parallel\.dispatch_plan, the library's answer"], None),
     ],
     "moe_bytes": [

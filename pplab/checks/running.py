@@ -233,6 +233,8 @@ def _check_observed(directory, world_size, trials, check, where, complete: bool)
         except Exception as exc:  # noqa: BLE001 - data shaped unlike what the job records: refused
             raise Fail(f"{where(0, trial)}the results recorded by the ranks could not be read "
                        f"({type(exc).__name__}: {exc}).") from None
+        if missing:         # the launch failed in this trial: what ranks recorded after it is out of step
+            return
 
 
 _SETTINGS = {"timeout": 30.0}
