@@ -28,7 +28,8 @@ BASELINE = "3958f32"          # main before the sandbox (session 5)
 def grade_once(tree: Path, subs: Path, out: Path) -> float:
     env = {"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin", "HOME": str(out.parent)}
     started = time.perf_counter()
-    run = subprocess.run([sys.executable, "-m", "pplab.cli", "grade", str(subs), "--out", str(out)],
+    command = "pplab.cli" if (tree / "pplab" / "cli.py").exists() else "pplab"      # an older tree, or this one
+    run = subprocess.run([sys.executable, "-m", command, "grade", str(subs), "--out", str(out)],
                          capture_output=True, text=True, env=env, cwd=out.parent)
     seconds = time.perf_counter() - started
     if run.returncode != 0 or out.read_text().count(",1,") + out.read_text().count(",1\n") < 1:

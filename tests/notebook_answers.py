@@ -5,7 +5,7 @@ from pathlib import Path
 import nbformat
 
 from pplab import checks
-from pplab.grading import exercise_notebook
+from pplab.course.exercises import exercise_notebook
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -12,16 +12,17 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
-from pplab import checks, cli, grading, sandbox, submission
+from pplab import checks
+from pplab.course import cli, exercises, grading, sandbox, submission
 
 REPO = Path(__file__).resolve().parents[1]
-PPLAB = [sys.executable, "-m", "pplab.cli"]
+PPLAB = [sys.executable, "-m", "pplab.course.cli"]
 
 
 # -- exercises from solutions --------------------------------------------------------
 
 def test_exercises_are_up_to_date():
-    stale = grading.sync_exercises(REPO / "solutions", REPO / "exercises", check=True)
+    stale = exercises.sync_exercises(REPO / "solutions", REPO / "exercises", check=True)
     assert not stale, f"exercises/ is out of date ({', '.join(stale)}): run `pplab exercises`"
 
 
@@ -36,19 +37,19 @@ def test_generated_exercise_has_no_solution_and_no_output():
     assert "BEGIN SOLUTION" not in text and "mask *= 2" not in text and "999" not in text
     nb = nbformat.reads(text, 4)
     assert all(c.outputs == [] and c.execution_count is None for c in nb.cells if c.cell_type == "code")
-    assert any(grading.MARKDOWN_STUB in c.source for c in nb.cells if c.cell_type == "markdown")
+    assert any(exercises.MARKDOWN_STUB in c.source for c in nb.cells if c.cell_type == "markdown")
 
 
 def test_strip_solutions_keeps_the_indent_and_the_rest():
     source = "def f(x):\n    y = 1\n    ### BEGIN SOLUTION\n    return x + y\n    ### END SOLUTION\n\nprint(f)"
-    assert grading.strip_solutions(source, grading.CODE_STUB) == \
-        f"def f(x):\n    y = 1\n    {grading.CODE_STUB}\n\nprint(f)"
+    assert exercises.strip_solutions(source, exercises.CODE_STUB) == \
+        f"def f(x):\n    y = 1\n    {exercises.CODE_STUB}\n\nprint(f)"
     with pytest.raises(ValueError, match="line 2: ### BEGIN SOLUTION inside another"):
-        grading.strip_solutions("### BEGIN SOLUTION\n### BEGIN SOLUTION", "x", "cell")
+        exercises.strip_solutions("### BEGIN SOLUTION\n### BEGIN SOLUTION", "x", "cell")
     with pytest.raises(ValueError, match="without an ### END SOLUTION"):
-        grading.strip_solutions("a\n### BEGIN SOLUTION\nb", "x", "cell")
+        exercises.strip_solutions("a\n### BEGIN SOLUTION\nb", "x", "cell")
     with pytest.raises(ValueError, match="line 1: ### END SOLUTION without"):
-        grading.strip_solutions("### END SOLUTION", "x", "cell")
+        exercises.strip_solutions("### END SOLUTION", "x", "cell")
 
 
 def test_a_modified_solution_makes_exercises_stale(tmp_path, capsys):
@@ -68,7 +69,7 @@ def test_a_modified_solution_makes_exercises_stale(tmp_path, capsys):
     assert "00_broadcast.ipynb (stale)" in err and "99_orphan.ipynb (no solution)" in err
 
     assert cli.main(args) == 0                                         # regenerate
-    assert grading.sync_exercises(tmp_path / "solutions", tmp_path / "exercises", check=True) == \
+    assert exercises.sync_exercises(tmp_path / "solutions", tmp_path / "exercises", check=True) == \
         ["99_orphan.ipynb (no solution)"]
     assert "A new paragraph" in (tmp_path / "exercises" / "00_broadcast.ipynb").read_text()
 
@@ -274,8 +275,8 @@ def test_attacks_on_the_grader_get_no_marks_and_a_note(tmp_path):
     notes = {s: r["notes"] for s, r in rows.items()}
     assert "ignored cell 4, line 4: `pplab.checks.run_check = ...`: the grader runs only definitions" in \
         notes["attack_run_check"]
-    assert "ignored cell 5, line 7: `pplab.grading.grade_in_kernel = ...`" in notes["attack_grader_functions"]
-    assert "ignored cell 5, line 8: `pplab.grading.run_check_process = ...`" in notes["attack_grader_functions"]
+    assert "ignored cell 5, line 7: `pplab.course.grading.grade_in_kernel = ...`" in notes["attack_grader_functions"]
+    assert "ignored cell 5, line 8: `pplab.course.grading.run_check_process = ...`" in notes["attack_grader_functions"]
     assert "ignored cell 5, line 1: `for pid in (os.getppid(), os.getpid()):`" in notes["attack_results_file"]
     sandboxed = sandbox.why_not() is None
     assert "ignored cell 5, line 7: `for parent in (pathlib.Path.cwd(), pathlib.Path.cwd().parent):`" in \

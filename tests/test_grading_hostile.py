@@ -9,7 +9,6 @@ puts back anything they changed.
 import csv
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -20,10 +19,10 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
-from pplab import grading, runner, sandbox, submission
+from pplab.course import grading, runner, sandbox, submission
 
 REPO = Path(__file__).resolve().parents[1]
-PPLAB = [sys.executable, "-m", "pplab.cli"]
+PPLAB = [sys.executable, "-m", "pplab.course.cli"]
 TOKEN = f"pplab-hostile-{os.getpid()}"          # in the command line of every daemon an attack starts
 
 
@@ -204,11 +203,11 @@ def test_a_cell_is_refused_and_the_others_read(tmp_path):
     ("import pplab.checks\ndef my_broadcast(t, s):\n    pplab.checks.core", "`pplab.checks`"),
     ("from pplab.checks import collectives\ndef my_broadcast(t, s):\n    collectives", "`pplab.checks`"),
     ("from pplab import checks\ndef my_broadcast(t, s):\n    checks", "`pplab.checks`"),
-    ("import pplab\ndef my_broadcast(t, s):\n    getattr(pplab, 'grading')", "`pplab.grading`"),
+    ("import pplab\ndef my_broadcast(t, s):\n    getattr(pplab, 'course')", "`pplab.course`"),
     ("import pplab\ndef helper():\n    return pplab.checks.collectives._inputs\n"
      "def my_broadcast(t, s):\n    helper()", "`pplab.checks`"),
-    ("import importlib\ndef my_broadcast(t, s):\n    importlib.import_module('pplab.check_process')",
-     "`pplab.check_process`"),
+    ("import importlib\ndef my_broadcast(t, s):\n    importlib.import_module('pplab.course.check_process')",
+     "`pplab.course`"),
 ])
 def test_an_answer_that_uses_the_checker_at_any_depth_is_refused(source, used):
     found = submission.definitions([(3, source)], {"my_broadcast"})

@@ -41,7 +41,7 @@ def main(argv=None) -> int:
 
     args = parser.parse_args(argv)
     if args.command == "exercises":
-        from .grading import sync_exercises
+        from .exercises import sync_exercises
 
         try:
             problems = sync_exercises(args.solutions, args.exercises, check=args.check)
@@ -73,7 +73,7 @@ def main(argv=None) -> int:
         print(f"wrote {args.out}: {len(rows)} student(s)")
         return 0
     if args.command == "list":
-        from .checks import EXERCISES
+        from ..checks import EXERCISES
 
         for e in EXERCISES.values():
             print(f"{e.id:<20} define {e.answer:<20} {e.title}" + (f" ({e.notebook})" if e.notebook else ""))

@@ -37,7 +37,7 @@ def pplab_sources() -> dict:
     """{module name: [file, source, is a package]} of the pplab package, read now. The check
     processes import pplab from this copy, so a notebook that rewrites (or adds to) pplab's
     files, or leaves a module named like one anywhere, changes nothing in them."""
-    root = Path(__file__).resolve().parent
+    root = Path(__file__).resolve().parents[1]                 # the pplab package
     found = {}
     for file in sorted(root.rglob("*.py")):
         parts = list(file.relative_to(root.parent).with_suffix("").parts)
@@ -84,7 +84,7 @@ class Copy(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 sys.meta_path.insert(0, Copy())
 sys.path_hooks.insert(0, Copy)
 sys.path_importer_cache.clear()
-from pplab.check_process import _check_main
+from pplab.course.check_process import _check_main
 _check_main(job)
 '''
 
@@ -210,7 +210,7 @@ def _check_main(job: dict) -> None:
     os.dup2(devnull, 0)
     started = time.monotonic()
     try:
-        from .checks import SourceAnswer, run_check
+        from ..checks import SourceAnswer, run_check
 
         answer = SourceAnswer(job["name"], tuple(tuple(s) for s in job["statements"]),
                               None if job["params"] is None else tuple(tuple(p) for p in job["params"]))

@@ -26,8 +26,7 @@ _TAMPERING_ATTRS = {"system", "popen", "remove", "unlink", "rename", "replace", 
 
 # The grader's own modules: an answer that imports them (to call the checker's reference or
 # its inputs) is refused, whatever it does with them.
-_CHECKER_MODULES = ("pplab.checks", "pplab.grading", "pplab.submission", "pplab.check_process", "pplab.runner",
-                    "pplab.sandbox", "pplab.cli")
+_CHECKER_MODULES = ("pplab.checks", "pplab.course")
 
 
 @dataclass
@@ -143,7 +142,7 @@ def definitions(cells, answers) -> Definitions:
     runs only definitions. Kept or not, statements that look like tampering are named in
     the notes, and a definition whose value looks like tampering is left out.
     """
-    from .checks import SourceAnswer
+    from ..checks import SourceAnswer
 
     found = Definitions()
     statements = []                              # (cell, line, node, source), in notebook order
@@ -228,7 +227,7 @@ def definitions(cells, answers) -> Definitions:
 
 def _checker_use(node) -> str:
     """The checker module a definition imports or names (`import pplab.checks`, `from pplab
-    import checks`, `pplab.grading.x`, "pplab.checks" in a string), or ""."""
+    import checks`, `pplab.course.grading.x`, "pplab.checks" in a string), or ""."""
     def checker(name: str) -> bool:
         return any(name == m or name.startswith(m + ".") for m in _CHECKER_MODULES)
 

@@ -157,16 +157,21 @@ def wrap(argv: list[str], *, workdir: str, writable=(), visible=(), hidden=(), e
         "writable": sorted({os.path.realpath(workdir), *map(os.path.realpath, writable)}),
         "visible": sorted(set(map(os.path.realpath, [*visible, *_installation()]))),
         "hidden": sorted({*_ALWAYS_HIDDEN, *map(os.path.realpath, hidden)}),
-        "must_be_read_only": [sys.prefix, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))],
+        "must_be_read_only": [sys.prefix, _course_root()],
         "tmpfs_size": TMPFS_SIZE, "uid": 1000 if os.getuid() == 0 else os.getuid(),
     }
     return [sys.executable, "-I", "-S", "-c", BOOT, json.dumps(spec)]
 
 
+def _course_root() -> str:
+    """The folder pplab is imported from (the course's checkout, or site-packages)."""
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
 def _installation() -> list[str]:
     """What every sandboxed command needs to see, even where it lies in a hidden folder (a
     course cloned into /tmp): Python, its packages, and the folder pplab is imported from."""
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    here = _course_root()
     places = {sys.prefix, sys.base_prefix, os.path.dirname(os.path.dirname(os.path.realpath(sys.executable))), here}
     places |= {p for p in sys.path if p and os.path.isdir(p) and "site-packages" in p}
     return sorted(places)

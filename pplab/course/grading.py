@@ -1,13 +1,6 @@
-"""Exercise notebooks made from the solutions, and grading of submitted notebooks.
+"""Grading of submitted notebooks (exercises/ are written from solutions/ by exercises.py).
 
-1. One source of truth. Every exercise is written once, in solutions/, with the
-   answer between `### BEGIN SOLUTION` and `### END SOLUTION`. `pplab exercises`
-   writes exercises/ from it: in code cells the marked lines become
-   `raise NotImplementedError("write your solution here")`, in markdown cells
-   "_Your answer here._", and outputs are cleared. `pplab exercises --check` names
-   the exercise notebooks that are out of date (a test runs it).
-
-2. Grading. `pplab grade SUBMISSIONS --out grades.csv` gives marks that nothing in a
+1. Grading. `pplab grade SUBMISSIONS --out grades.csv` gives marks that nothing in a
    student's notebook can decide:
    - it runs each notebook top to bottom in a fresh kernel, in a scratch folder holding
      only a copy of it, with a time limit, only to note what went wrong (cells that
@@ -31,7 +24,7 @@
    Whatever one submission holds (not a notebook, a symbolic link, huge or deeply nested
    code, output without end), it gets its own row with a note and the others are graded.
 
-3. The CSV: one row per student, one column per exercise in chapter order (1 passed, 0
+2. The CSV: one row per student, one column per exercise in chapter order (1 passed, 0
    tried and failed, "missing" where no notebook of the student defines the answer or
    it is still the exercise's stub), the total, and the notes. Values a spreadsheet
    would read as a formula (=, +, -, @ first) are quoted with a leading '. Written
@@ -41,7 +34,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import copy
 import csv
 import json
 import os
@@ -53,89 +45,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import nbformat
 
 from . import sandbox
+from .exercises import MARKDOWN_STUB
 from .check_process import pplab_sources, run_check_process
 from .runner import _kill_tree
 
-BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
-CODE_STUB = 'raise NotImplementedError("write your solution here")'
-MARKDOWN_STUB = "_Your answer here._"
-
-
-# ----------------------------------------------------------------------------------
-# 1. Exercises from solutions
-
-
-def strip_solutions(source: str, stub: str, where: str = "cell") -> str:
-    """Replace every BEGIN..END block (markers included) by `stub` at the marker's indent."""
-    out, inside = [], False
-    for number, line in enumerate(source.split("\n"), 1):
-        marker = line.strip()
-        if marker.startswith(BEGIN):
-            if inside:
-                raise ValueError(f"{where}, line {number}: {BEGIN} inside another solution block")
-            inside = True
-            out.append(line[: len(line) - len(line.lstrip())] + stub)
-        elif marker.startswith(END):
-            if not inside:
-                raise ValueError(f"{where}, line {number}: {END} without a {BEGIN} before it")
-            inside = False
-        elif not inside:
-            out.append(line)
-    if inside:
-        raise ValueError(f"{where}: {BEGIN} without an {END} after it")
-    return "\n".join(out)
-
-
-def exercise_notebook(solution: nbformat.NotebookNode, name: str = "notebook") -> nbformat.NotebookNode:
-    """The student's version of a solution notebook: answers removed, outputs cleared."""
-    nb = copy.deepcopy(solution)
-    for i, cell in enumerate(nb.cells, 1):
-        where = f"{name}, cell {i}"
-        if cell.cell_type == "code":
-            cell.source = strip_solutions(cell.source, CODE_STUB, where)
-            cell.outputs = []
-            cell.execution_count = None
-        elif cell.cell_type == "markdown":
-            cell.source = strip_solutions(cell.source, MARKDOWN_STUB, where)
-        cell.metadata.pop("execution", None)            # run timings
-    nb.metadata.pop("widgets", None)                    # saved widget state
-    return nb
-
-
-def notebook_text(nb: nbformat.NotebookNode) -> str:
-    """The exact text nbformat.write would produce: the stale check compares it byte for byte."""
-    text = nbformat.writes(nb)
-    return text if text.endswith("\n") else text + "\n"
-
-
-def sync_exercises(solutions: str | Path, exercises: str | Path, check: bool = False) -> list[str]:
-    """Write exercises/X.ipynb for every solutions/X.ipynb; return what was (or, with
-    check=True, would be) out of date: "X.ipynb (stale)", "(missing)" or "(no solution)"."""
-    solutions, exercises = Path(solutions), Path(exercises)
-    if not solutions.is_dir():
-        raise FileNotFoundError(f"no solutions folder at {solutions}: run from the course repository "
-                                f"or pass --solutions DIR")
-    wanted = {}
-    for path in sorted(solutions.glob("*.ipynb")):
-        nb = nbformat.read(path, as_version=4)
-        wanted[path.name] = notebook_text(exercise_notebook(nb, path.name))
-    problems = []
-    for name, text in wanted.items():
-        target = exercises / name
-        if not target.exists():
-            problems.append(f"{name} (missing)")
-        elif target.read_bytes() != text.encode():
-            problems.append(f"{name} (stale)")
-        else:
-            continue
-        if not check:
-            exercises.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(text.encode())
-    problems += [f"{p.name} (no solution)" for p in sorted(exercises.glob("*.ipynb")) if p.name not in wanted]
-    return problems
 
 
 # ----------------------------------------------------------------------------------
@@ -195,7 +110,7 @@ def find_submissions(directory: str | Path, refused: dict | None = None) -> dict
 
 def chapter_order(exercise_ids) -> list[str]:
     """Exercise ids in the order of the course: by their notebook's name (00_, 01a_, ...)."""
-    from .checks import EXERCISES
+    from ..checks import EXERCISES
 
     return sorted(exercise_ids, key=lambda ex: (EXERCISES[ex].notebook or "~", ex))
 
@@ -218,7 +133,7 @@ def grade(submissions: str | Path, out: str | Path, *, timeout: float = 600.0, c
     passed. Notes number cells from 1, markdown included. `log` gets one line per student
     and a summary at the end.
     """
-    from .checks import EXERCISES
+    from ..checks import EXERCISES
 
     started = time.monotonic()
     if not cell_timeout > check_timeout:
@@ -278,7 +193,7 @@ def _hidden_from_students(submissions, out, answers) -> list[str]:
     hidden = [Path(submissions).resolve(), Path(out).resolve().parent]
     if answers:
         hidden.append(Path(answers).resolve())
-    course = Path(__file__).resolve().parent.parent
+    course = Path(__file__).resolve().parents[2]
     hidden += [course / "solutions"]
     return [str(p) for p in hidden if p.is_dir() and p != Path("/") and p != course]
 
@@ -359,7 +274,7 @@ def grade_notebook(path: str | Path, *, timeout: float = 600.0, cell_timeout: fl
     """Run one notebook for its notes (which cells raised, timed out, killed the kernel),
     then check the answers it defines (its source, whatever the run did), each in a fresh
     process of the grader's."""
-    from .checks import EXERCISES
+    from ..checks import EXERCISES
     from .submission import definitions
 
     sources = sources or pplab_sources()
@@ -407,7 +322,7 @@ def _written_answers(cells, exercise_notebooks) -> list[tuple[int, str]]:
     given = set()
     for name in exercise_notebooks:
         for folder in ("exercises", "solutions"):
-            file = Path(__file__).resolve().parent.parent / folder / f"{name}.ipynb"
+            file = Path(__file__).resolve().parents[2] / folder / f"{name}.ipynb"
             with contextlib.suppress(OSError, ValueError):
                 given |= {src.strip() for _, kind, src in read_cells(file)[0] if kind == "markdown"}
     return [(n, src) for n, kind, src in cells if kind == "markdown" and src.strip()

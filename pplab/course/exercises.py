@@ -1,0 +1,88 @@
+"""Exercise notebooks made from the solutions: one source of truth.
+
+Every exercise is written once, in solutions/, with the answer between `### BEGIN SOLUTION`
+and `### END SOLUTION`. `pplab exercises` writes exercises/ from it: in code cells the marked
+lines become `raise NotImplementedError("write your solution here")`, in markdown cells
+"_Your answer here._", and outputs are cleared. `pplab exercises --check` names the exercise
+notebooks that are out of date (a test runs it).
+"""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import nbformat
+
+BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
+CODE_STUB = 'raise NotImplementedError("write your solution here")'
+MARKDOWN_STUB = "_Your answer here._"
+
+
+def strip_solutions(source: str, stub: str, where: str = "cell") -> str:
+    """Replace every BEGIN..END block (markers included) by `stub` at the marker's indent."""
+    out, inside = [], False
+    for number, line in enumerate(source.split("\n"), 1):
+        marker = line.strip()
+        if marker.startswith(BEGIN):
+            if inside:
+                raise ValueError(f"{where}, line {number}: {BEGIN} inside another solution block")
+            inside = True
+            out.append(line[: len(line) - len(line.lstrip())] + stub)
+        elif marker.startswith(END):
+            if not inside:
+                raise ValueError(f"{where}, line {number}: {END} without a {BEGIN} before it")
+            inside = False
+        elif not inside:
+            out.append(line)
+    if inside:
+        raise ValueError(f"{where}: {BEGIN} without an {END} after it")
+    return "\n".join(out)
+
+
+def exercise_notebook(solution: nbformat.NotebookNode, name: str = "notebook") -> nbformat.NotebookNode:
+    """The student's version of a solution notebook: answers removed, outputs cleared."""
+    nb = copy.deepcopy(solution)
+    for i, cell in enumerate(nb.cells, 1):
+        where = f"{name}, cell {i}"
+        if cell.cell_type == "code":
+            cell.source = strip_solutions(cell.source, CODE_STUB, where)
+            cell.outputs = []
+            cell.execution_count = None
+        elif cell.cell_type == "markdown":
+            cell.source = strip_solutions(cell.source, MARKDOWN_STUB, where)
+        cell.metadata.pop("execution", None)            # run timings
+    nb.metadata.pop("widgets", None)                    # saved widget state
+    return nb
+
+
+def notebook_text(nb: nbformat.NotebookNode) -> str:
+    """The exact text nbformat.write would produce: the stale check compares it byte for byte."""
+    text = nbformat.writes(nb)
+    return text if text.endswith("\n") else text + "\n"
+
+
+def sync_exercises(solutions: str | Path, exercises: str | Path, check: bool = False) -> list[str]:
+    """Write exercises/X.ipynb for every solutions/X.ipynb; return what was (or, with
+    check=True, would be) out of date: "X.ipynb (stale)", "(missing)" or "(no solution)"."""
+    solutions, exercises = Path(solutions), Path(exercises)
+    if not solutions.is_dir():
+        raise FileNotFoundError(f"no solutions folder at {solutions}: run from the course repository "
+                                f"or pass --solutions DIR")
+    wanted = {}
+    for path in sorted(solutions.glob("*.ipynb")):
+        nb = nbformat.read(path, as_version=4)
+        wanted[path.name] = notebook_text(exercise_notebook(nb, path.name))
+    problems = []
+    for name, text in wanted.items():
+        target = exercises / name
+        if not target.exists():
+            problems.append(f"{name} (missing)")
+        elif target.read_bytes() != text.encode():
+            problems.append(f"{name} (stale)")
+        else:
+            continue
+        if not check:
+            exercises.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(text.encode())
+    problems += [f"{p.name} (no solution)" for p in sorted(exercises.glob("*.ipynb")) if p.name not in wanted]
+    return problems
