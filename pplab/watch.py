@@ -1,7 +1,8 @@
 """The caller's side of a launch: watch the ranks, relay their output, explain how it ended.
 
-`collect` waits on every rank's result pipe, output pipes and exit at once, and reads the
-call board (callboard.py) a few times a second. It ends the launch when every rank has
+`collect` waits on every rank's result pipe and output pipes, and on what the launch's host
+process says (a rank started, a rank ended: launcher.py), and reads the call board
+(callboard.py) a few times a second. It ends the launch when every rank has
 answered, when one fails (after a short grace so the lowest failing rank is the one
 blamed), when two ranks sit in mismatched collectives, or at the timeout. Every failure
 becomes one LaunchError whose message says what each rank did, once per distinct story
@@ -15,6 +16,7 @@ import os
 import pickle
 import re
 import signal
+import struct
 import sys
 import time
 
@@ -23,6 +25,18 @@ import cloudpickle
 from . import callboard, trace
 
 BOARD_EVERY = 0.2          # seconds between reads of the call board
+
+# What the host process (launcher.py) tells the caller, one fixed-size record at a time
+# (a pipe never splits a write this small): (STARTED, rank, pid), (EXITED, rank, exit code
+# as multiprocessing gives it: -N if killed by signal N), (NOT_STARTED, rank, errno).
+STARTED, EXITED, NOT_STARTED = 0, 1, 2
+EVENT = struct.Struct("<iii")
+
+
+def read_events(fd):
+    """The host's records waiting in its pipe, as (what, rank, value); None once it has ended."""
+    data = os.read(fd, EVENT.size * 256)
+    return list(EVENT.iter_unpack(data)) if data else None
 
 
 class LaunchError(RuntimeError):
@@ -62,10 +76,12 @@ def ranks_text(ranks) -> str:
 
 
 class Rank:
-    """The caller's handle on one child: its process, result pipe and output pipes."""
+    """The caller's handle on one rank: its result pipe, its output pipes, and what the host
+    said of it (its pid once started, its exit code once ended)."""
 
-    def __init__(self, rank, proc, conn, out_conn, err_conn, safe=False):
-        self.rank, self.proc, self.conn = rank, proc, conn
+    def __init__(self, rank, conn, out_conn, err_conn, safe=False):
+        self.rank, self.conn = rank, conn
+        self.pid = self.exitcode = None
         self.safe = safe                # its code is not trusted: decode its message as plain data
         self.pipes = {out_conn.fileno(): (out_conn, sys.stdout), err_conn.fileno(): (err_conn, sys.stderr)}
         self.partial = {fd: b"" for fd in self.pipes}
@@ -100,23 +116,7 @@ class Rank:
             return
         self.message = plain_loads(data) if self.safe else cloudpickle.loads(data)
 
-    def kill(self) -> None:
-        """Kill the rank and anything it started (its process group), dead or alive:
-        a rank that exited may have left children behind. Not yet reaped, so the pid
-        cannot have been reused."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        if self.proc.is_alive():        # not yet in its own group (killed right after start)
-            self.proc.kill()
-
     def close(self) -> None:
-        self.proc.join(5)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join()
-        self.proc.close()               # releases the sentinel's file descriptor
         for c in [self.conn] + [c for c, _ in self.pipes.values()]:
             c.close()
 
@@ -148,14 +148,18 @@ def plain_loads(data: bytes):
     return ("err", "return", f"ResultError: its result is not plain data ({problem})", "")
 
 
-def collect(ranks, folder, timeout):
-    """Wait for every rank; return their messages ("ok", result, events) by rank, or raise LaunchError."""
-    deadline = time.monotonic() + timeout
+def collect(ranks, host, folder, timeout):
+    """Wait for every rank; return their messages ("ok", result, events) by rank, or raise LaunchError.
+
+    host: the read end of the host's pipe (read_events). A rank's end is learnt from the host,
+    which waits for it (waitpid), not from a pipe closing: a process the rank started may
+    hold its pipes open long after it died.
+    """
+    deadline = time.monotonic() + timeout               # timeout=inf: no deadline
     board_path, p = os.path.join(folder, "board"), len(ranks)
     pending = {rk.rank for rk in ranks}
     by_fd = {fd: rk for rk in ranks for fd in rk.pipes}
     by_conn = {rk.conn: rk for rk in ranks}
-    by_sentinel = {rk.proc.sentinel: rk for rk in ranks}
     failed: dict[int, tuple] = {}
     board = callboard.read(board_path, p)
 
@@ -164,6 +168,16 @@ def collect(ranks, folder, timeout):
             pending.discard(rk.rank)
         elif rk.message is not None:
             failed[rk.rank] = rk.message
+
+    def ended(rk, code):
+        """The host saw it end: did it answer first? (Read only what is there: a process it
+        started may hold the pipe open, and would keep a blocking read waiting.)"""
+        rk.exitcode = code
+        if by_conn.pop(rk.conn, None) is not None and rk.conn.poll(0):
+            rk.receive()
+            settle(rk)
+        if rk.message is None:
+            failed[rk.rank] = ("died", code)
 
     in_grace, mismatch = False, None
     while pending:
@@ -174,8 +188,8 @@ def collect(ranks, folder, timeout):
         left = deadline - time.monotonic()
         if left <= 0:
             break
-        ready = multiprocessing.connection.wait(list(by_fd) + list(by_conn) + list(by_sentinel),
-                                   timeout=min(left, BOARD_EVERY))
+        watched = list(by_fd) + list(by_conn) + ([host] if host is not None else [])
+        ready = multiprocessing.connection.wait(watched, timeout=min(left, BOARD_EVERY))
         for obj in ready:
             if obj in by_fd:
                 by_fd[obj].pump(obj)
@@ -183,16 +197,20 @@ def collect(ranks, folder, timeout):
                 rk = by_conn.pop(obj)
                 rk.receive()
                 settle(rk)
-        for obj in ready:
-            if obj in by_sentinel:                  # a child ended: did it answer first?
-                rk = by_sentinel.pop(obj)
-                if rk.conn in by_conn:
-                    del by_conn[rk.conn]
-                    rk.receive()
-                    settle(rk)
-                if rk.message is None:
-                    rk.proc.join(1)
-                    failed[rk.rank] = ("died", rk.proc.exitcode)
+        if host is not None and host in ready:
+            events = read_events(host)
+            if events is None:          # the host was killed, and every rank with it
+                for rk in ranks:
+                    if rk.exitcode is None and rk.rank not in failed:
+                        ended(rk, None)
+                host = None
+            for what, r, value in events or ():
+                if what == STARTED:
+                    ranks[r].pid = value
+                elif what == EXITED:
+                    ended(ranks[r], value)
+                else:
+                    failed[r] = ("not started", value)
         if not failed and not mismatch:
             board = callboard.read(board_path, p)
             mismatch = callboard.find_mismatch(board)
@@ -227,7 +245,8 @@ def _stacks(ranks, running, folder) -> dict:
     """Ask every running rank for its Python stack (faulthandler, on SIGUSR1), main thread only."""
     for r in running:
         try:
-            os.kill(ranks[r].proc.pid, signal.SIGUSR1)
+            if ranks[r].pid is not None:
+                os.kill(ranks[r].pid, signal.SIGUSR1)
         except ProcessLookupError:
             pass
     stacks, until = {}, time.monotonic() + 1.0
@@ -330,6 +349,13 @@ def _native_reason(tail) -> str:
     return ""
 
 
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:                  # one Python has no name for (a real-time signal)
+        return str(number)
+
+
 def failure(ranks, failed, calls=None) -> LaunchError:
     """Blame the lowest rank that really failed; ranks that failed *because* it stopped
     (their connection to it closed) are listed after it as knock-on failures. Ranks with
@@ -340,10 +366,12 @@ def failure(ranks, failed, calls=None) -> LaunchError:
     tracebacks, stories = {}, {}                     # story -> ranks, in order of first telling
     for r in sorted(failed, key=lambda r: (r != first, _knock_on(failed[r]), r)):
         info = failed[r]
-        if info[0] == "died":
+        if info[0] == "not started":
+            story = f"could not be started ({os.strerror(info[1])})"
+        elif info[0] == "died":
             code = info[1]
-            how = (f"killed by signal {signal.Signals(-code).name}" if code is not None and code < 0
-                   else f"exit code {code}")
+            how = ("the launch's host process was killed, and the rank with it" if code is None else
+                   f"killed by signal {_signal_name(-code)}" if code < 0 else f"exit code {code}")
             story = f"exited without returning a result ({how})"
             reason = _native_reason(ranks[r].tail)
             if reason:

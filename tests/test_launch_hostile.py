@@ -1,0 +1,223 @@
+"""A launch ends, whatever a rank does (issue #21, section 3): it prints without pause,
+starts worker processes, starts processes in sessions of their own or daemons, forks a
+helper and dies, launches again, or the caller is given a timeout of inf or is killed outright.
+
+Besides the conftest fixture (nothing left below this test process), each test names the
+processes its ranks start (`mark`) and checks that none is alive anywhere on the machine
+afterwards, wherever it was re-parented.
+"""
+import contextlib
+import ctypes
+import functools
+import glob
+import io
+import math
+import multiprocessing
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, TensorDataset
+
+import pplab
+from conftest import alive, descendants
+from pplab import watch
+
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")
+
+SLEEPER = "import sys, time; open(sys.argv[1], 'w').close(); time.sleep(600)"     # argv: ready file, mark
+
+
+def ours(mark):
+    """Live processes on this machine whose name or command line holds `mark`, whatever their parent."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        name, state = stat[stat.index("(") + 1:stat.rindex(")")], stat.rsplit(")", 1)[1].split()[0]
+        if state != "Z" and (name == mark or mark.encode() in cmdline):
+            found.append(int(entry))
+    return found
+
+
+@pytest.fixture
+def mark():
+    """A name for the processes this test's ranks start; none may be alive when it ends."""
+    name = "pph" + secrets.token_hex(4)         # 11 characters: fits a process name (15)
+    yield name
+    left = ours(name)
+    for pid in left:                            # not left to trouble the other tests
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes started by ranks outlived the launch: {left}"
+
+
+class HangDetected(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def no_hang(seconds):
+    """Fail (instead of hanging) if what runs inside takes more than `seconds`: a bound on a hang."""
+    def alarm(signum, frame):
+        raise HangDetected(f"still running after {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, alarm)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def _name_this_process(mark):
+    ctypes.CDLL("libc.so.6").prctl(15, mark.encode())      # PR_SET_NAME: what /proc/PID/stat shows
+
+
+def _wait_for(path, seconds=60):
+    deadline = time.monotonic() + seconds
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.01)
+
+
+# ----------------------------------------------------------------------------------
+# 2. Worker processes inside a rank
+
+
+def _square(x):
+    return x * x
+
+
+def _workers_and_a_pool():
+    loader = DataLoader(TensorDataset(torch.arange(8.0)), batch_size=2, num_workers=2)
+    total = sum(batch.sum().item() for (batch,) in loader)
+    with multiprocessing.Pool(2) as pool:
+        squares = pool.map(_square, range(4))
+    return total, squares
+
+
+def test_ranks_can_use_dataloader_workers_and_pools():
+    assert pplab.launch(_workers_and_a_pool, world_size=2, timeout=120) == [(28.0, [0, 1, 4, 9])] * 2
+
+
+def _note_worker(mark, folder, worker_id):
+    _name_this_process(mark)
+    open(os.path.join(folder, f"worker.{os.environ['RANK']}.{os.getpid()}"), "w").close()
+
+
+_KEEP = []
+
+
+def _workers_left_running(mark, folder, ending):
+    loader = DataLoader(TensorDataset(torch.arange(8.0)), batch_size=2, num_workers=2, persistent_workers=True,
+                        worker_init_fn=functools.partial(_note_worker, mark, folder))
+    _KEEP.append(iter(loader))
+    next(_KEEP[-1])
+    deadline = time.monotonic() + 60
+    while len(glob.glob(os.path.join(folder, f"worker.{dist.get_rank()}.*"))) < 2:      # both are up
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    if ending == "raises":
+        raise RuntimeError("on purpose")
+    if ending == "times out":
+        time.sleep(600)
+    return "ok"
+
+
+@pytest.mark.parametrize("ending", ["returns", "raises", "times out"])
+def test_dataloader_workers_end_with_the_launch(ending, mark, tmp_path):
+    launch = functools.partial(pplab.launch, _workers_left_running, mark, str(tmp_path), ending, world_size=2,
+                               timeout=10 if ending == "times out" else 120)
+    if ending == "returns":
+        assert launch() == ["ok", "ok"]
+    else:
+        with pytest.raises(pplab.LaunchError):
+            launch()
+    workers = [int(p.name.split(".")[2]) for p in tmp_path.glob("worker.*")]
+    assert len(workers) == 4 and not any(alive(pid) for pid in workers)
+
+
+# ----------------------------------------------------------------------------------
+# 3. Processes a rank starts in a session of their own
+
+
+def _start_and_end(mark, folder, how, ending):
+    ready = os.path.join(folder, f"ready.{dist.get_rank()}")
+    command = [sys.executable, "-c", SLEEPER, ready, mark]
+    if how == "new session":
+        subprocess.Popen(command, start_new_session=True)
+    else:                               # a daemon: fork, setsid, fork again; orphaned at once
+        pid = os.fork()
+        if pid == 0:
+            os.setsid()
+            if os.fork() == 0:
+                os.execv(sys.executable, command)
+            os._exit(0)
+        os.waitpid(pid, 0)
+    _wait_for(ready)
+    if ending == "raises":
+        raise RuntimeError("on purpose")
+    if ending == "times out":
+        time.sleep(600)
+    return "ok"
+
+
+@pytest.mark.parametrize("ending", ["returns", "raises", "times out"])
+@pytest.mark.parametrize("how", ["new session", "daemon"])
+def test_nothing_a_rank_starts_outlives_the_launch(how, ending, mark, tmp_path):
+    launch = functools.partial(pplab.launch, _start_and_end, mark, str(tmp_path), how, ending, world_size=2,
+                               timeout=10 if ending == "times out" else 120)
+    if ending == "returns":
+        assert launch() == ["ok", "ok"]
+    else:
+        with pytest.raises(pplab.LaunchError):
+            launch()
+    assert len(list(tmp_path.glob("ready.*"))) == 2         # each rank did start one
+    # the `mark` fixture checks that none of them is alive
+
+
+# ----------------------------------------------------------------------------------
+# 4. A rank that forks a helper and dies
+
+
+def _fork_a_helper_then_die(mark, folder, how):
+    if dist.get_rank() == 1:
+        ready = os.path.join(folder, "helper")
+        if os.fork() == 0:              # holds every pipe the rank had
+            _name_this_process(mark)
+            open(ready, "w").close()
+            time.sleep(600)
+            os._exit(0)
+        _wait_for(ready)
+        if how == "exits":
+            os._exit(3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()                      # rank 0 waits for rank 1, forever
+
+
+@pytest.mark.parametrize("how, said", [("exits", "exit code 3"), ("is killed", "killed by signal SIGKILL")])
+def test_a_rank_that_forks_a_helper_and_dies_is_reported_at_once(how, said, mark, tmp_path):
+    with no_hang(90), pytest.raises(pplab.LaunchError) as info:
+        pplab.launch(_fork_a_helper_then_die, mark, str(tmp_path), how, world_size=2, timeout=600)
+    err = info.value
+    assert err.rank == 1 and not err.running
+    assert f"rank 1 exited without returning a result ({said})" in str(err)
