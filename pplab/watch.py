@@ -25,6 +25,10 @@ import cloudpickle
 from . import callboard, trace
 
 BOARD_EVERY = 0.2          # seconds between reads of the call board
+READ_MAX = 1 << 20         # bytes of a rank's output read at once: a rank printing without pause
+                           # must leave the caller time to look at the clock
+LINE_MAX = 64 << 10        # a longer line is printed cut, and never held whole (one may never end)
+TAIL_LINES, TAIL_CHARS = 20, 500       # a rank's last output, as kept for error messages
 
 # What the host process (launcher.py) tells the caller, one fixed-size record at a time
 # (a pipe never splits a write this small): (STARTED, rank, pid), (EXITED, rank, exit code
@@ -43,11 +47,12 @@ class LaunchError(RuntimeError):
     """One or more ranks failed, hung or were interrupted; all of them were stopped.
 
     rank: the rank blamed first (None for a timeout); tracebacks: {rank: text} of
-    ranks that raised; running: ranks still running at the timeout; output: {rank:
-    last lines printed}; calls: {rank: the pplab.comm call it was inside, described};
-    stacks: {rank: its Python stack when it was stopped at the timeout}; mismatch: the
-    explanation when the launch was ended early because ranks sat in mismatched
-    collectives ("" otherwise; `running` then lists the ranks that were stopped).
+    ranks that raised; running: ranks still running at the timeout; output: {rank: its
+    last lines printed (TAIL_LINES at most, each cut to TAIL_CHARS)}; calls: {rank: the
+    pplab.comm call it was inside, described}; stacks: {rank: its Python stack when it
+    was stopped at the timeout}; mismatch: the explanation when the launch was ended
+    early because ranks sat in mismatched collectives ("" otherwise; `running` then lists
+    the ranks that were stopped).
     """
 
     def __init__(self, message, rank=None, tracebacks=None, running=(), output=None, calls=None, stacks=None,
@@ -85,27 +90,44 @@ class Rank:
         self.safe = safe                # its code is not trusted: decode its message as plain data
         self.pipes = {out_conn.fileno(): (out_conn, sys.stdout), err_conn.fileno(): (err_conn, sys.stderr)}
         self.partial = {fd: b"" for fd in self.pipes}
-        self.tail: list[str] = []       # last lines printed, for error messages
+        self.cut = {fd: False for fd in self.pipes}     # the line being read was shown already, cut
+        self.tail: list[str] = []       # last lines printed, cut short, for error messages
         self.message = None
 
     def pump(self, fd, final=False) -> None:
-        """Print whatever the child wrote, a whole line at a time, with a rank prefix."""
+        """Print what the child wrote, a whole line at a time, with a rank prefix. At most
+        READ_MAX bytes a call, and no more than LINE_MAX of a line kept: a rank that prints
+        without pause, or one endless line, neither holds the caller nor fills its memory."""
         conn, stream = self.pipes[fd]
-        data = b""
-        while conn.poll(0):
+        chunks, size = [self.partial[fd]], 0
+        while size < READ_MAX and conn.poll(0):
             chunk = os.read(fd, 65536)
             if not chunk:
                 break
-            data += chunk
-        buf = self.partial[fd] + data
-        *lines, rest = buf.split(b"\n")
+            chunks.append(chunk)
+            size += len(chunk)
+        *lines, rest = b"".join(chunks).split(b"\n")
         if final and rest:
             lines, rest = lines + [rest], b""
+        if self.cut[fd] and lines:      # the end of a line already shown (cut): not shown again
+            lines, self.cut[fd] = lines[1:], False
+        if len(rest) > LINE_MAX:        # no end in sight: show its start now, drop the rest of it
+            if not self.cut[fd]:
+                lines.append(rest)
+            self.cut[fd], rest = True, b""
         self.partial[fd] = rest
         for line in lines:
-            text = line.decode(errors="replace")
-            self.tail = (self.tail + [text])[-20:]
+            text = line[:LINE_MAX].decode(errors="replace")
+            if len(line) > LINE_MAX:
+                text += f" [... line cut: longer than {LINE_MAX:,} bytes]"
+            self.tail = (self.tail + [_short(text)])[-TAIL_LINES:]
             print(f"[rank {self.rank}] {text}", file=stream, flush=True)
+
+    def last_output(self) -> list[str]:
+        """Its last lines (TAIL_LINES at most, each cut to TAIL_CHARS), and one it has not ended yet."""
+        unfinished = [_short(p[:TAIL_CHARS + 1].decode(errors="replace"))
+                      for fd, p in self.partial.items() if p and not self.cut[fd]]
+        return (self.tail + unfinished)[-TAIL_LINES:]
 
     def receive(self) -> None:
         """Read the child's one message, if it sent one before its pipe closed."""
@@ -119,6 +141,10 @@ class Rank:
     def close(self) -> None:
         for c in [self.conn] + [c for c, _ in self.pipes.values()]:
             c.close()
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= TAIL_CHARS else text[:TAIL_CHARS] + " [...]"
 
 
 class _PlainUnpickler(pickle.Unpickler):
@@ -231,7 +257,7 @@ def collect(ranks, host, folder, timeout):
         involved = [r for r in pending if r in calls]
         raise LaunchError(mismatch + ". All ranks were stopped.", rank=min(involved, default=None),
                           running=sorted(pending), calls=calls, mismatch=mismatch,
-                          output={r: ranks[r].tail[-5:] for r in pending})
+                          output={r: ranks[r].last_output() for r in pending})
     if pending:
         raise _timed_out(ranks, sorted(pending), folder, timeout, board)
     return [rk.message for rk in ranks]
@@ -316,8 +342,9 @@ def _timed_out(ranks, running, folder, timeout, board) -> LaunchError:
         calls[r] = text
         parts.append(f"rank {r} {text}")
     hint = _recv_cycle(board, running)
-    output = {r: ranks[r].tail[-5:] for r in running}
-    shown = "".join(f"\n  last output of rank {r}: " + " | ".join(lines) for r, lines in output.items() if lines)
+    output = {r: ranks[r].last_output() for r in running}
+    shown = "".join(f"\n  last output of rank {r}: " + " | ".join(lines[-5:])
+                    for r, lines in output.items() if lines)
     stack_text = "".join(f"\n--- Python stack of rank {r} (most recent call first) ---\n{s}"
                          for r, s in stacks.items() if s)
     return LaunchError(
@@ -392,4 +419,4 @@ def failure(ranks, failed, calls=None) -> LaunchError:
     if first in tracebacks:
         message += f"\n\n--- traceback of rank {first} ---\n{tracebacks[first]}"
     return LaunchError(message, rank=first, tracebacks=tracebacks, calls=calls,
-                       output={r: ranks[r].tail[-5:] for r in failed})
+                       output={r: ranks[r].last_output() for r in failed})

@@ -100,6 +100,87 @@ def _wait_for(path, seconds=60):
 
 
 # ----------------------------------------------------------------------------------
+# 1. Output without pause
+
+
+class Sink(io.TextIOBase):
+    """A stream that counts what it is given and keeps nothing."""
+
+    def __init__(self):
+        self.chars = 0
+
+    def write(self, text):
+        self.chars += len(text)
+        return len(text)
+
+
+@contextlib.contextmanager
+def rss_growth():
+    """{"bytes": the most this process's resident memory grew above its start} (sampled)."""
+    me, out, stop = psutil.Process(), {}, threading.Event()
+    start = peak = me.memory_info().rss
+
+    def sample():
+        nonlocal peak
+        while not stop.wait(0.05):
+            peak = max(peak, me.memory_info().rss)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        yield out
+    finally:
+        stop.set()
+        sampler.join()
+        out["bytes"] = peak - start
+
+
+def _flood_of_lines():
+    if dist.get_rank() == 0:
+        line = "x" * 1_000_000
+        while True:
+            print(line)                         # 1 MB lines, as fast as it can
+    return "done"
+
+
+def _one_endless_line():
+    if dist.get_rank() == 0:
+        print("the line before")
+        chunk = b"y" * 65536
+        while True:
+            os.write(1, chunk)                  # never a newline
+    return "done"
+
+
+@pytest.mark.parametrize("fn, first", [(_flood_of_lines, "x"), (_one_endless_line, "y")])
+def test_a_rank_printing_without_pause_ends_at_its_timeout(fn, first, monkeypatch):
+    sink = Sink()
+    monkeypatch.setattr(sys, "stdout", sink)
+    monkeypatch.setattr(sys, "stderr", sink)
+    with rss_growth() as growth, no_hang(5 + 60), pytest.raises(pplab.LaunchError) as info:
+        pplab.launch(fn, world_size=2, timeout=5)
+    err = info.value
+    assert err.running == (0,) and "rank 0 still running after 5 s" in str(err)
+    assert sink.chars > 0                                       # relayed while it ran
+    lines = err.output[0]                                       # its last lines, bounded
+    assert lines and len(lines) <= watch.TAIL_LINES and lines[-1].startswith(first * 100)
+    assert all(len(line) <= watch.TAIL_CHARS + 10 for line in lines)
+    assert "last output of rank 0: " in str(err) and first * 100 in str(err)
+    assert growth["bytes"] < 200e6, f"the caller's memory grew by {growth['bytes'] / 1e6:.0f} MB"
+
+
+def test_long_lines_are_printed_cut(capsys):
+    def f():
+        print("z" * (watch.LINE_MAX + 10))
+        print("after")
+
+    pplab.launch(f, world_size=1)
+    out = capsys.readouterr().out
+    assert f"[rank 0] {'z' * watch.LINE_MAX} [... line cut: longer than {watch.LINE_MAX:,} bytes]\n" in out
+    assert "[rank 0] after\n" in out and "zzzzzzzzz\n" not in out
+
+
+# ----------------------------------------------------------------------------------
 # 2. Worker processes inside a rank
 
 
