@@ -54,7 +54,7 @@ import torch.distributed as dist
 from . import callboard, trace
 from .rank_main import rank_main as _rank_main
 from .rank_main import spawned_main as _spawned_main  # noqa: F401 - old import path
-from .rank_main import _to_cpu, check_result
+from .rank_main import _to_cpu, check_result, this_rank
 from .watch import EVENT, EXITED, NOT_STARTED, STARTED  # what the host tells the caller
 from .watch import LaunchError, Rank, collect, ranks_text  # noqa: F401 - LaunchError is public here
 
@@ -198,8 +198,13 @@ def launch(fn, *args, world_size: int = 4, backend: str = "auto", timeout: float
     are not in. No process outlives the call: not the ranks, nor anything they started
     (DataLoader workers, a subprocess in a session of its own, a daemon). fn's result must
     be plain data: an open file, a socket, a lock, a generator... belongs to the rank's
-    process and is refused.
+    process and is refused. Called inside fn (a rank of another launch), it raises RuntimeError.
     """
+    if this_rank() is not None:
+        raise RuntimeError(
+            "pplab.launch was called inside a rank of another launch: a rank cannot start ranks of its "
+            "own. Call pplab.launch from the notebook or script, not from fn; inside fn, call the "
+            "function you meant to launch directly: it already runs on every rank.")
     _check_call(fn, args, kwargs)
     if dist.is_initialized() or _in_torchrun():
         return _run_in_place(fn, args, kwargs, backend)

@@ -36,6 +36,15 @@ from . import callboard, trace
 # name; gloo's own connections between ranks use numeric addresses on the loopback device.
 
 
+_this_rank = None          # (rank, world_size) in a rank of a launch, and in what it forks
+
+
+def this_rank():
+    """(rank, world_size) if this process is a rank that pplab.launch started (or was forked
+    by one, like a DataLoader worker), else None."""
+    return _this_rank
+
+
 def _die_with_parent(parent_pid: int) -> None:
     """Never outlive the launch's host process: if it is killed, so are we."""
     if sys.platform.startswith("linux"):
@@ -113,6 +122,8 @@ def rank_main(rank, world_size, folder, backend, threads, group_timeout, parent_
               err_conn):
     """group_timeout: seconds a collective may wait before gloo gives up (finite; the launch's
     own timeout is enforced by the caller)."""
+    global _this_rank
+    _this_rank = (rank, world_size)
     _die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # the caller handles Ctrl-C and stops us
     _redirect_output(out_conn, err_conn)

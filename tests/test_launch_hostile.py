@@ -302,3 +302,29 @@ def test_a_rank_that_forks_a_helper_and_dies_is_reported_at_once(how, said, mark
     err = info.value
     assert err.rank == 1 and not err.running
     assert f"rank 1 exited without returning a result ({said})" in str(err)
+
+
+# ----------------------------------------------------------------------------------
+# 5. A launch inside a rank
+
+
+def test_a_launch_inside_a_rank_is_refused():
+    def outer():
+        return pplab.launch(lambda: 1, world_size=2)
+
+    with pytest.raises(pplab.LaunchError) as info:
+        pplab.launch(outer, world_size=2)
+    head = str(info.value).split("\n\n")[0]
+    assert head.startswith("ranks 0, 1 raised RuntimeError: pplab.launch was called inside a rank of "
+                           "another launch")
+    assert "Call pplab.launch from the notebook or script, not from fn" in head
+
+
+def test_a_process_group_made_here_still_runs_fn_in_place(tmp_path):
+    """Not a rank of a launch, but a process group exists (as under torchrun): fn runs here."""
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        out = pplab.launch(lambda: dist.get_world_size() * 10, world_size=4)
+        assert out == [10] and out.start_method == "in-place"
+    finally:
+        dist.destroy_process_group()
