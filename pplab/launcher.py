@@ -34,6 +34,7 @@ import atexit
 import contextlib
 import ctypes
 import inspect
+import math
 import multiprocessing as mp
 import os
 import resource
@@ -136,8 +137,29 @@ MAX_WORLD_SIZE = 256       # ranks are processes on this one machine
 RANKS_PER_CORE = 8         # beyond this, a warning: the ranks mostly wait for a core
 
 
+def _check_timeout(timeout) -> float:
+    """Seconds, > 0; math.inf (or an int too large for a float) means no limit."""
+    if timeout is None:
+        return _default_timeout()
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        value = math.nan
+    else:
+        try:
+            value = float(timeout)
+        except OverflowError:
+            value = math.inf
+    if not value > 0:                   # also refuses nan, which compares false to everything
+        raise ValueError(f"timeout must be a number of seconds > 0, or math.inf for no limit, got {timeout!r}")
+    return value
+
+
+# gloo's own limit on one collective: finite (a timedelta cannot hold inf, nor 1e300 s),
+# and longer than any launch here lasts. The launch's timeout is enforced by the caller.
+GROUP_TIMEOUT_MAX = 7 * 24 * 3600.0
+
+
 def _default_timeout() -> float:
-    """PPLAB_LAUNCH_TIMEOUT (seconds) if set, else 120 s."""
+    """PPLAB_LAUNCH_TIMEOUT (seconds; "inf" for no limit) if set, else 120 s."""
     raw = os.environ.get("PPLAB_LAUNCH_TIMEOUT", "").strip()
     if not raw:
         return 120.0
@@ -186,7 +208,9 @@ def launch(fn, *args, world_size: int = 4, backend: str = "auto", timeout: float
     backend: "auto" (NCCL with one GPU per rank when there are enough GPUs and CUDA is
       untouched here, else gloo), "gloo" or "nccl".
     timeout: seconds before ranks still running are stopped and named in the error
-      (default: the environment variable PPLAB_LAUNCH_TIMEOUT, else 120).
+      (default: the environment variable PPLAB_LAUNCH_TIMEOUT, else 120). math.inf means
+      no limit: the launch then ends when the ranks do, or when it is interrupted (Ctrl-C,
+      the notebook's stop button). nan, 0 and negative values are refused (ValueError).
     threads_per_rank: torch threads per CPU rank (1 keeps N ranks from fighting over cores).
     start_method: None (fork when safe, else spawn), "fork" or "spawn".
     safe_results: the ranks run code this process must not trust (a student's, when
@@ -210,10 +234,7 @@ def launch(fn, *args, world_size: int = 4, backend: str = "auto", timeout: float
         return _run_in_place(fn, args, kwargs, backend)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a whole number >= 1, got {world_size!r}")
-    if timeout is None:
-        timeout = _default_timeout()
-    if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and timeout > 0):
-        raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+    timeout = _check_timeout(timeout)
     if not (isinstance(threads_per_rank, int) and threads_per_rank >= 1):
         raise ValueError(f"threads_per_rank must be an int >= 1, got {threads_per_rank!r}")
     _check_world_size(world_size)
@@ -227,7 +248,7 @@ def launch(fn, *args, world_size: int = 4, backend: str = "auto", timeout: float
                             f"could not serialise them: {exc}") from exc
     else:
         payload = (fn, args, kwargs)
-    return _launch_once(payload, world_size, backend, method, float(timeout), threads_per_rank, safe_results)
+    return _launch_once(payload, world_size, backend, method, timeout, threads_per_rank, safe_results)
 
 
 def _launch_folder() -> str:
@@ -239,7 +260,7 @@ def _launch_folder() -> str:
 
 def _launch_once(payload, world_size, backend, method, timeout, threads, safe=False) -> LaunchResult:
     folder = _launch_folder()
-    rank_args = (world_size, folder, backend, threads, timeout + 60)
+    rank_args = (world_size, folder, backend, threads, min(timeout + 60, GROUP_TIMEOUT_MAX))
     started = time.perf_counter()
     ranks: list[Rank] = []
     ends: list[list] = []               # the ranks' ends of their pipes: result, stdout, stderr

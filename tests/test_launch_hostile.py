@@ -328,3 +328,36 @@ def test_a_process_group_made_here_still_runs_fn_in_place(tmp_path):
         assert out == [10] and out.start_method == "in-place"
     finally:
         dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------
+# 6. Timeouts
+
+
+def test_an_infinite_timeout_means_no_limit(monkeypatch):
+    assert pplab.launch(lambda: 5, world_size=2, timeout=math.inf) == [5, 5]
+    assert pplab.launch(lambda: 6, world_size=1, timeout=1e300) == [6]
+    assert pplab.launch(lambda: 7, world_size=1, timeout=10 ** 400) == [7]      # too large for a float
+    monkeypatch.setenv("PPLAB_LAUNCH_TIMEOUT", "inf")
+    assert pplab.launch(lambda: 8, world_size=1) == [8]
+
+
+def test_a_launch_without_a_limit_still_ends_when_interrupted():
+    def raise_interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, raise_interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 2.0)
+        with pytest.raises(KeyboardInterrupt):
+            pplab.launch(time.sleep, 600, world_size=2, timeout=math.inf)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert not descendants()
+
+
+@pytest.mark.parametrize("timeout", [math.nan, -math.inf, -1, 0, "10", True])
+def test_timeouts_that_mean_no_time_are_refused(timeout):
+    with pytest.raises(ValueError, match=r"timeout must be a number of seconds > 0, or math.inf for no limit"):
+        pplab.launch(lambda: 1, world_size=1, timeout=timeout)
