@@ -33,10 +33,12 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import fcntl
 import inspect
 import math
 import multiprocessing as mp
 import os
+import re
 import resource
 import select
 import shutil
@@ -251,15 +253,54 @@ def launch(fn, *args, world_size: int = 4, backend: str = "auto", timeout: float
     return _launch_once(payload, world_size, backend, method, timeout, threads_per_rank, safe_results)
 
 
-def _launch_folder() -> str:
-    """Where the ranks meet: in memory (/dev/shm) where there is one."""
+def _launch_folder() -> tuple[str, int]:
+    """Where the ranks meet: in memory (/dev/shm) where there is one; and a lock on it.
+
+    A caller killed outright (kill -9, the OOM killer) cannot remove its folder. Its name
+    holds the caller's pid, and the caller, the host and the forked ranks hold its lock (the
+    kernel lets go of it when the last of them dies): the next launch removes a folder
+    whose caller is gone and whose lock nobody holds, and never a live launch's folder.
+    """
     shm = "/dev/shm"
-    where = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
-    return tempfile.mkdtemp(prefix=f"pplab-launch-{os.getpid()}-", dir=where)
+    where = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
+    for name in os.listdir(where):
+        owner = re.fullmatch(r"pplab-launch-(\d+)-\w+", name)
+        if owner and not _alive(int(owner[1])) and _unlocked(os.path.join(where, name, "lock")):
+            shutil.rmtree(os.path.join(where, name), ignore_errors=True)
+    folder = tempfile.mkdtemp(prefix=f"pplab-launch-{os.getpid()}-", dir=where)
+    lock = os.open(os.path.join(folder, "lock"), os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    return folder, lock
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:             # another user's: alive, and not ours to clean up anyway
+        pass
+    return True
+
+
+def _unlocked(path: str) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:           # its caller died before it made one
+        return True
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def _launch_once(payload, world_size, backend, method, timeout, threads, safe=False) -> LaunchResult:
-    folder = _launch_folder()
+    folder, lock = _launch_folder()
     rank_args = (world_size, folder, backend, threads, min(timeout + 60, GROUP_TIMEOUT_MAX))
     started = time.perf_counter()
     ranks: list[Rank] = []
@@ -288,6 +329,7 @@ def _launch_once(payload, world_size, backend, method, timeout, threads, safe=Fa
                 rk.pump(fd, final=True)     # what it printed before it ended still reaches us
             rk.close()
         shutil.rmtree(folder, ignore_errors=True)
+        os.close(lock)
     result = LaunchResult(m[1] for m in messages)
     result.timeline = trace.Timeline([e for m in messages for e in m[2]], world_size=world_size)
     result.backend, result.start_method = backend, method

@@ -361,3 +361,71 @@ def test_a_launch_without_a_limit_still_ends_when_interrupted():
 def test_timeouts_that_mean_no_time_are_refused(timeout):
     with pytest.raises(ValueError, match=r"timeout must be a number of seconds > 0, or math.inf for no limit"):
         pplab.launch(lambda: 1, world_size=1, timeout=timeout)
+
+
+# ----------------------------------------------------------------------------------
+# 7. A caller killed outright
+
+CALLER = textwrap.dedent(f'''
+    import os, subprocess, sys, time, pplab
+
+    def f(mark, folder):
+        ready = os.path.join(folder, "ready." + os.environ["RANK"])
+        subprocess.Popen([sys.executable, "-c", {SLEEPER!r}, ready, mark], start_new_session=True)
+        time.sleep(600)
+
+    if __name__ == "__main__":
+        pplab.launch(f, sys.argv[1], sys.argv[2], world_size=2, timeout=600)
+''')
+
+
+def _launch_folders(pid):
+    where = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    return glob.glob(os.path.join(where, f"pplab-launch-{pid}-*"))
+
+
+def _start_a_caller(mark, tmp_path):
+    """A python process in the middle of a launch whose ranks each started a process of their own."""
+    script = tmp_path / "caller.py"
+    script.write_text(CALLER)
+    here = os.path.dirname(os.path.dirname(os.path.abspath(pplab.__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
+    caller = subprocess.Popen([sys.executable, str(script), mark, str(tmp_path)], env=env, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while len(list(tmp_path.glob("ready.*"))) < 2:
+        assert time.monotonic() < deadline and caller.poll() is None, caller.stderr.read().decode()[-3000:]
+        time.sleep(0.05)
+    assert len(_launch_folders(caller.pid)) == 1
+    return caller
+
+
+def test_a_caller_killed_outright_leaves_no_process_and_no_folder(mark, tmp_path):
+    caller = _start_a_caller(mark, tmp_path)
+    caller.kill()                               # SIGKILL: no finally, no atexit in the caller
+    caller.wait()
+    deadline = time.monotonic() + 30            # the host sees the caller go and ends the launch
+    while (ours(mark) or _launch_folders(caller.pid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _launch_folders(caller.pid)
+    # the `mark` fixture checks that the ranks' own processes are gone too
+
+
+def test_the_next_launch_removes_what_a_killed_launch_left(mark, tmp_path):
+    caller = _start_a_caller(mark, tmp_path)
+    everyone = [caller.pid] + sorted(descendants(caller.pid))
+    for pid in everyone:                        # the caller and its host at once (the OOM killer, say)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    caller.wait()
+    deadline = time.monotonic() + 30
+    while any(alive(pid) for pid in everyone) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(_launch_folders(caller.pid)) == 1            # nobody was left to remove it
+    where = os.path.dirname(_launch_folders(caller.pid)[0])
+    live = tempfile.mkdtemp(prefix=f"pplab-launch-{os.getpid()}-", dir=where)
+    try:
+        assert pplab.launch(lambda: 1, world_size=1) == [1]
+        assert not _launch_folders(caller.pid)              # its owner is gone: removed
+        assert os.path.isdir(live)                          # this (live) process's: kept
+    finally:
+        os.rmdir(live)
