@@ -19,10 +19,10 @@ How it works, in the order it happens:
    trace events through a pipe (rank_main.py). Its stdout/stderr go through pipes too,
    and the caller prints each line prefixed with "[rank r]".
 4. The caller waits for all of them (watch.py). If a rank raises, dies, sits in a
-   collective its peers are not in, or is still running at `timeout`, or if the caller
-   is interrupted, a `LaunchError` says which rank, why, and what each rank was doing.
-   However the launch ends (even if the caller is killed), the host then kills every
-   process of the launch: the ranks and anything they started.
+   collective its peers are not in, or is still running at `timeout`, a `LaunchError`
+   says which rank, why, and what each rank was doing. However the launch ends (results,
+   an error, Ctrl-C, even the caller being killed), the host then kills every process
+   of the launch: the ranks and anything they started.
 
 Under torchrun, or when a process group already exists, `launch` starts nothing: it
 runs fn on this rank and gathers every rank's result, so the same script runs on a
