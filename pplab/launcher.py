@@ -322,14 +322,16 @@ def _launch_once(payload, world_size, backend, method, timeout, threads, safe=Fa
                 c.close()
         messages = collect(ranks, host.status, folder, timeout)
     finally:
-        if host is not None:
-            host.end()                  # every process of the launch is gone when this returns
-        for rk in ranks:
-            for fd in rk.pipes:
-                rk.pump(fd, final=True)     # what it printed before it ended still reaches us
-            rk.close()
-        shutil.rmtree(folder, ignore_errors=True)
-        os.close(lock)
+        try:
+            if host is not None:
+                host.end()              # every process of the launch is gone when this returns
+        finally:                        # (even if a second Ctrl-C cut the wait short)
+            for rk in ranks:
+                for fd in rk.pipes:
+                    rk.pump(fd, final=True)     # what it printed before it ended still reaches us
+                rk.close()
+            shutil.rmtree(folder, ignore_errors=True)
+            os.close(lock)
     result = LaunchResult(m[1] for m in messages)
     result.timeline = trace.Timeline([e for m in messages for e in m[2]], world_size=world_size)
     result.backend, result.start_method = backend, method
