@@ -8,6 +8,7 @@ afterwards, wherever it was re-parented.
 """
 import contextlib
 import ctypes
+import fcntl
 import functools
 import glob
 import io
@@ -423,6 +424,15 @@ def test_the_next_launch_removes_what_a_killed_launch_left(mark, tmp_path):
     while any(alive(pid) for pid in everyone) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert len(_launch_folders(caller.pid)) == 1            # nobody was left to remove it
+    lock = os.open(os.path.join(_launch_folders(caller.pid)[0], "lock"), os.O_RDONLY)
+    try:                # the kernel lets go of a dead process's lock a moment after it died
+        while time.monotonic() < deadline:
+            with contextlib.suppress(BlockingIOError):
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            time.sleep(0.01)
+    finally:
+        os.close(lock)
     where = os.path.dirname(_launch_folders(caller.pid)[0])
     live = tempfile.mkdtemp(prefix=f"pplab-launch-{os.getpid()}-", dir=where)
     try:
