@@ -36,8 +36,17 @@ from . import callboard, trace
 # name; gloo's own connections between ranks use numeric addresses on the loopback device.
 
 
+_this_rank = None          # (rank, world_size) in a rank of a launch, and in what it forks
+
+
+def this_rank():
+    """(rank, world_size) if this process is a rank that pplab.launch started (or was forked
+    by one, like a DataLoader worker), else None."""
+    return _this_rank
+
+
 def _die_with_parent(parent_pid: int) -> None:
-    """Never outlive the caller: if it is killed (a kernel restart), so are we."""
+    """Never outlive the launch's host process: if it is killed, so are we."""
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -109,9 +118,13 @@ def check_result(x, where="the result", depth=0) -> None:
             check_result(v, f"{where}.{k}", depth + 1)
 
 
-def rank_main(rank, world_size, folder, backend, threads, timeout, parent_pid, payload, conn, out_conn, err_conn):
+def rank_main(rank, world_size, folder, backend, threads, group_timeout, parent_pid, payload, conn, out_conn,
+              err_conn):
+    """group_timeout: seconds a collective may wait before gloo gives up (finite; the launch's
+    own timeout is enforced by the caller)."""
+    global _this_rank
+    _this_rank = (rank, world_size)
     _die_with_parent(parent_pid)
-    os.setpgid(0, 0)                                # our own process group: killpg ends our children too
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # the caller handles Ctrl-C and stops us
     _redirect_output(out_conn, err_conn)
     faulthandler.disable()     # the caller's (pytest, ipykernel) writes past our pipes: gloo says why it aborts
@@ -128,7 +141,7 @@ def rank_main(rank, world_size, folder, backend, threads, timeout, parent_pid, p
             torch.cuda.set_device(rank)
         store = dist.FileStore(os.path.join(folder, "store"), world_size)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout + 60))
+                                timeout=datetime.timedelta(seconds=group_timeout))
         fn, args, kwargs = cloudpickle.loads(payload) if isinstance(payload, bytes) else payload
         trace.reset(rank)
         callboard.attach(os.path.join(folder, "board"), rank)
@@ -160,11 +173,12 @@ def rank_main(rank, world_size, folder, backend, threads, timeout, parent_pid, p
 
 
 def spawned_main(argv):
-    """Entry point of a rank started as a fresh interpreter (launcher._Spawned)."""
+    """Entry point of a rank started as a fresh interpreter (launcher._spawn_rank)."""
     import ast
     from multiprocessing.connection import Connection
 
     *args, conn_fd, out_fd, err_fd = argv
     args = [ast.literal_eval(a) for a in args]
-    payload = sys.stdin.buffer.read()
+    with open(os.path.join(args[2], "payload"), "rb") as f:       # args[2]: the launch folder
+        payload = f.read()
     rank_main(*args, payload, Connection(int(conn_fd)), Connection(int(out_fd)), Connection(int(err_fd)))

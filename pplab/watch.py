@@ -1,7 +1,8 @@
 """The caller's side of a launch: watch the ranks, relay their output, explain how it ended.
 
-`collect` waits on every rank's result pipe, output pipes and exit at once, and reads the
-call board (callboard.py) a few times a second. It ends the launch when every rank has
+`collect` waits on every rank's result pipe and output pipes, and on what the launch's host
+process says (a rank started, a rank ended: launcher.py), and reads the call board
+(callboard.py) a few times a second. It ends the launch when every rank has
 answered, when one fails (after a short grace so the lowest failing rank is the one
 blamed), when two ranks sit in mismatched collectives, or at the timeout. Every failure
 becomes one LaunchError whose message says what each rank did, once per distinct story
@@ -15,6 +16,7 @@ import os
 import pickle
 import re
 import signal
+import struct
 import sys
 import time
 
@@ -23,17 +25,34 @@ import cloudpickle
 from . import callboard, trace
 
 BOARD_EVERY = 0.2          # seconds between reads of the call board
+READ_MAX = 1 << 20         # bytes of a rank's output read at once: a rank printing without pause
+                           # must leave the caller time to look at the clock
+LINE_MAX = 64 << 10        # a longer line is printed cut, and never held whole (one may never end)
+TAIL_LINES, TAIL_CHARS = 20, 500       # a rank's last output, as kept for error messages
+
+# What the host process (launcher.py) tells the caller, one fixed-size record at a time
+# (a pipe never splits a write this small): (STARTED, rank, pid), (EXITED, rank, exit code
+# as multiprocessing gives it: -N if killed by signal N), (NOT_STARTED, rank, errno).
+STARTED, EXITED, NOT_STARTED = 0, 1, 2
+EVENT = struct.Struct("<iii")
+
+
+def read_events(fd):
+    """The host's records waiting in its pipe, as (what, rank, value); None once it has ended."""
+    data = os.read(fd, EVENT.size * 256)
+    return list(EVENT.iter_unpack(data)) if data else None
 
 
 class LaunchError(RuntimeError):
     """One or more ranks failed, hung or were interrupted; all of them were stopped.
 
     rank: the rank blamed first (None for a timeout); tracebacks: {rank: text} of
-    ranks that raised; running: ranks still running at the timeout; output: {rank:
-    last lines printed}; calls: {rank: the pplab.comm call it was inside, described};
-    stacks: {rank: its Python stack when it was stopped at the timeout}; mismatch: the
-    explanation when the launch was ended early because ranks sat in mismatched
-    collectives ("" otherwise; `running` then lists the ranks that were stopped).
+    ranks that raised; running: ranks still running at the timeout; output: {rank: its
+    last lines printed (TAIL_LINES at most, each cut to TAIL_CHARS)}; calls: {rank: the
+    pplab.comm call it was inside, described}; stacks: {rank: its Python stack when it
+    was stopped at the timeout}; mismatch: the explanation when the launch was ended
+    early because ranks sat in mismatched collectives ("" otherwise; `running` then lists
+    the ranks that were stopped).
     """
 
     def __init__(self, message, rank=None, tracebacks=None, running=(), output=None, calls=None, stacks=None,
@@ -62,34 +81,53 @@ def ranks_text(ranks) -> str:
 
 
 class Rank:
-    """The caller's handle on one child: its process, result pipe and output pipes."""
+    """The caller's handle on one rank: its result pipe, its output pipes, and what the host
+    said of it (its pid once started, its exit code once ended)."""
 
-    def __init__(self, rank, proc, conn, out_conn, err_conn, safe=False):
-        self.rank, self.proc, self.conn = rank, proc, conn
+    def __init__(self, rank, conn, out_conn, err_conn, safe=False):
+        self.rank, self.conn = rank, conn
+        self.pid = self.exitcode = None
         self.safe = safe                # its code is not trusted: decode its message as plain data
         self.pipes = {out_conn.fileno(): (out_conn, sys.stdout), err_conn.fileno(): (err_conn, sys.stderr)}
         self.partial = {fd: b"" for fd in self.pipes}
-        self.tail: list[str] = []       # last lines printed, for error messages
+        self.cut = {fd: False for fd in self.pipes}     # the line being read was shown already, cut
+        self.tail: list[str] = []       # last lines printed, cut short, for error messages
         self.message = None
 
     def pump(self, fd, final=False) -> None:
-        """Print whatever the child wrote, a whole line at a time, with a rank prefix."""
+        """Print what the child wrote, a whole line at a time, with a rank prefix. At most
+        READ_MAX bytes a call, and no more than LINE_MAX of a line kept: a rank that prints
+        without pause, or one endless line, neither holds the caller nor fills its memory."""
         conn, stream = self.pipes[fd]
-        data = b""
-        while conn.poll(0):
+        chunks, size = [self.partial[fd]], 0
+        while size < READ_MAX and conn.poll(0):
             chunk = os.read(fd, 65536)
             if not chunk:
                 break
-            data += chunk
-        buf = self.partial[fd] + data
-        *lines, rest = buf.split(b"\n")
+            chunks.append(chunk)
+            size += len(chunk)
+        *lines, rest = b"".join(chunks).split(b"\n")
         if final and rest:
             lines, rest = lines + [rest], b""
+        if self.cut[fd] and lines:      # the end of a line already shown (cut): not shown again
+            lines, self.cut[fd] = lines[1:], False
+        if len(rest) > LINE_MAX:        # no end in sight: show its start now, drop the rest of it
+            if not self.cut[fd]:
+                lines.append(rest)
+            self.cut[fd], rest = True, b""
         self.partial[fd] = rest
         for line in lines:
-            text = line.decode(errors="replace")
-            self.tail = (self.tail + [text])[-20:]
+            text = line[:LINE_MAX].decode(errors="replace")
+            if len(line) > LINE_MAX:
+                text += f" [... line cut: longer than {LINE_MAX:,} bytes]"
+            self.tail = (self.tail + [_short(text)])[-TAIL_LINES:]
             print(f"[rank {self.rank}] {text}", file=stream, flush=True)
+
+    def last_output(self) -> list[str]:
+        """Its last lines (TAIL_LINES at most, each cut to TAIL_CHARS), and one it has not ended yet."""
+        unfinished = [_short(p[:TAIL_CHARS + 1].decode(errors="replace"))
+                      for fd, p in self.partial.items() if p and not self.cut[fd]]
+        return (self.tail + unfinished)[-TAIL_LINES:]
 
     def receive(self) -> None:
         """Read the child's one message, if it sent one before its pipe closed."""
@@ -100,25 +138,13 @@ class Rank:
             return
         self.message = plain_loads(data) if self.safe else cloudpickle.loads(data)
 
-    def kill(self) -> None:
-        """Kill the rank and anything it started (its process group), dead or alive:
-        a rank that exited may have left children behind. Not yet reaped, so the pid
-        cannot have been reused."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        if self.proc.is_alive():        # not yet in its own group (killed right after start)
-            self.proc.kill()
-
     def close(self) -> None:
-        self.proc.join(5)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join()
-        self.proc.close()               # releases the sentinel's file descriptor
         for c in [self.conn] + [c for c, _ in self.pipes.values()]:
             c.close()
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= TAIL_CHARS else text[:TAIL_CHARS] + " [...]"
 
 
 class _PlainUnpickler(pickle.Unpickler):
@@ -148,14 +174,18 @@ def plain_loads(data: bytes):
     return ("err", "return", f"ResultError: its result is not plain data ({problem})", "")
 
 
-def collect(ranks, folder, timeout):
-    """Wait for every rank; return their messages ("ok", result, events) by rank, or raise LaunchError."""
-    deadline = time.monotonic() + timeout
+def collect(ranks, host, folder, timeout):
+    """Wait for every rank; return their messages ("ok", result, events) by rank, or raise LaunchError.
+
+    host: the read end of the host's pipe (read_events). A rank's end is learnt from the host,
+    which waits for it (waitpid), not from a pipe closing: a process the rank started may
+    hold its pipes open long after it died.
+    """
+    deadline = time.monotonic() + timeout               # timeout=inf: no deadline
     board_path, p = os.path.join(folder, "board"), len(ranks)
     pending = {rk.rank for rk in ranks}
     by_fd = {fd: rk for rk in ranks for fd in rk.pipes}
     by_conn = {rk.conn: rk for rk in ranks}
-    by_sentinel = {rk.proc.sentinel: rk for rk in ranks}
     failed: dict[int, tuple] = {}
     board = callboard.read(board_path, p)
 
@@ -164,6 +194,16 @@ def collect(ranks, folder, timeout):
             pending.discard(rk.rank)
         elif rk.message is not None:
             failed[rk.rank] = rk.message
+
+    def ended(rk, code):
+        """The host saw it end: did it answer first? (Read only what is there: a process it
+        started may hold the pipe open, and would keep a blocking read waiting.)"""
+        rk.exitcode = code
+        if by_conn.pop(rk.conn, None) is not None and rk.conn.poll(0):
+            rk.receive()
+            settle(rk)
+        if rk.message is None:
+            failed[rk.rank] = ("died", code)
 
     in_grace, mismatch = False, None
     while pending:
@@ -174,8 +214,8 @@ def collect(ranks, folder, timeout):
         left = deadline - time.monotonic()
         if left <= 0:
             break
-        ready = multiprocessing.connection.wait(list(by_fd) + list(by_conn) + list(by_sentinel),
-                                   timeout=min(left, BOARD_EVERY))
+        watched = list(by_fd) + list(by_conn) + ([host] if host is not None else [])
+        ready = multiprocessing.connection.wait(watched, timeout=min(left, BOARD_EVERY))
         for obj in ready:
             if obj in by_fd:
                 by_fd[obj].pump(obj)
@@ -183,16 +223,20 @@ def collect(ranks, folder, timeout):
                 rk = by_conn.pop(obj)
                 rk.receive()
                 settle(rk)
-        for obj in ready:
-            if obj in by_sentinel:                  # a child ended: did it answer first?
-                rk = by_sentinel.pop(obj)
-                if rk.conn in by_conn:
-                    del by_conn[rk.conn]
-                    rk.receive()
-                    settle(rk)
-                if rk.message is None:
-                    rk.proc.join(1)
-                    failed[rk.rank] = ("died", rk.proc.exitcode)
+        if host is not None and host in ready:
+            events = read_events(host)
+            if events is None:          # the host was killed, and every rank with it
+                for rk in ranks:
+                    if rk.exitcode is None and rk.rank not in failed:
+                        ended(rk, None)
+                host = None
+            for what, r, value in events or ():
+                if what == STARTED:
+                    ranks[r].pid = value
+                elif what == EXITED:
+                    ended(ranks[r], value)
+                else:
+                    failed[r] = ("not started", value)
         if not failed and not mismatch:
             board = callboard.read(board_path, p)
             mismatch = callboard.find_mismatch(board)
@@ -213,7 +257,7 @@ def collect(ranks, folder, timeout):
         involved = [r for r in pending if r in calls]
         raise LaunchError(mismatch + ". All ranks were stopped.", rank=min(involved, default=None),
                           running=sorted(pending), calls=calls, mismatch=mismatch,
-                          output={r: ranks[r].tail[-5:] for r in pending})
+                          output={r: ranks[r].last_output() for r in pending})
     if pending:
         raise _timed_out(ranks, sorted(pending), folder, timeout, board)
     return [rk.message for rk in ranks]
@@ -227,7 +271,8 @@ def _stacks(ranks, running, folder) -> dict:
     """Ask every running rank for its Python stack (faulthandler, on SIGUSR1), main thread only."""
     for r in running:
         try:
-            os.kill(ranks[r].proc.pid, signal.SIGUSR1)
+            if ranks[r].pid is not None:
+                os.kill(ranks[r].pid, signal.SIGUSR1)
         except ProcessLookupError:
             pass
     stacks, until = {}, time.monotonic() + 1.0
@@ -297,8 +342,9 @@ def _timed_out(ranks, running, folder, timeout, board) -> LaunchError:
         calls[r] = text
         parts.append(f"rank {r} {text}")
     hint = _recv_cycle(board, running)
-    output = {r: ranks[r].tail[-5:] for r in running}
-    shown = "".join(f"\n  last output of rank {r}: " + " | ".join(lines) for r, lines in output.items() if lines)
+    output = {r: ranks[r].last_output() for r in running}
+    shown = "".join(f"\n  last output of rank {r}: " + " | ".join(lines[-5:])
+                    for r, lines in output.items() if lines)
     stack_text = "".join(f"\n--- Python stack of rank {r} (most recent call first) ---\n{s}"
                          for r, s in stacks.items() if s)
     return LaunchError(
@@ -330,6 +376,13 @@ def _native_reason(tail) -> str:
     return ""
 
 
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:                  # one Python has no name for (a real-time signal)
+        return str(number)
+
+
 def failure(ranks, failed, calls=None) -> LaunchError:
     """Blame the lowest rank that really failed; ranks that failed *because* it stopped
     (their connection to it closed) are listed after it as knock-on failures. Ranks with
@@ -340,10 +393,12 @@ def failure(ranks, failed, calls=None) -> LaunchError:
     tracebacks, stories = {}, {}                     # story -> ranks, in order of first telling
     for r in sorted(failed, key=lambda r: (r != first, _knock_on(failed[r]), r)):
         info = failed[r]
-        if info[0] == "died":
+        if info[0] == "not started":
+            story = f"could not be started ({os.strerror(info[1])})"
+        elif info[0] == "died":
             code = info[1]
-            how = (f"killed by signal {signal.Signals(-code).name}" if code is not None and code < 0
-                   else f"exit code {code}")
+            how = ("the launch's host process was killed, and the rank with it" if code is None else
+                   f"killed by signal {_signal_name(-code)}" if code < 0 else f"exit code {code}")
             story = f"exited without returning a result ({how})"
             reason = _native_reason(ranks[r].tail)
             if reason:
@@ -364,4 +419,4 @@ def failure(ranks, failed, calls=None) -> LaunchError:
     if first in tracebacks:
         message += f"\n\n--- traceback of rank {first} ---\n{tracebacks[first]}"
     return LaunchError(message, rank=first, tracebacks=tracebacks, calls=calls,
-                       output={r: ranks[r].tail[-5:] for r in failed})
+                       output={r: ranks[r].last_output() for r in failed})
