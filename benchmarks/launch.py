@@ -9,7 +9,7 @@ spawn / pplab (> 1 means pplab is faster). Goal: at least 5x at 4 ranks.
 Then the stall line: --launches (100) launches of 4 ranks in a row, each timed from the
 call until it returned: median, p95 and max. Goal: max < 0.5 s on a 2-core machine (the
 5 s stall, one launch in ten, came from reverse DNS lookups inside torch's TCPStore; see
-pplab/rank_main.py).
+pplab/runtime/rank_main.py).
 
     python benchmarks/launch.py [--sizes 2 4 8] [--repeats 5] [--launches 100]
 """
@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as tmp
 
 import pplab
-from pplab.launcher import _free_port
+from pplab.runtime.launcher import _free_port
 
 
 def first_all_reduce():

@@ -10,8 +10,9 @@ The chapters' modules (swimlane, pipeline, collectives, ...) load on first use, 
 """
 import importlib
 
-from . import comm, trace
-from .launcher import LaunchError, LaunchResult, device, launch
+from . import trace
+from .runtime import comm
+from .runtime.launcher import LaunchError, LaunchResult, device, launch
 
 __version__ = "0.1.0"
 _LAZY = ("swimlane", "pipeline", "collectives", "checks", "course", "costmodel", "costfit", "data_parallel",

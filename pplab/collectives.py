@@ -37,7 +37,7 @@ import itertools
 import torch
 import torch.distributed as dist
 
-from . import comm
+from .runtime import comm
 
 OPS = {"sum": torch.add, "product": torch.mul, "max": torch.maximum, "min": torch.minimum}
 ALL_REDUCE_ALGORITHMS = ("naive", "tree", "ring", "recursive_doubling", "halving_doubling")

@@ -53,9 +53,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from . import collectives, comm, trace
+from . import collectives, trace
+from .runtime import comm
 from .costmodel import cost
-from .launcher import device, launch
+from .runtime.launcher import device, launch
 
 SIZES = tuple(4 ** k * 1024 for k in range(9))    # 1 KB, 4 KB, ..., 64 MB
 FRESH_FROM = 32 * 2 ** 20                          # glibc's malloc takes buffers this large from the OS each time

@@ -47,7 +47,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from . import collectives, comm, trace
+from . import collectives, trace
+from .runtime import comm
 from .tensor_parallel.transformer import MLP
 
 __all__ = ["MoE", "TinyMoE", "all_to_all", "dispatch_plan", "capacity", "sync_gradients", "my_experts", "steer",

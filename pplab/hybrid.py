@@ -41,7 +41,7 @@ from torch import nn
 
 from . import data, trace
 from .data_parallel import DDP, all_reduce_gradients, shard
-from .launcher import device as rank_device
+from .runtime.launcher import device as rank_device
 from .mesh import DIMS, Mesh
 from .models.gpt import GPTConfig, gpt_layers, gpt_loss, parallel_layers
 from .pipeline import PipelineExecutor, make_schedule, partition

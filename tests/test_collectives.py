@@ -265,30 +265,6 @@ def _check_bytes(timeline):
     return measured
 
 
-@pytest.mark.parametrize("p", [1, 2, 3, 4, 8])
-def test_equal_to_torch_with_exact_bytes(p):
-    res = pplab.launch(_compare_with_torch, world_size=p, timeout=120)   # a hang fails, slowly
-    for rank, (checked, failures) in enumerate(res):
-        assert failures == []
-        # per case: 5 all-reduces + 7 other collectives (+ gather, compared on its root); + 5 textbook
-        roots = sum(1 for i in range(6) if rank == (i + p - 1) % p)
-        assert checked == 6 * 12 + roots + 5
-    measured = _check_bytes(res.timeline)
-    assert len(measured) == p * (6 * 13 + 5)              # every call of ours (13 a case), every rank
-
-    # The textbook figures, for the 1680-element float32 tensor (N = 6720 bytes).
-    N = 1680 * 4
-    text = {(r, m["algorithm"]): (sent, sends) for (r, _), (label, m, sent, sends, *_) in measured.items()
-            if label == "textbook"}
-    for r in range(p):
-        assert text[r, "ring"] == (2 * (p - 1) * N // p, 2 * (p - 1))          # 2(p-1)/p·N, 2(p-1) α
-        if p & (p - 1) == 0:
-            assert text[r, "recursive_doubling"] == (int(math.log2(p)) * N, int(math.log2(p)))
-            assert text[r, "halving_doubling"] == (2 * (p - 1) * N // p, 2 * int(math.log2(p)))
-    into_server, out_of_server = sum(text[r, "naive"][0] for r in range(1, p)), text[0, "naive"][0]
-    assert into_server + out_of_server == 2 * (p - 1) * N  # the parameter server's link carries it all
-
-
 SMALL = [((1,), torch.int64, "sum"), ((1003,), torch.float32, "sum"), ((3, 5), torch.float64, "max")]
 
 
@@ -720,3 +696,30 @@ def test_all_to_all_on_real_ranks_by_hand(p):
     for r, (equal, uneven) in enumerate(pplab.launch(_all_to_all_by_hand, world_size=p, timeout=30)):
         assert equal == [100.0 * i + r for i in range(p) for _ in range(2)], r
         assert uneven == [[100.0 * i + r] * 2 for i in range(p) for _ in range(rows[i][r])], r
+
+
+# Last in the file: a wrong peer or a lost message makes this whole-collective run hang until its
+# timeout, while the tests above (each rank a thread, every receive bounded) fail by assertion
+# in seconds, so a run stopped at the first failure names the bug, not a hang.
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 8])
+def test_equal_to_torch_with_exact_bytes(p):
+    res = pplab.launch(_compare_with_torch, world_size=p, timeout=120)   # a hang fails, slowly
+    for rank, (checked, failures) in enumerate(res):
+        assert failures == []
+        # per case: 5 all-reduces + 7 other collectives (+ gather, compared on its root); + 5 textbook
+        roots = sum(1 for i in range(6) if rank == (i + p - 1) % p)
+        assert checked == 6 * 12 + roots + 5
+    measured = _check_bytes(res.timeline)
+    assert len(measured) == p * (6 * 13 + 5)              # every call of ours (13 a case), every rank
+
+    # The textbook figures, for the 1680-element float32 tensor (N = 6720 bytes).
+    N = 1680 * 4
+    text = {(r, m["algorithm"]): (sent, sends) for (r, _), (label, m, sent, sends, *_) in measured.items()
+            if label == "textbook"}
+    for r in range(p):
+        assert text[r, "ring"] == (2 * (p - 1) * N // p, 2 * (p - 1))          # 2(p-1)/p·N, 2(p-1) α
+        if p & (p - 1) == 0:
+            assert text[r, "recursive_doubling"] == (int(math.log2(p)) * N, int(math.log2(p)))
+            assert text[r, "halving_doubling"] == (2 * (p - 1) * N // p, 2 * int(math.log2(p)))
+    into_server, out_of_server = sum(text[r, "naive"][0] for r in range(1, p)), text[0, "naive"][0]
+    assert into_server + out_of_server == 2 * (p - 1) * N  # the parameter server's link carries it all

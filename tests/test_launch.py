@@ -289,7 +289,7 @@ def test_same_script_runs_under_python_and_torchrun(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     plain = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
     assert "RESULT [30.0, 30.0] fork 2" in plain.stdout, plain.stderr
-    from pplab.launcher import _free_port
+    from pplab.runtime.launcher import _free_port
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                 "--master-port", str(_free_port()), str(script)]
     # its own session, so that on a timeout torchrun *and its workers* are killed, not just torchrun

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import pplab
-from pplab import callboard, watch
+from pplab.runtime import callboard, watch
 from conftest import descendants
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
@@ -225,7 +225,7 @@ def test_absurd_world_sizes_are_refused_before_anything_starts():
 
 
 def test_oversubscription_warns(monkeypatch):
-    monkeypatch.setattr(pplab.launcher, "RANKS_PER_CORE", 1)
+    monkeypatch.setattr(pplab.runtime.launcher, "RANKS_PER_CORE", 1)
     monkeypatch.setattr(os, "cpu_count", lambda: 1)
     with pytest.warns(RuntimeWarning, match="world_size=2 on 1 CPU core"):
         assert pplab.launch(lambda: 1, world_size=2) == [1, 1]

@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import pplab
 from conftest import alive, descendants
-from pplab import watch
+from pplab.runtime import watch
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 

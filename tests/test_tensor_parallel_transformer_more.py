@@ -1,4 +1,4 @@
-"""pplab.tensor_parallel_transformer.vocab_parallel_cross_entropy where the numbers are large.
+"""pplab.tensor_parallel.transformer.vocab_parallel_cross_entropy where the numbers are large.
 
 Any constant subtracted from the logits gives the same softmax, so with small logits a wrong
 constant (the min instead of the max) still gives the right loss. float32 logits spread over
@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import pplab
-from pplab import tensor_parallel_transformer as tpt
+from pplab.tensor_parallel import transformer as tpt
 from pplab.tensor_parallel import my_range
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")

@@ -22,7 +22,7 @@ START, END = "<!-- import-graph:start -->", "<!-- import-graph:end -->"
 # Each entry is a top-level name in pplab (a module or a folder).
 LAYERS = [
     ("base", ["trace", "split", "data"]),
-    ("launch", ["launch"]),
+    ("runtime", ["runtime"]),
     ("observe", ["swimlane"]),
     ("chapters", ["collectives", "costmodel", "costfit", "data_parallel", "tensor_parallel", "pipeline",
                   "sequence_parallel", "zero", "models", "mesh", "hybrid", "planner", "expert_parallel"]),
@@ -55,7 +55,8 @@ def imports(mods: dict[str, Path]) -> dict[str, set[str]]:
                 if node.level:
                     up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
                     base = ".".join(up + ([base] if base else []))
-                names = [base] + [f"{base}.{a.name}" for a in node.names]
+                # `from . import callboard` imports the module callboard, not the package's face
+                names = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
             for name in names:
                 while name and name not in mods:
                     name = name.rpartition(".")[0]

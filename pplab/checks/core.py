@@ -101,7 +101,7 @@ from typing import Callable
 
 import torch
 
-from .. import comm  # noqa: F401 - chapters' checkers import comm from here (tensor_parallel)
+from ..runtime import comm  # noqa: F401 - chapters' checkers import comm from here (tensor_parallel)
 
 # ----------------------------------------------------------------------------------
 # The registry

@@ -13,7 +13,7 @@ import inspect
 
 import torch.distributed as dist
 
-from .. import comm
+from ..runtime import comm
 from .answers import SourceAnswer
 from .core import Forbidden
 from .running import inspect_answer

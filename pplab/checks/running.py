@@ -17,7 +17,7 @@ import tempfile
 import threading
 import time
 
-from ..launcher import LaunchError, launch
+from ..runtime.launcher import LaunchError, launch
 from .answers import SourceAnswer, _not_plain, _on_rank, answer_files, decode
 from .core import Fail, Forbidden
 

@@ -261,7 +261,7 @@ def preload() -> None:
 def install(forbidden: list) -> None:
     """Route torch.distributed (and pplab.comm through it) to the router; refuse, at the
     router, the collectives in `forbidden` ("*": all) wherever they are called from."""
-    from .. import comm
+    from ..runtime import comm
     from .forbidden import _COMM_COLLECTIVES, _TORCH_COLLECTIVES, _collectives_module
 
     c10d = dist.distributed_c10d

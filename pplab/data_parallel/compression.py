@@ -50,8 +50,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .. import collectives, comm, trace
-from ..launcher import device, launch
+from .. import collectives, trace
+from ..runtime import comm
+from ..runtime.launcher import device, launch
 
 
 def _flatten(tensors):

@@ -67,7 +67,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import comm, trace
+from ..runtime import comm
+from .. import trace
 from ..trace import Event, now
 
 

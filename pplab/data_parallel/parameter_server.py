@@ -53,8 +53,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .. import comm, trace
-from ..launcher import device, launch
+from ..runtime import comm
+from .. import trace
+from ..runtime.launcher import device, launch
 
 SERVER = 0
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import comm
+from ..runtime import comm
 from ..sequence_parallel import MegatronBlock, sequence_parallel_layer_norm
 from ..tensor_parallel import ColumnParallelLinear, split_to_parallel
 from ..tensor_parallel.transformer import TransformerBlock, VocabParallelEmbedding, vocab_parallel_cross_entropy

@@ -48,8 +48,9 @@ import torch.distributed as dist
 import torch.fx.experimental.symbolic_shapes  # noqa: F401 - see below
 from torch import nn
 
-from .. import comm, trace
-from ..launcher import device as rank_device
+from ..runtime import comm
+from .. import trace
+from ..runtime.launcher import device as rank_device
 from .partition import PipelineError, _as_layers, partition
 from .actions import Schedule
 from .simulate import validate

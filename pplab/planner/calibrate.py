@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 
 from .. import costfit
-from ..launcher import launch
+from ..runtime.launcher import launch
 from ..models.gpt import GPTConfig
 from .predict import Layout, predict
 from .times import LayerTimes, contention

@@ -19,7 +19,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .. import comm, trace
+from ..runtime import comm
+from .. import trace
 from ..tensor_parallel.layers import _all_gather, _reduce_scatter, copy_to_parallel
 from ..tensor_parallel.transformer import ParallelMLP, ParallelSelfAttention, TransformerBlock
 
@@ -187,7 +188,8 @@ def ring_collectives():
     """Inside this block, pplab.comm's all-gather, reduce-scatter and all-reduce (which forward to
     the backend, so the trace sees only their payload) run as pplab.collectives' rings built from
     traced sends: the trace then counts every byte each rank puts on the wire."""
-    from .. import collectives, comm
+    from .. import collectives
+    from ..runtime import comm
     saved = {name: getattr(comm, name) for name in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")}
     comm.all_gather_into_tensor = lambda out, x, group=None, async_op=False: collectives.all_gather_into_tensor(
         out, x, group=group)

@@ -45,7 +45,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from .. import comm, trace
+from ..runtime import comm
+from .. import trace
 from ..split import split_sizes
 
 LAYOUTS = ("contiguous", "zigzag")

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import comm
+from ..runtime import comm
 from ..data_parallel import shard
 from .layers import (ColumnParallelLinear, RowParallelLinear, copy_to_parallel,
                               gather_from_parallel, my_range)

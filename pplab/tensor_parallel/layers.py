@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import comm
+from ..runtime import comm
 from ..split import split_sizes
 
 

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import comm
+from ..runtime import comm
 from .layers import copy_to_parallel
 
 

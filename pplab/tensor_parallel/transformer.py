@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import comm
+from ..runtime import comm
 from .layers import (ColumnParallelLinear, RowParallelLinear, my_range, reduce_from_parallel)
 
 

@@ -16,7 +16,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from .. import comm
+from ..runtime import comm
 
 
 class FlatBucket:

@@ -41,7 +41,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import comm, trace
+from ..runtime import comm
+from .. import trace
 from ..data_parallel.ddp import _tensors, end_trace_when_done
 from ..trace import Event, now
 from .flat import FlatBucket, reduce_scatter

@@ -50,7 +50,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import comm, trace
+from ..runtime import comm
+from .. import trace
 from ..data_parallel import end_trace_when_done, reverse_buckets
 from ..trace import Event, now
 from .flat import FlatBucket, reduce_scatter

@@ -22,7 +22,8 @@ import time
 
 import cloudpickle
 
-from . import callboard, trace
+from . import callboard
+from .. import trace
 
 BOARD_EVERY = 0.2          # seconds between reads of the call board
 READ_MAX = 1 << 20         # bytes of a rank's output read at once: a rank printing without pause
@@ -288,7 +289,7 @@ def _stacks(ranks, running, folder) -> dict:
             if threads and text.endswith("\n"):
                 lines = []
                 for ln in threads[0].strip().splitlines()[1:]:
-                    if "pplab/rank_main.py" in ln or "multiprocessing/process.py" in ln:
+                    if "pplab/runtime/rank_main.py" in ln or "multiprocessing/process.py" in ln:
                         break                   # below fn: how the rank was started, not the user's code
                     lines.append(ln)
                 stacks[r] = "\n".join(lines)

@@ -54,7 +54,8 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from . import callboard, trace
+from . import callboard
+from .. import trace
 from .rank_main import rank_main as _rank_main
 from .rank_main import spawned_main as _spawned_main  # noqa: F401 - old import path
 from .rank_main import _to_cpu, check_result, this_rank
@@ -565,7 +566,7 @@ def _start_rank(r, ends, method, payload, rank_args, host_fds):
     env = dict(os.environ)
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join([here] + [p for p in [env.get("PYTHONPATH")] if p])
-    code = "import sys; from pplab.rank_main import spawned_main; spawned_main(sys.argv[1:])"
+    code = "import sys; from pplab.runtime.rank_main import spawned_main; spawned_main(sys.argv[1:])"
     fds = [c.fileno() for c in ends[r]]
     argv = [sys.executable, "-c", code] + [repr(a) for a in args] + [str(fd) for fd in fds]
     return subprocess.Popen(argv, stdin=subprocess.DEVNULL, pass_fds=fds, env=env)

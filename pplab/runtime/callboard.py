@@ -3,7 +3,7 @@
 A launch gives every rank one fixed-size slot of a small shared file. `pplab.comm` writes
 the call a rank enters (kind, tensor, root, group, and for collectives its index among
 this rank's collectives on that group) and clears it on the way out: a copy into shared
-memory, cheap enough for every call. The caller (pplab.launcher) reads the board a few
+memory, cheap enough for every call. The caller (pplab.runtime.launcher) reads the board a few
 times a second, which gives it two things:
 
 * a mismatch, found at once: two ranks inside *different* collectives (or the same one

@@ -24,8 +24,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import callboard, trace
-from .trace import Event, now
+from . import callboard
+from .. import trace
+from ..trace import Event, now
 
 # torch 2.13 renamed the tensor forms (the old names still work, with a warning)
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -24,7 +24,8 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from . import callboard, trace
+from . import callboard
+from .. import trace
 
 # Why a FileStore and not a TCPStore (the 5 s stall). torch's TCPStore names every socket it
 # opens in a string made with getnameinfo() *without* NI_NUMERICHOST: a reverse DNS lookup of
