@@ -24,7 +24,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .core import Fail, call_answer, exercise, first_difference, observe, progress, require_function, run_on_ranks
+from . import sealed
+from .core import Fail, exercise, first_difference, observe, progress, require_function, run_on_ranks
 from .core import _fmt, random_mlp_and_cap
 
 # ----------------------------------------------------------------------------------
@@ -272,8 +273,20 @@ def _check_selection(grad, a, chosen, k, where):
                f"of grad + memory largest in magnitude.{hint}")
 
 
+def _topk_rank(fn, steps):
+    """In the sealed rank: the runs of topk_ef_step, each step's memory the answer's own
+    new_memory of the step before (what error feedback carries), zeros at a run's start."""
+    memory = None
+    for i, (grad, k, first) in enumerate(steps):
+        sealed.begin(i)
+        memory = torch.zeros_like(grad) if first else memory
+        out = fn(grad.clone(), memory.clone(), k)
+        sealed.observe(i, out)
+        memory = out[2].detach().double().float()        # a malformed result: the checker says why, at this step
+
+
 @exercise("topk_error_feedback", "Top-k gradient compression with error feedback", answer="topk_ef_step",
-          notebook="02b_topk_error_feedback")
+          notebook="02b_topk_error_feedback", sealed=True)
 def check_topk_error_feedback(fn, seed: int, timeout: float) -> str:
     """topk_ef_step(grad, memory, k) -> (values, indices, new_memory): the k entries of
     a = grad + memory largest in magnitude, and new_memory = a - what was sent."""
@@ -281,34 +294,40 @@ def check_topk_error_feedback(fn, seed: int, timeout: float) -> str:
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
     runs = [(rng.randint(20, 200), None) for _ in range(3)] + [(rng.randint(5, 20), "all")]
+    steps = []                                          # (grad, k, first step of its run), computed here
     for run, (d, k) in enumerate(runs):
         k = d if k == "all" else [1, rng.randint(2, d // 4), rng.randint(d // 4, d - 1)][run]
-        memory = torch.zeros(d)
-        grads_so_far, sent_so_far = torch.zeros(d, dtype=torch.float64), torch.zeros(d, dtype=torch.float64)
-        for step in range(5):
-            where = f"d={d}, k={k}, step {step} of a run that starts from memory = 0: "
-            grad = torch.randn(d, generator=g) * rng.choice([0.1, 1.0, 10.0])
-            out = call_answer(fn, grad.clone(), memory.clone(), k, where=where)
-            values, indices, new_memory = _unpack_topk(fn.__name__, out, d, k, where)
-            a = grad.double() + memory.double()
-            _check_selection(grad.double(), a, set(indices.tolist()), k, where)
-            diff = first_difference(values, a[indices], atol=1e-6, rtol=1e-6)
-            if diff is not None:
-                j, got, want = diff
-                also = " (that is grad alone: send grad + memory)" if abs(got - grad[indices[j]].item()) < 1e-6 \
-                    else ""
-                raise Fail(f"{where}values[{j}] is {_fmt(got)} but the entry at indices[{j}] = {indices[j].item()} "
-                           f"of grad + memory is {_fmt(want)}{also}.")
-            grads_so_far += grad.double()
-            sent_so_far.index_add_(0, indices, values)
-            diff = first_difference(sent_so_far + new_memory, grads_so_far, atol=1e-5, rtol=1e-5)
-            if diff is not None:
-                j, got, want = diff
-                hint = " new_memory is all zeros: error feedback keeps what was not sent." if \
-                    not new_memory.any() and k < d else ""
-                raise Fail(f"{where}what was sent so far + new_memory should equal the sum of the gradients so far "
-                           f"(nothing lost, only late), but at index {j} it is {_fmt(got)}, not {_fmt(want)}: "
-                           f"new_memory = (grad + memory) with the sent entries set to 0.{hint}")
-            memory = new_memory.float()
+        steps += [(torch.randn(d, generator=g) * rng.choice([0.1, 1.0, 10.0]), k, step == 0) for step in range(5)]
+
+    def where_of(i):
+        grad, k, _ = steps[i]
+        return f"d={len(grad)}, k={k}, step {i % 5} of a run that starts from memory = 0: "
+    outs = sealed.call_each(fn, steps, where=where_of, timeout=timeout, job=_topk_rank)
+    for i, ((grad, k, first), out) in enumerate(zip(steps, outs)):
+        d, where = len(grad), where_of(i)
+        if first:
+            memory = torch.zeros(d)
+            grads_so_far, sent_so_far = torch.zeros(d, dtype=torch.float64), torch.zeros(d, dtype=torch.float64)
+        values, indices, new_memory = _unpack_topk(fn.__name__, out, d, k, where)
+        a = grad.double() + memory.double()
+        _check_selection(grad.double(), a, set(indices.tolist()), k, where)
+        diff = first_difference(values, a[indices], atol=1e-6, rtol=1e-6)
+        if diff is not None:
+            j, got, want = diff
+            also = " (that is grad alone: send grad + memory)" if abs(got - grad[indices[j]].item()) < 1e-6 \
+                else ""
+            raise Fail(f"{where}values[{j}] is {_fmt(got)} but the entry at indices[{j}] = {indices[j].item()} "
+                       f"of grad + memory is {_fmt(want)}{also}.")
+        grads_so_far += grad.double()
+        sent_so_far.index_add_(0, indices, values)
+        diff = first_difference(sent_so_far + new_memory, grads_so_far, atol=1e-5, rtol=1e-5)
+        if diff is not None:
+            j, got, want = diff
+            hint = " new_memory is all zeros: error feedback keeps what was not sent." if \
+                not new_memory.any() and k < d else ""
+            raise Fail(f"{where}what was sent so far + new_memory should equal the sum of the gradients so far "
+                       f"(nothing lost, only late), but at index {j} it is {_fmt(got)}, not {_fmt(want)}: "
+                       f"new_memory = (grad + memory) with the sent entries set to 0.{hint}")
+        memory = new_memory.float()
     return (f"on {len(runs)} seeded runs of 5 steps (d from 5 to 200, k from 1 to d): exact top-k of |grad + memory|, "
             f"and sent + memory = the sum of the gradients at every step (to 1e-5)")

@@ -21,6 +21,7 @@ import random
 import torch
 import torch.distributed as dist
 
+from . import sealed
 from .core import Fail, call_answer, check_number, exercise, progress, refuse_library, require_function, run_on_ranks
 
 
@@ -187,14 +188,18 @@ def _moe_bytes(tokens, k, experts, ranks, hidden, element_size):
     return counts + rows * hidden * element_size
 
 
-@exercise("moe_bytes", "Predict the bytes one rank sends in an MoE layer's forward", answer="moe_bytes",
-          notebook="08b_moe_bytes")
-def check_moe_bytes(fn, seed: int, timeout: float) -> str:
-    """moe_bytes(tokens, k, experts, ranks, hidden, element_size) = counts + dispatch + combine bytes."""
-    require_function(fn, "moe_bytes", "tokens, k, experts, ranks, hidden, element_size", 8, 1, 4, 2, 16, 4)
+def _refuse_all_to_all_bytes(fn) -> None:
+    """In the sealed rank: Forbidden if the answer asks pplab.expert_parallel for the bytes."""
     from ..expert_parallel import all_to_all_bytes            # loaded only when this check runs
     refuse_library(fn, "moe_bytes", "the bytes per rank", {"all_to_all_bytes": all_to_all_bytes},
                    "pplab.expert_parallel.all_to_all_bytes")
+
+
+@exercise("moe_bytes", "Predict the bytes one rank sends in an MoE layer's forward", answer="moe_bytes",
+          notebook="08b_moe_bytes", sealed=True)
+def check_moe_bytes(fn, seed: int, timeout: float) -> str:
+    """moe_bytes(tokens, k, experts, ranks, hidden, element_size) = counts + dispatch + combine bytes."""
+    require_function(fn, "moe_bytes", "tokens, k, experts, ranks, hidden, element_size", 8, 1, 4, 2, 16, 4)
     rng = random.Random(seed)
     cases = [(4096, 2, 8, 4, 1024, 2)]
     for _ in range(12):
@@ -202,10 +207,12 @@ def check_moe_bytes(fn, seed: int, timeout: float) -> str:
         experts = ranks * rng.choice([1, 2, 4])
         cases.append((experts * rng.randint(1, 512), rng.choice([1, 2]), experts, ranks, rng.choice([64, 512, 4096]),
                       rng.choice([2, 4])))
-    for case in cases:
-        tokens, k, experts, ranks, hidden, es = case
-        what = f"tokens={tokens}, k={k}, experts={experts}, ranks={ranks}, hidden={hidden}, element_size={es}"
-        got = call_answer(fn, *case, where=what + ": ")
+    def what_of(tokens, k, experts, ranks, hidden, es):
+        return f"tokens={tokens}, k={k}, experts={experts}, ranks={ranks}, hidden={hidden}, element_size={es}"
+    outs = sealed.call_each(fn, cases, where=lambda i: what_of(*cases[i]) + ": ", timeout=timeout,
+                            probe=_refuse_all_to_all_bytes)
+    for case, got in zip(cases, outs):
+        what = what_of(*case)
         try:
             check_number(got, _moe_bytes(*case), what=f"{what}: bytes one rank sends")
         except Fail as fail:

@@ -196,21 +196,24 @@ def run_sealed(job, answer, inputs, *, world_size: int, timeout: float, exercise
     return [results[r] for r in range(p)]
 
 
-def call_each(answer, cases, *, where, timeout: float, probe=None):
+def call_each(answer, cases, *, where, timeout: float, probe=None, job=None):
     """Yield `answer(*args)` for each args in `cases`, in order: a pure function's answers.
 
     The answer runs in one sealed rank (forked from the zygote: it never held the seed),
     all cases in one launch; what it returned comes back as plain data. where(i) starts
     the message of case i ("p=4, m=8: "). A raise, a hang or a death in case i is raised
     as a Fail when the iteration reaches case i, so a wrong value in an earlier case is
-    told first. probe: as for run_sealed (refuse_library, in the rank)."""
+    told first. probe: as for run_sealed (refuse_library, in the rank). job: instead of
+    calling the answer on each case, a job of the checker's module, job(answer, cases),
+    that records each case with begin(i) and observe(i, data) (e.g. calls that depend on
+    what the answer returned before); `_call_rank_and_args` records (returned, args)."""
     got = {}
 
     def keep(p, i, observed, traffic):
         got[i] = observed[0]
     failure = None
     try:
-        run_sealed(_call_rank, answer, [[tuple(args)] for args in cases], world_size=1, timeout=timeout,
+        run_sealed(job or _call_rank, answer, [[tuple(args)] for args in cases], world_size=1, timeout=timeout,
                    exercise=("", ""), check=keep, forbidden=(), probe=probe, prefix=where, single=True)
     except Fail as exc:
         failure = exc
@@ -229,6 +232,14 @@ def _call_rank(fn, calls):
     for i, args in enumerate(calls):
         begin(i)
         observe(i, fn(*args))
+
+
+def _call_rank_and_args(fn, calls):
+    """As _call_rank, recording (returned, the arguments after the call): did it change its inputs?"""
+    for i, args in enumerate(calls):
+        begin(i)
+        returned = fn(*args)
+        observe(i, (returned, args))
 
 
 class _Output:

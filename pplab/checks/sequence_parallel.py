@@ -30,6 +30,7 @@ import random
 import torch
 import torch.distributed as dist
 
+from . import sealed
 from .core import Fail, Forbidden, call_answer, exercise, first_difference, forbidden_references, progress, \
     require_function, run_on_ranks, watch_comm
 from .core import _fmt
@@ -97,19 +98,28 @@ def _merge_trials(seed):
 
 
 @exercise("online_softmax_merge", "Merge two partial attention results (online softmax)", answer="merge_partials",
-          notebook="05a_online_softmax_merge")
+          notebook="05a_online_softmax_merge", sealed=True)
 def check_online_softmax_merge(fn, seed: int, timeout: float) -> str:
     """merge_partials(o1, lse1, o2, lse2) -> (o, lse): attention over the union of two disjoint key sets."""
     z = torch.zeros(1, 1, 1, 1, dtype=torch.float64)
     require_function(fn, "online_softmax_merge", "o1, lse1, o2, lse2", z, z[..., 0], z, z[..., 0])
-    for i, (what, q, k, v, part, hidden) in enumerate(_merge_trials(seed)):
-        where = f"trial {i} ({what}, q {tuple(q.shape)}, {int(part.sum())} + {int((~part).sum())} keys): "
+    trials, cases = _merge_trials(seed), []
+    for what, q, k, v, part, hidden in trials:
         o1, lse1 = _attention(q, k[..., part, :], v[..., part, :], hidden[:, part])
         o2, lse2 = _attention(q, k[..., ~part, :], v[..., ~part, :], hidden[:, ~part])
+        cases.append((o1, lse1, o2, lse2))
+
+    def where_of(i):
+        what, q, _, _, part, _ = trials[i]
+        return f"trial {i} ({what}, q {tuple(q.shape)}, {int(part.sum())} + {int((~part).sum())} keys): "
+    outs = sealed.call_each(fn, cases, where=where_of, timeout=timeout, job=sealed._call_rank_and_args)
+    for i, ((what, q, k, v, part, hidden), (o1, lse1, o2, lse2), (returned, args)) in \
+            enumerate(zip(trials, cases, outs)):
+        where = where_of(i)
         o, lse = _attention(q, k, v, hidden)
-        args = [t.clone() for t in (o1, lse1, o2, lse2)]
-        got_o, got_lse = _pair(fn.__name__, call_answer(fn, *args, where=where), where)
-        if any(not torch.equal(a, b) for a, b in zip(args, (o1, lse1, o2, lse2))):
+        got_o, got_lse = _pair(fn.__name__, returned, where)
+        if any(not isinstance(a, torch.Tensor) or a.shape != b.shape or not torch.equal(a, b)
+               for a, b in zip(args, (o1, lse1, o2, lse2))):
             raise Fail(f"{where}{fn.__name__} changed its inputs: return new tensors, leave o1, lse1, o2, lse2 as "
                        f"they were (ring attention merges into a running result it still needs).")
         hint = ""

@@ -12,7 +12,8 @@ makes (pplab.comm's included), with its size and whether it ran in forward or ba
 the checker then compares values *and* that communication with Megatron's: f is the identity
 forward and one all-reduce backward, g the reverse; the row layer all-reduces once forward and
 never backward; the cross-entropy never moves a [tokens, vocab] tensor. linear_traffic needs no
-ranks: seed 002's table for random shapes (its notebook measures the same numbers from a trace).
+ranks: the table of CMU 15-418's lecture 25 (model and pipeline parallelism) for random shapes
+(its notebook measures the same numbers from a trace).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from torch import nn
 
 from .core import (Fail, call_answer, check_number, exercise, first_difference, progress, refuse_library,
                    require_function, run_on_ranks)
+from . import sealed
 from .core import _fmt
 
 TOL = 1e-10
@@ -413,7 +415,7 @@ _STRATEGIES = ("data parallel", "column", "row")
 
 
 def _traffic(strategy, B, c_in, c_out):
-    """Seed 002's table (CMU 15-418, lecture 25), in numbers per step; an all-reduce of N counts 2N."""
+    """The table of CMU 15-418's lecture 25 (model and pipeline parallelism), in numbers per step; an all-reduce of N counts 2N."""
     return {"data parallel": 2 * c_out * c_in, "column": 2 * B * c_in, "row": 2 * B * c_out}[strategy]
 
 
@@ -437,8 +439,8 @@ def _hints_apart(strategy, B, c_in, c_out) -> bool:
     return len(set(wrong)) == len(wrong)
 
 
-@exercise("linear_traffic", "Seed 002's table: what each strategy sends for one Linear layer",
-          answer="linear_traffic", notebook="03d_linear_traffic")
+@exercise("linear_traffic", "The lecture's table: what each strategy sends for one Linear layer",
+          answer="linear_traffic", notebook="03d_linear_traffic", sealed=True)
 def check_linear_traffic(fn, seed: int, timeout: float) -> str:
     require_function(fn, "linear_traffic", "strategy, B, c_in, c_out", "row", 1, 1, 1)
     rng = random.Random(seed)
@@ -448,15 +450,18 @@ def check_linear_traffic(fn, seed: int, timeout: float) -> str:
         if all(_hints_apart(st, *shape) for st in _STRATEGIES):
             shapes.append(shape)
     shapes.append((4096, 64, 48))                             # a big batch: data parallelism wins
-    for B, c_in, c_out in shapes:
-        for strategy in _STRATEGIES:
-            where = f"B={B}, C_in={c_in}, C_out={c_out}, strategy {strategy!r}: "
-            got = call_answer(fn, strategy, B, c_in, c_out, where=where)
-            want = _traffic(strategy, B, c_in, c_out)
-            try:
-                check_number(got, want, what=f"{where}linear_traffic", rel_tol=1e-9, abs_tol=0.5)
-            except Fail as failure:
-                hint = next((h for wrong, h in _TRAFFIC_MISTAKES
-                             if isinstance(got, (int, float)) and got == wrong(strategy, B, c_in, c_out) != want), "")
-                raise Fail(f"{failure} {hint}".rstrip(), seed_matters=failure.seed_matters) from None
-    return f"({len(shapes)} shapes x 3 strategies, each equal to seed 002's table)"
+    cases = [(strategy, B, c_in, c_out) for B, c_in, c_out in shapes for strategy in _STRATEGIES]
+
+    def where_of(strategy, B, c_in, c_out):
+        return f"B={B}, C_in={c_in}, C_out={c_out}, strategy {strategy!r}: "
+    outs = sealed.call_each(fn, cases, where=lambda i: where_of(*cases[i]), timeout=timeout)
+    for (strategy, B, c_in, c_out), got in zip(cases, outs):
+        where = where_of(strategy, B, c_in, c_out)
+        want = _traffic(strategy, B, c_in, c_out)
+        try:
+            check_number(got, want, what=f"{where}linear_traffic", rel_tol=1e-9, abs_tol=0.5)
+        except Fail as failure:
+            hint = next((h for wrong, h in _TRAFFIC_MISTAKES
+                         if isinstance(got, (int, float)) and got == wrong(strategy, B, c_in, c_out) != want), "")
+            raise Fail(f"{failure} {hint}".rstrip(), seed_matters=failure.seed_matters) from None
+    return f"({len(shapes)} shapes x 3 strategies, each equal to the lecture's table (CMU 15-418, lecture 25: model and pipeline parallelism))"

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from .core import Fail, Forbidden, check_number, exercise, first_difference, progress, refuse_library
 from .core import call_answer, require_function, run_on_ranks
+from . import sealed
 from .core import _fmt
 
 TOL = 1e-9
@@ -188,21 +189,26 @@ def _zero_bytes(stage, psi, n, k):
     return 2 * psi / (n if stage >= 3 else 1) + 2 * psi / (n if stage >= 2 else 1) + k * psi / (n if stage >= 1 else 1)
 
 
-@exercise("zero_bytes", "ZeRO's model-state bytes per rank, stage by stage", answer="zero_bytes",
-          notebook="06b_zero_bytes")
-def check_zero_bytes(fn, seed: int, timeout: float) -> str:
-    """zero_bytes(stage, psi, n, k) = bytes of parameters + gradients + optimizer state per rank."""
-    require_function(fn, "zero_bytes", "stage, psi, n, k", 1, 10, 2, 12)
+def _refuse_model_state_bytes(fn) -> None:
+    """In the sealed rank: Forbidden if the answer asks pplab.zero for the bytes."""
     from ..zero import model_state_bytes              # loaded only when this check runs
     refuse_library(fn, "zero_bytes", "the bytes per rank", {"model_state_bytes": model_state_bytes},
                    "pplab.zero.model_state_bytes")
+
+
+@exercise("zero_bytes", "ZeRO's model-state bytes per rank, stage by stage", answer="zero_bytes",
+          notebook="06b_zero_bytes", sealed=True)
+def check_zero_bytes(fn, seed: int, timeout: float) -> str:
+    """zero_bytes(stage, psi, n, k) = bytes of parameters + gradients + optimizer state per rank."""
+    require_function(fn, "zero_bytes", "stage, psi, n, k", 1, 10, 2, 12)
     rng = random.Random(seed)
     cases = [(s, 7.5e9, 64, 12) for s in range(4)]
     cases += [(s, rng.choice([1e6, 3.3e8, 1.75e11]) * rng.randint(1, 9), rng.choice([2, 3, 8, 100, 1024]),
                rng.choice([4, 8, 12, 16])) for s in range(4) for _ in range(3)]
     cases += [(s, rng.randint(10, 1000) * 1e6, 1, 12) for s in range(4)]
-    for stage, psi, n, k in cases:
-        got = call_answer(fn, stage, psi, n, k, where=f"stage={stage}, Ψ={psi:.4g}, N={n}, K={k}: ")
+    outs = sealed.call_each(fn, cases, where=lambda i: "stage={}, Ψ={:.4g}, N={}, K={}: ".format(*cases[i]),
+                            timeout=timeout, probe=_refuse_model_state_bytes)
+    for (stage, psi, n, k), got in zip(cases, outs):
         want = _zero_bytes(stage, psi, n, k)
         try:
             check_number(got, want, what=f"stage={stage}, Ψ={psi:.4g}, N={n}, K={k}: bytes per rank")
