@@ -328,3 +328,98 @@ def test_allowed_collectives_go_through_the_router():
         assert seen[r]["rank"] == r and seen[r]["p"] == 3
         assert seen[r]["sum"].tolist() == [6.0, 6.0] and seen[r]["from_1"].tolist() == [2.0, 2.0]
         assert seen[r]["all"].tolist() == [1.0, 1.0, 2.0, 2.0, 3.0, 3.0]
+
+
+def _run_job(job, inputs, world_size, forbidden=()):
+    """Run a sealed job of this module under run_check; {rank: what it observed in trial 0}, or the failure."""
+    seen = {}
+
+    @checks.exercise("test_router", "router", answer="f", sealed=True)
+    def check_router(fn, seed, timeout):
+        def keep(p, i, observed, traffic):
+            seen.update({r: {**o, "traffic": dict(traffic[r])} for r, o in observed.items()})
+        sealed.run_sealed(job, fn, inputs, world_size=world_size, timeout=timeout, exercise=("x", "y"),
+                          check=keep, forbidden=forbidden)
+        return ""
+    try:
+        result = checks.run_check("test_router", lambda: None, timeout=20)
+    finally:
+        del checks.EXERCISES["test_router"]
+    return seen, result
+
+
+def _async_job(fn, inputs):
+    """Two async all-reduces in flight at once (as DDP's hooks start them), waited for in reverse order."""
+    sealed.begin(0)
+    a, b = inputs[0].clone(), inputs[0].clone() * 10
+    first, second = dist.all_reduce(a, async_op=True), comm.all_reduce(b, async_op=True)
+    second.wait()
+    first.wait()
+    sealed.observe(0, {"a": a, "b": b})
+
+
+def test_async_collectives_complete_at_wait():
+    seen, result = _run_job(_async_job, [[torch.full((2,), float(r + 1)) for r in range(3)]], 3)
+    assert result, result.message
+    for r in range(3):
+        assert seen[r]["a"].tolist() == [6.0, 6.0] and seen[r]["b"].tolist() == [60.0, 60.0]
+        assert [k for k, _ in seen[r]["traffic"]["collectives"]] == ["all_reduce", "all_reduce"]
+
+
+def _gather_and_uneven_all_to_all_job(fn, inputs):
+    """A list all_gather, then an all-to-all where rank r sends r+1 rows to every rank."""
+    sealed.begin(0)
+    x = inputs[0]
+    p, r = dist.get_world_size(), dist.get_rank()
+    parts = [torch.empty_like(x) for _ in range(p)]
+    dist.all_gather(parts, x)
+    rows = torch.arange(p * (r + 1) * 2, dtype=torch.float32).view(-1, 2) + 100 * r
+    out = torch.empty(sum(s + 1 for s in range(p)), 2)
+    dist.all_to_all_single(out, rows, output_split_sizes=[s + 1 for s in range(p)],
+                           input_split_sizes=[r + 1] * p)
+    sealed.observe(0, {"parts": parts, "out": out})
+
+
+def test_list_all_gather_and_uneven_all_to_all():
+    seen, result = _run_job(_gather_and_uneven_all_to_all_job, [[torch.full((2,), float(r)) for r in range(3)]], 3)
+    assert result, result.message
+    for r in range(3):
+        assert [t.tolist() for t in seen[r]["parts"]] == [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]]
+        want = torch.cat([(torch.arange(3 * (s + 1) * 2, dtype=torch.float32).view(-1, 2) + 100 * s)
+                          [r * (s + 1):(r + 1) * (s + 1)] for s in range(3)])
+        assert torch.equal(seen[r]["out"], want)
+
+
+def _subgroup_job(fn, inputs):
+    """new_group: an all-reduce within {0, 2} and one within {1, 3}, and a rank number within the group."""
+    sealed.begin(0)
+    r = dist.get_rank()
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    mine = groups[r % 2]
+    t = inputs[0].clone()
+    dist.all_reduce(t, group=mine)
+    sealed.observe(0, {"t": t, "rank_in_group": dist.get_rank(mine), "size": dist.get_world_size(mine)})
+
+
+def test_subgroups_reduce_within_themselves():
+    seen, result = _run_job(_subgroup_job, [[torch.tensor([float(10 ** r)]) for r in range(4)]], 4)
+    assert result, result.message
+    assert [seen[r]["t"].item() for r in range(4)] == [101.0, 1010.0, 101.0, 1010.0]
+    assert [seen[r]["rank_in_group"] for r in range(4)] == [0, 0, 1, 1]
+    assert all(seen[r]["size"] == 2 for r in range(4))
+
+
+def _async_never_joined_job(fn, inputs):
+    sealed.begin(0)
+    t = inputs[0].clone()
+    if dist.get_rank() == 0:
+        dist.all_reduce(t, async_op=True).wait()
+    else:
+        comm.recv(t, 0)
+
+
+def test_a_deadlock_on_an_async_collective_is_named():
+    seen, result = _run_job(_async_never_joined_job, [[torch.zeros(1) for r in range(2)]], 2)
+    assert not result
+    assert "a deadlock: rank 0 waits in all_reduce for rank 1 to join it, rank 1 waits to receive from rank 0" \
+        in result.message

@@ -121,8 +121,12 @@ class Record:
     forbidden: list = field(default_factory=list)   # (rank, trial, message)
 
     def traffic(self, trial: int) -> dict:
-        """{rank: {"sends": [(dst, bytes)], "received": [(src, bytes)]}} of one trial."""
-        out = defaultdict(lambda: {"sends": [], "received": []})
+        """{rank: {"sends": [(dst, bytes)], "received": [(src, bytes)], "collectives": [(kind, bytes)]}}
+        of one trial (a collective's bytes: the tensor the rank put in)."""
+        out = defaultdict(lambda: {"sends": [], "received": [], "collectives": []})
+        for rank, t, op, kind, n in self.calls:
+            if t == trial and op == "collective":
+                out[rank]["collectives"].append((kind, n or 0))
         for rank, t, peer, n in self.sends:
             if t == trial:
                 out[rank]["sends"].append((peer, n))
@@ -159,6 +163,7 @@ class Router:
         self.handles: dict[tuple, dict] = {}            # (rank, id) -> {"done", "reply", "waiting"}
         self.joined: dict[tuple, dict] = {}             # (group, index) -> {rank: (header, blobs)}
         self.calls = defaultdict(int)                   # (rank, group) -> collectives entered
+        self.waiting_in: dict[tuple, str] = {}          # (rank, handle) -> what its collective waits for
 
     # -- point-to-point ---------------------------------------------------------
 
@@ -227,7 +232,8 @@ class Router:
             out.append((rank, {"pending": True}, []))
         else:
             h["waiting"] = True
-            self.blocked[rank] = f"waits for its {header.get('what', 'isend/irecv')} to complete"
+            self.blocked[rank] = self.waiting_in.get(key) or \
+                f"waits for its {header.get('what', 'isend/irecv')} to complete"
 
     # -- collectives --------------------------------------------------------------
 
@@ -240,14 +246,21 @@ class Router:
             return
         if rank not in group or any(not 0 <= r < self.p for r in group):
             raise ValueError(f"{kind}: rank {rank} is not in the group {list(group)}")
+        handle = header.get("handle")                   # async_op=True: the rank goes on, waits at wait()
+        if handle is not None:
+            if not isinstance(handle, int) or (rank, handle) in self.handles:
+                raise WireError("an async collective without a handle of its own")
+            self.handles[(rank, handle)] = {"done": False, "reply": None, "waiting": False}
         index = self.calls[(rank, group)]
         self.calls[(rank, group)] += 1
         parts = self.joined.setdefault((group, index), {})
         parts[rank] = (header, blobs)
         missing = [r for r in group if r not in parts]
         if missing:
-            self.blocked[rank] = f"waits in {kind} for rank{'s' if len(missing) > 1 else ''} " \
-                                 f"{', '.join(map(str, missing))} to join it"
+            self.waiting_in[(rank, handle)] = f"waits in {kind} for rank{'s' if len(missing) > 1 else ''} " \
+                                              f"{', '.join(map(str, missing))} to join it"
+            if handle is None:
+                self.blocked[rank] = self.waiting_in[(rank, handle)]
             return
         del self.joined[(group, index)]
         try:
@@ -257,8 +270,9 @@ class Router:
                                                           f"({type(exc).__name__}: {exc})"}, [])
             replies = {r: error for r in group}
         for r, reply in replies.items():
-            self.blocked.pop(r, None)
-            out.append((r, *reply))
+            h = parts[r][0].get("handle")
+            self.waiting_in.pop((r, h), None)
+            self._complete(_Post(r, self.trial[r], {}, handle=h), reply, out)
 
     def _compute(self, kind, group, parts) -> dict:
         """{rank: reply} of a collective every member of `group` joined."""
@@ -284,10 +298,34 @@ class Router:
             total = _REDUCE[h0.get("reduce", "sum")]([ins[r].reshape(-1) for r in group]).to(ins[group[0]].dtype)
             chunks = total.chunk(len(group))
             return {r: ({"data": True}, [tensor_bytes(chunks[i])]) for i, r in enumerate(group)}
-        if kind == "all_to_all_single":
-            pieces = {r: ins[r].reshape(-1).chunk(len(group)) for r in group}
-            return {r: ({"data": True}, [tensor_bytes(torch.cat([pieces[s][i] for s in group]))])
-                    for i, r in enumerate(group)}
+        if kind == "all_gather":                         # a list of tensors, one from each rank
+            if len({(ins[r].dtype, ins[r].shape) for r in group}) > 1:
+                raise ValueError("all_gather needs a tensor of the same dtype and shape on every rank")
+            result = torch.cat([ins[r].reshape(-1) for r in group])
+            return {r: ({"data": True}, [tensor_bytes(result)]) for r in group}
+        if kind == "all_to_all_single":                  # rows of dim 0, split evenly or by the split sizes
+            pieces = {}
+            for r in group:
+                h, x = parts[r][0], ins[r]
+                row = x[0].numel() if x.dim() else 1
+                rows = h.get("input_split_sizes") or [x.shape[0] // len(group)] * len(group) if x.dim() else []
+                if len(rows) != len(group) or sum(rows) != (x.shape[0] if x.dim() else 0):
+                    raise ValueError(f"rank {r}'s input_split_sizes {rows} do not add up to its input's "
+                                     f"{x.shape[0] if x.dim() else 0} rows, one size per rank")
+                pieces[r] = x.reshape(-1).split([n * row for n in rows])
+            replies = {}
+            for i, r in enumerate(group):
+                got = torch.cat([pieces[s][i] for s in group])
+                want = parts[r][0].get("output_split_sizes")
+                sizes = [pieces[s][i].numel() // max(1, ins[s][0].numel() if ins[s].dim() else 1) for s in group]
+                if want is not None and list(want) != sizes:
+                    raise ValueError(f"rank {r}'s output_split_sizes {list(want)} differ from the rows the "
+                                     f"ranks send it, {sizes}")
+                if got.numel() * got.element_size() != int(parts[r][0].get("out_nbytes", got.numel() *
+                                                                           got.element_size())):
+                    raise ValueError(f"rank {r} receives {got.numel()} elements into an output of a different size")
+                replies[r] = ({"data": True}, [tensor_bytes(got)])
+            return replies
         error = ({"error": "RuntimeError", "message": f"{kind} is not available in a sealed check"}, [])
         return {r: error for r in group}
 

@@ -117,16 +117,15 @@ class Work:
         return self.done
 
 
-class _Done(Work):
-    def __init__(self):
-        super().__init__(None)
-        self.done = True
-
-
-def _write_into(tensor: torch.Tensor, blob: bytes) -> None:
+def _write_into(tensor, blob: bytes) -> None:
     """The bytes that arrived, as this tensor's dtype and shape (as gloo does: bytes, not values)."""
     with torch.no_grad():
-        tensor.copy_(to_tensor(tensor_meta(tensor), blob))
+        if isinstance(tensor, _IntoList):
+            dtype = tensor.tensors[0].dtype
+            tensor.copy_(to_tensor({"dtype": str(dtype).replace("torch.", ""),
+                                    "shape": [sum(t.numel() for t in tensor.tensors)]}, blob))
+        else:
+            tensor.copy_(to_tensor(tensor_meta(tensor), blob))
 
 
 def _ranks(group) -> tuple:
@@ -183,21 +182,48 @@ def _op_name(op) -> str:
 
 
 def _all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
-    if output_split_sizes is not None or input_split_sizes is not None:
-        raise RuntimeError("all_to_all_single with split sizes is not available in a sealed check")
-    return _collective("all_to_all_single", "torch.distributed.all_to_all_single", group, output, input, async_op)
+    sizes = {"output_split_sizes": None if output_split_sizes is None else [int(n) for n in output_split_sizes],
+             "input_split_sizes": None if input_split_sizes is None else [int(n) for n in input_split_sizes],
+             "out_nbytes": output.numel() * output.element_size()}
+    return _collective("all_to_all_single", "torch.distributed.all_to_all_single", group, output, input, async_op,
+                       **sizes)
+
+
+class _IntoList:
+    """all_gather's output list, written as one tensor: the ranks' tensors one after another."""
+
+    def __init__(self, tensors):
+        self.tensors = list(tensors)
+
+    def copy_(self, flat):
+        at = 0
+        for t in self.tensors:
+            t.copy_(flat[at:at + t.numel()].view(t.shape))
+            at += t.numel()
+
+
+def _all_gather(tensor_list, tensor, group=None, async_op=False):
+    if len(tensor_list) != len(_ranks(group)):
+        raise ValueError(f"all_gather: tensor_list has {len(tensor_list)} tensors for a group of "
+                         f"{len(_ranks(group))} ranks")
+    return _collective("all_gather", "torch.distributed.all_gather", group, _IntoList(tensor_list), tensor, async_op)
 
 
 def _collective(kind, shown, group, into=None, tensor=None, async_op=False, **params):
+    """One collective through the router; async_op=True returns a Work whose wait() gets the result."""
     header = {"op": "collective", "kind": kind, "shown": shown, "group": list(_ranks(group)), **params}
     blobs = []
     if tensor is not None:
         header["tensor"] = tensor_meta(tensor)
         blobs = [tensor_bytes(tensor)]
+    if async_op:                                         # no reply now: the router files it under our handle
+        _STATE["handles"] = handle = _STATE.get("handles", 0) + 1
+        _STATE["channel"].tell({**header, "handle": handle}, blobs)
+        return Work(handle, into, kind)
     reply, blobs = _STATE["channel"].call(header, blobs)
     if into is not None and reply.get("data"):
         _write_into(into, blobs[0])
-    return _Done() if async_op else None
+    return None
 
 
 def _entry_points():
@@ -223,7 +249,7 @@ def _entry_points():
         "reduce_scatter_tensor": lambda output, input, op=dist.ReduceOp.SUM, group=None, async_op=False:
             _collective("reduce_scatter_tensor", "torch.distributed.reduce_scatter_tensor", group, output, input,
                         async_op, reduce=_op_name(op)),
-        "all_to_all_single": _all_to_all_single,
+        "all_to_all_single": _all_to_all_single, "all_gather": _all_gather,
     }
 
 
