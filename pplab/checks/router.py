@@ -298,6 +298,13 @@ class Router:
             total = _REDUCE[h0.get("reduce", "sum")]([ins[r].reshape(-1) for r in group]).to(ins[group[0]].dtype)
             chunks = total.chunk(len(group))
             return {r: ({"data": True}, [tensor_bytes(chunks[i])]) for i, r in enumerate(group)}
+        if kind == "reduce_scatter":                     # the list form: piece i to the group's i-th rank
+            sizes = [int(n) for n in h0["sizes"]]
+            if any([int(n) for n in h["sizes"]] != sizes for h, _ in parts.values()):
+                raise ValueError("reduce_scatter needs input lists of the same sizes on every rank")
+            total = _REDUCE[h0.get("reduce", "sum")]([ins[r].reshape(-1) for r in group]).to(ins[group[0]].dtype)
+            pieces = total.split(sizes)
+            return {r: ({"data": True}, [tensor_bytes(pieces[i])]) for i, r in enumerate(group)}
         if kind == "all_gather":                         # a list of tensors, one from each rank
             if len({(ins[r].dtype, ins[r].shape) for r in group}) > 1:
                 raise ValueError("all_gather needs a tensor of the same dtype and shape on every rank")

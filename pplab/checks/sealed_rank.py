@@ -209,8 +209,35 @@ def _all_gather(tensor_list, tensor, group=None, async_op=False):
     return _collective("all_gather", "torch.distributed.all_gather", group, _IntoList(tensor_list), tensor, async_op)
 
 
+_WATCHERS: list = []                   # a job's callbacks, told (kind, output) of every collective
+
+
+@contextlib.contextmanager
+def watch_collectives(callback):
+    """In a sealed job: callback(kind, output tensor or None) at every collective the rank starts
+    (e.g. where the all-gathers write, to see whether autograd keeps it). The router's record,
+    not this, says what was sent."""
+    _WATCHERS.append(callback)
+    try:
+        yield
+    finally:
+        _WATCHERS.remove(callback)
+
+
+def _reduce_scatter(output, input_list, op=dist.ReduceOp.SUM, group=None, async_op=False):
+    """The list form: input_list[i] summed over the ranks lands in rank i's output."""
+    if len(input_list) != len(_ranks(group)):
+        raise ValueError(f"reduce_scatter: input_list has {len(input_list)} tensors for a group of "
+                         f"{len(_ranks(group))} ranks")
+    flat = torch.cat([t.detach().reshape(-1) for t in input_list])
+    return _collective("reduce_scatter", "torch.distributed.reduce_scatter", group, output, flat, async_op,
+                       reduce=_op_name(op), sizes=[t.numel() for t in input_list])
+
+
 def _collective(kind, shown, group, into=None, tensor=None, async_op=False, **params):
     """One collective through the router; async_op=True returns a Work whose wait() gets the result."""
+    for watch in list(_WATCHERS):
+        watch(kind, into.tensors if isinstance(into, _IntoList) else into)
     header = {"op": "collective", "kind": kind, "shown": shown, "group": list(_ranks(group)), **params}
     blobs = []
     if tensor is not None:
@@ -249,7 +276,7 @@ def _entry_points():
         "reduce_scatter_tensor": lambda output, input, op=dist.ReduceOp.SUM, group=None, async_op=False:
             _collective("reduce_scatter_tensor", "torch.distributed.reduce_scatter_tensor", group, output, input,
                         async_op, reduce=_op_name(op)),
-        "all_to_all_single": _all_to_all_single, "all_gather": _all_gather,
+        "all_to_all_single": _all_to_all_single, "all_gather": _all_gather, "reduce_scatter": _reduce_scatter,
     }
 
 
