@@ -363,7 +363,7 @@ def test_async_collectives_complete_at_wait():
     assert result, result.message
     for r in range(3):
         assert seen[r]["a"].tolist() == [6.0, 6.0] and seen[r]["b"].tolist() == [60.0, 60.0]
-        assert [k for k, _ in seen[r]["traffic"]["collectives"]] == ["all_reduce", "all_reduce"]
+        assert [k for k, *_ in seen[r]["traffic"]["collectives"]] == ["all_reduce", "all_reduce"]
 
 
 def _gather_and_uneven_all_to_all_job(fn, inputs):

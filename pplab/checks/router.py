@@ -115,18 +115,19 @@ def to_tensor(meta: dict, blob: bytes) -> torch.Tensor:
 class Record:
     """Every call of every rank, as the router saw it (the only record a checker trusts)."""
 
-    calls: list = field(default_factory=list)       # (rank, trial, op, peer or collective, bytes): every request
+    calls: list = field(default_factory=list)       # (rank, trial, op, peer or collective, bytes, phase): each request
     sends: list = field(default_factory=list)       # (rank, trial, dst, bytes), when posted
     received: list = field(default_factory=list)    # (rank, trial, src, bytes), when delivered
     forbidden: list = field(default_factory=list)   # (rank, trial, message)
 
     def traffic(self, trial: int) -> dict:
-        """{rank: {"sends": [(dst, bytes)], "received": [(src, bytes)], "collectives": [(kind, bytes)]}}
-        of one trial (a collective's bytes: the tensor the rank put in)."""
+        """{rank: {"sends": [(dst, bytes)], "received": [(src, bytes)], "collectives": [(kind, bytes, phase)]}}
+        of one trial; a collective is (kind, bytes of the tensor the rank put in, the phase the job
+        named with sealed.phase, e.g. "forward")."""
         out = defaultdict(lambda: {"sends": [], "received": [], "collectives": []})
-        for rank, t, op, kind, n in self.calls:
+        for rank, t, op, kind, n, phase in self.calls:
             if t == trial and op == "collective":
-                out[rank]["collectives"].append((kind, n or 0))
+                out[rank]["collectives"].append((kind, n or 0, phase))
         for rank, t, peer, n in self.sends:
             if t == trial:
                 out[rank]["sends"].append((peer, n))
@@ -157,6 +158,7 @@ class Router:
         self.p, self.record = world_size, Record()
         self.forbidden_message = forbidden_message      # (kind, shown) -> message, or None if allowed
         self.trial = [None] * world_size
+        self.phase = [""] * world_size                   # what the job says the rank is doing (sealed.phase)
         self.finished = [False] * world_size
         self.blocked: dict[int, str] = {}               # rank -> what it waits for
         self.sends, self.recvs = defaultdict(deque), defaultdict(deque)   # (src, dst, tag) -> posts
@@ -342,13 +344,15 @@ class Router:
         """Serve one request of `rank`; return the replies that can be sent now."""
         out: list = []
         op = header.get("op")
-        if op not in ("begin", "wait", "test"):
+        if op not in ("begin", "phase", "wait", "test"):
             peer = {"send": "dst", "isend": "dst", "recv": "src", "irecv": "src"}.get(op, "kind")
             nbytes = len(blobs[0]) if blobs else header.get("nbytes")       # a receive: the size posted
-            self.record.calls.append((rank, self.trial[rank], str(op), header.get(peer), nbytes))
+            self.record.calls.append((rank, self.trial[rank], str(op), header.get(peer), nbytes, self.phase[rank]))
         try:
             if op == "begin":
-                self.trial[rank] = int(header["trial"])
+                self.trial[rank], self.phase[rank] = int(header["trial"]), ""
+            elif op == "phase":
+                self.phase[rank] = str(header["name"])[:100]
             elif op in ("send", "recv"):
                 self._post(rank, header, blobs, out, sending=op == "send", blocking=True)
             elif op in ("isend", "irecv"):

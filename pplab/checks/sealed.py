@@ -58,7 +58,7 @@ import socket
 import sys
 import time
 
-from .sealed_rank import begin, observe, watch_collectives  # noqa: F401 - what a sealed job calls
+from .sealed_rank import begin, observe, phase, watch_collectives  # noqa: F401 - what a sealed job calls
 from .zygote import _ZYGOTES, zygote  # noqa: F401 - run_check enters zygote()
 from .answers import _not_plain, answer_files, decode, encode
 from .core import Fail, Forbidden

@@ -76,6 +76,11 @@ def begin(trial: int) -> None:
     _STATE["channel"].tell({"op": "begin", "trial": trial})
 
 
+def phase(name: str) -> None:
+    """In a sealed job: the collectives from now on are filed under `name` ("forward", "backward")."""
+    _STATE["channel"].tell({"op": "phase", "name": name})
+
+
 def observe(trial: int, data) -> None:
     """In a sealed job: what the student's code left in trial `trial`, as plain data."""
     from .answers import encode
