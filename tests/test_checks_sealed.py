@@ -423,3 +423,19 @@ def test_a_deadlock_on_an_async_collective_is_named():
     assert not result
     assert "a deadlock: rank 0 waits in all_reduce for rank 1 to join it, rank 1 waits to receive from rank 0" \
         in result.message
+
+
+def _objects_job(fn, inputs):
+    """The library's bookkeeping collectives: objects pickled in a rank, unpickled in the others."""
+    sealed.begin(0)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, {"rank": dist.get_rank()})
+    bounds = [dist.get_rank(), "x"]
+    dist.broadcast_object_list(bounds, src=1)
+    sealed.observe(0, {"everyone": [e["rank"] for e in everyone], "bounds": bounds})
+
+
+def test_object_collectives_pass_through_the_router():
+    seen, result = _run_job(_objects_job, [[torch.zeros(1) for r in range(3)]], 3)
+    assert result, result.message
+    assert all(seen[r]["everyone"] == [0, 1, 2] and seen[r]["bounds"] == [1, "x"] for r in range(3))

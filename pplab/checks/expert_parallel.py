@@ -3,7 +3,7 @@
     moe_dispatch     dispatch(expert, num_experts, world_size) -> (send_counts, order)
     moe_bytes        moe_bytes(tokens, k, experts, ranks, hidden, element_size) -> bytes one rank sends
 
-moe_dispatch runs on 2, 3 and 4 real ranks. Every rank gets its own random choices
+moe_dispatch runs on 2, 3 and 4 sealed ranks (sealed.py). Every rank gets its own random choices
 (expert[s] in 0..E-1, or -1 where the choice was dropped; E a multiple of p, a different
 number of choices on every rank), calls the answer, and then, with the answer's send_counts,
 exchanges the counts and sends x[order] by the library's uneven all-to-all, x's rows naming
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from . import sealed
-from .core import Fail, call_answer, check_number, exercise, progress, refuse_library, require_function, run_on_ranks
+from .core import Fail, check_number, exercise, refuse_library, require_function
 
 
 # ----------------------------------------------------------------------------------
@@ -51,13 +51,13 @@ def _rows(rank, n):
     return torch.stack([torch.full((n,), float(rank)), torch.arange(n, dtype=torch.float64)], 1)
 
 
-def _dispatch_rank(fn, trials, progress_dir):
+def _dispatch_rank(fn, trials):
+    """In every sealed rank: the answer on this rank's choices, then the exchange it plans."""
     from .. import collectives
     rank, p = dist.get_rank(), dist.get_world_size()
-    out = []
     for i, trial in enumerate(trials):
-        progress(progress_dir, i)
-        expert = trial["expert"][rank]
+        sealed.begin(i)
+        expert = trial["expert"]
         got = fn(expert.clone(), trial["E"], p)
         seen = {"answer": tuple(got) if isinstance(got, (tuple, list)) else repr(type(got)), "received": None,
                 "error": None}
@@ -79,8 +79,14 @@ def _dispatch_rank(fn, trials, progress_dir):
                 seen["received"] = received
             except ValueError as err:
                 seen["error"] = str(err)
-        out.append(seen)
-    return out
+        sealed.observe(i, seen)
+
+
+def _refuse_dispatch_plan(fn) -> None:
+    """In the sealed rank: Forbidden if the answer uses the library's dispatch_plan."""
+    from ..expert_parallel import dispatch_plan             # loaded only when this check runs
+    refuse_library(fn, "moe_dispatch", "the dispatch", {"dispatch_plan": dispatch_plan},
+                   "pplab.expert_parallel.dispatch_plan")
 
 
 def _counts_hint(counts, expert, E, p) -> str:
@@ -119,14 +125,12 @@ def _order_hint(order, want, expert, E, p, rank) -> str:
 
 
 @exercise("moe_dispatch", "MoE dispatch: counts per rank and the permutation for the all-to-all",
-          answer="dispatch", notebook="08a_moe_dispatch")
+          answer="dispatch", notebook="08a_moe_dispatch", sealed=True)
 def check_moe_dispatch(fn, seed: int, timeout: float) -> str:
     """dispatch(expert, num_experts, world_size) -> (send_counts, order): order = the kept choices
     sorted (stably) by expert; send_counts[j] = how many of them go to rank j's experts."""
     require_function(fn, "moe_dispatch", "expert, num_experts, world_size", torch.zeros(2, dtype=torch.long), 2, 1)
     from ..expert_parallel import dispatch_plan             # loaded only when this check runs
-    refuse_library(fn, "moe_dispatch", "the dispatch", {"dispatch_plan": dispatch_plan},
-                   "pplab.expert_parallel.dispatch_plan")
     count = 0
     for p in (2, 3, 4):
         trials = _dispatch_trials(seed, p)
@@ -134,13 +138,17 @@ def check_moe_dispatch(fn, seed: int, timeout: float) -> str:
         def describe(world_size, i, trials=trials):
             return (f"world_size={world_size}, E={trials[i]['E']} experts, "
                     f"{[len(e) for e in trials[i]['expert']]} choices per rank")
-        res = run_on_ranks(_dispatch_rank, fn, trials, world_size=p, timeout=timeout, answer=fn, describe=describe)
-        for i, trial in enumerate(trials):
+        def check(p, i, observed, traffic, trials=trials):
+            trial = trials[i]
             E, plans = trial["E"], [dispatch_plan(e, trial["E"], p) for e in trial["expert"]]
-            for rank in range(p):                           # every rank's answer, then what arrived
-                _check_answer(res[rank][i], rank, trial["expert"], plans, E, p, describe(p, i) + f": rank {rank}")
-            for rank in range(p):
-                _check_received(res[rank][i], rank, trial["expert"], plans, p, describe(p, i) + f": rank {rank}")
+            for rank in sorted(observed):                   # every rank's answer, then what arrived
+                _check_answer(observed[rank], rank, trial["expert"], plans, E, p, f"rank {rank}")
+            for rank in sorted(observed):
+                _check_received(observed[rank], rank, trial["expert"], plans, p, f"rank {rank}")
+        inputs = [[{"expert": e, "E": t["E"]} for e in t["expert"]] for t in trials]
+        sealed.run_sealed(_dispatch_rank, fn, inputs, world_size=p, timeout=timeout,
+                          exercise=("moe_dispatch", "the dispatch"), forbidden=(), probe=_refuse_dispatch_plan,
+                          describe=describe, check=check)
         count += len(trials)
     return (f"on world sizes 2, 3, 4 ({count} trials with random choices and drops: send_counts, order and the "
             f"rows each rank received, against the single-process routing)")

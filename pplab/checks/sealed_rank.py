@@ -239,6 +239,23 @@ def _reduce_scatter(output, input_list, op=dist.ReduceOp.SUM, group=None, async_
                        reduce=_op_name(op), sizes=[t.numel() for t in input_list])
 
 
+def _all_gather_object(object_list, obj, group=None):
+    """Pickled here, passed on by the router unread, unpickled by the other ranks."""
+    import pickle
+    reply, blobs = _STATE["channel"].call({"op": "collective", "kind": "all_gather_object", "shown":
+                                           "torch.distributed.all_gather_object", "group": list(_ranks(group))},
+                                          [pickle.dumps(obj)])
+    object_list[:len(blobs)] = [pickle.loads(b) for b in blobs]
+
+
+def _broadcast_object_list(object_list, src=None, group=None, device=None, group_src=None):
+    import pickle
+    reply, blobs = _STATE["channel"].call({"op": "collective", "kind": "broadcast_object_list", "shown":
+                                           "torch.distributed.broadcast_object_list", "group": list(_ranks(group)),
+                                           "src": src}, [pickle.dumps(list(object_list))])
+    object_list[:] = pickle.loads(blobs[0])
+
+
 def _collective(kind, shown, group, into=None, tensor=None, async_op=False, **params):
     """One collective through the router; async_op=True returns a Work whose wait() gets the result."""
     for watch in list(_WATCHERS):
@@ -282,6 +299,7 @@ def _entry_points():
             _collective("reduce_scatter_tensor", "torch.distributed.reduce_scatter_tensor", group, output, input,
                         async_op, reduce=_op_name(op)),
         "all_to_all_single": _all_to_all_single, "all_gather": _all_gather, "reduce_scatter": _reduce_scatter,
+        "all_gather_object": _all_gather_object, "broadcast_object_list": _broadcast_object_list,
     }
 
 
