@@ -3,11 +3,12 @@
     ddp_buckets          attach_ddp_hooks(model, cap_bytes) -> (buckets, finish)
     topk_error_feedback  topk_ef_step(grad, memory, k) -> (values, indices, new_memory)
 
-ddp_buckets runs on 2 and 3 real ranks: a small random MLP, a random bucket cap, two
-training steps each. It checks the buckets (reverse parameter order, filled up to the
-cap), that each bucket's all-reduce was started asynchronously *during* backward, from
-a hook, one per bucket and in bucket order, and that after finish() every .grad equals
-the single-process gradient of the global batch (to 1e-5). Here the library all-reduce
+ddp_buckets runs on 2 and 3 sealed ranks (sealed.py): a small random MLP, a random bucket
+cap, two training steps each. It checks the buckets (reverse parameter order, filled up to
+the cap), that each bucket's all-reduce was started asynchronously *during* backward, from
+a hook, one per bucket and in bucket order (the checker's router records every all-reduce),
+and that after finish() every .grad equals the single-process gradient of the global batch
+(to 1e-5). Here the library all-reduce
 is allowed: the lesson is buckets and hooks, not the collective.
 
 topk_error_feedback needs no ranks: a few seeded runs of 5 steps each, checking the
@@ -20,12 +21,11 @@ import copy
 import random
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from . import sealed
-from .core import Fail, exercise, first_difference, observe, progress, require_function, run_on_ranks
+from .core import Fail, exercise, first_difference, require_function
 from .core import _fmt, random_mlp_and_cap
 
 # ----------------------------------------------------------------------------------
@@ -112,42 +112,40 @@ def _batch(seed, i, step, p, trial):
     return torch.randn(2 * p, trial["widths"][0], generator=g), torch.randn(2 * p, trial["widths"][-1], generator=g)
 
 
-def _ddp_rank(fn, trials, seed, progress_dir):
-    """Run on every rank: two training steps per trial with the student's hooks; record the
-    buckets, every all-reduce call (size, async, during backward) and every .grad."""
-    rank, p = dist.get_rank(), dist.get_world_size()
-    original, state, calls = dist.all_reduce, {"backward": False}, []
-
-    def all_reduce(tensor, *args, **kwargs):            # record each call, then do it
-        async_op = kwargs.get("async_op", args[2] if len(args) > 2 else False)
-        calls.append((tensor.numel(), bool(async_op), state["backward"]))
-        return original(tensor, *args, **kwargs)
-
+def _ddp_rank(fn, trials):
+    """Run on every sealed rank: two training steps per trial with the student's hooks on this
+    rank's part of the batch; record the buckets and every .grad (the router records the
+    all-reduces: size, async or not, in backward or in finish())."""
     for i, trial in enumerate(trials):
-        progress(progress_dir, i)
-        model = _mlp(trial["widths"], trial["seed"])
+        sealed.begin(i)
+        model = _mlp(trial["widths"], 0)
+        with torch.no_grad():
+            for q, value in zip(model.parameters(), trial["parameters"]):
+                q.copy_(value)
         returned = fn(model, trial["cap"])
         names, problem = _bucket_names(model, returned)
         seen = {"buckets": names, "problem": problem, "steps": []}
         if problem is not None or [set(b) for b in names] != [set(b) for b in _reference_buckets(model, trial["cap"])]:
-            observe(progress_dir, i, seen)              # the checker says what is wrong; nothing more to run
+            sealed.observe(i, seen)                     # the checker says what is wrong; nothing more to run
             return
         finish = returned[1]
-        for step in range(2):
-            X, Y = _batch(seed, i, step, p, trial)
+        for step, (x, y) in enumerate(trial["batches"]):
             model.zero_grad()
-            loss = F.mse_loss(model(X[2 * rank:2 * rank + 2]), Y[2 * rank:2 * rank + 2])
-            del calls[:]
-            dist.all_reduce, state["backward"] = all_reduce, True
-            try:
-                loss.backward()
-                state["backward"] = False
-                finish()
-            finally:
-                dist.all_reduce, state["backward"] = original, False
-            seen["steps"].append({"calls": list(calls), "grads": {n: None if q.grad is None else q.grad.clone()
-                                                                  for n, q in model.named_parameters()}})
-        observe(progress_dir, i, seen)
+            loss = F.mse_loss(model(x), y)
+            sealed.phase(f"step {step} backward")
+            loss.backward()
+            sealed.phase(f"step {step} finish")
+            finish()
+            sealed.phase("")
+            seen["steps"].append({"grads": {n: None if q.grad is None else q.grad.clone()
+                                            for n, q in model.named_parameters()}})
+        sealed.observe(i, seen)
+
+
+def _all_reduces(collectives, step) -> list:
+    """(elements, async, during backward) of each all-reduce of a step, from the router's record (float32)."""
+    return [(n // 4, started_async, phase.endswith("backward")) for kind, n, phase, started_async in collectives
+            if kind == "all_reduce" and phase.startswith(f"step {step} ")]
 
 
 def _check_launches(step, buckets, sizes, calls):
@@ -196,7 +194,7 @@ def _check_grads(step, rank, p, grads, single, local):
 
 
 def _check_ddp(name, trials, seed):
-    def check(p, i, observed):
+    def check(p, i, observed, traffic):
         trial = trials[p][i]
         model = _mlp(trial["widths"], trial["seed"])
         for rank, seen in sorted(observed.items()):
@@ -206,13 +204,13 @@ def _check_ddp(name, trials, seed):
             if len(seen["steps"]) != 2:
                 raise Fail(f"rank {rank} did not finish its 2 training steps.")
             for step, done in enumerate(seen["steps"]):
-                _check_launches(step, buckets, sizes, done["calls"])
+                _check_launches(step, buckets, sizes, _all_reduces(traffic[rank]["collectives"], step))
                 _check_grads(step, rank, p, done["grads"], *_references(model, trial, seed, i, step, rank, p))
     return check
 
 
 @exercise("ddp_buckets", "DDP's gradient averaging: buckets, hooks, async all-reduce", answer="attach_ddp_hooks",
-          notebook="02a_ddp_buckets")
+          notebook="02a_ddp_buckets", sealed=True)
 def check_ddp_buckets(fn, seed: int, timeout: float) -> str:
     """attach_ddp_hooks(model, cap_bytes) -> (buckets, finish): after loss.backward() and
     finish(), every rank's .grad is the mean over ranks (= the global batch's gradient)."""
@@ -223,8 +221,15 @@ def check_ddp_buckets(fn, seed: int, timeout: float) -> str:
         t = trials[world_size][i]
         return f"world_size={world_size}, MLP widths {t['widths']}, cap_bytes={t['cap']}"
     for p in trials:
-        run_on_ranks(_ddp_rank, fn, trials[p], seed, world_size=p, timeout=timeout, answer=fn, describe=describe,
-                     trials=len(trials[p]), check=_check_ddp(fn.__name__, trials, seed))
+        inputs = []
+        for i, t in enumerate(trials[p]):
+            parameters = [q.detach().clone() for q in _mlp(t["widths"], t["seed"]).parameters()]
+            batches = [_batch(seed, i, step, p, t) for step in range(2)]
+            inputs.append([{"widths": t["widths"], "cap": t["cap"], "parameters": parameters,
+                            "batches": [(X[2 * r:2 * r + 2], Y[2 * r:2 * r + 2]) for X, Y in batches]}
+                           for r in range(p)])
+        sealed.run_sealed(_ddp_rank, fn, inputs, world_size=p, timeout=timeout, exercise=("ddp_buckets", "DDP"),
+                          forbidden=(), describe=describe, check=_check_ddp(fn.__name__, trials, seed))
     return ("on world sizes 2 and 3 (4 random MLPs and bucket caps, 2 steps each: buckets in reverse order up to "
             "the cap, one async all-reduce per bucket started during backward, .grad = the global batch's "
             "gradient to 1e-5)")

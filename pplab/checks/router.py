@@ -115,22 +115,24 @@ def to_tensor(meta: dict, blob: bytes) -> torch.Tensor:
 class Record:
     """Every call of every rank, as the router saw it (the only record a checker trusts)."""
 
-    calls: list = field(default_factory=list)       # (rank, trial, op, peer or collective, bytes, phase): each request
-    sends: list = field(default_factory=list)       # (rank, trial, dst, bytes), when posted
+    calls: list = field(default_factory=list)       # (rank, trial, op, peer or kind, bytes, phase, "async" or ""):
+    #                                                 every request
+    sends: list = field(default_factory=list)       # (rank, trial, dst, bytes, phase), when posted
     received: list = field(default_factory=list)    # (rank, trial, src, bytes), when delivered
     forbidden: list = field(default_factory=list)   # (rank, trial, message)
 
     def traffic(self, trial: int) -> dict:
-        """{rank: {"sends": [(dst, bytes)], "received": [(src, bytes)], "collectives": [(kind, bytes, phase)]}}
+        """{rank: {"sends": [(dst, bytes)], "received": [(src, bytes)], "collectives": [(kind, bytes, phase, async)]}}
         of one trial; a collective is (kind, bytes of the tensor the rank put in, the phase the job
-        named with sealed.phase, e.g. "forward")."""
-        out = defaultdict(lambda: {"sends": [], "received": [], "collectives": []})
-        for rank, t, op, kind, n, phase in self.calls:
+        named with sealed.phase, e.g. "forward", whether it was started with async_op=True); "sends_in": {phase: [(dst, bytes)]}."""
+        out = defaultdict(lambda: {"sends": [], "received": [], "collectives": [], "sends_in": {}})
+        for rank, t, op, kind, n, phase, started in self.calls:
             if t == trial and op == "collective":
-                out[rank]["collectives"].append((kind, n or 0, phase))
-        for rank, t, peer, n in self.sends:
+                out[rank]["collectives"].append((kind, n or 0, phase, started == "async"))
+        for rank, t, peer, n, phase in self.sends:
             if t == trial:
                 out[rank]["sends"].append((peer, n))
+                out[rank]["sends_in"].setdefault(phase, []).append((peer, n))
         for rank, t, peer, n in self.received:
             if t == trial:
                 out[rank]["received"].append((peer, n))
@@ -186,7 +188,7 @@ class Router:
         post = _Post(rank, self.trial[rank], {**meta, "nbytes": nbytes}, blobs[0] if sending else b"", handle)
         key = (rank, peer, tag) if sending else (peer, rank, tag)
         if sending:
-            self.record.sends.append((rank, self.trial[rank], peer, nbytes))
+            self.record.sends.append((rank, self.trial[rank], peer, nbytes, self.phase[rank]))
         mine, theirs = (self.sends, self.recvs) if sending else (self.recvs, self.sends)
         if theirs[key]:
             send, recv = (post, theirs[key].popleft()) if sending else (theirs[key].popleft(), post)
@@ -352,7 +354,8 @@ class Router:
         if op not in ("begin", "phase", "wait", "test"):
             peer = {"send": "dst", "isend": "dst", "recv": "src", "irecv": "src"}.get(op, "kind")
             nbytes = len(blobs[0]) if blobs else header.get("nbytes")       # a receive: the size posted
-            self.record.calls.append((rank, self.trial[rank], str(op), header.get(peer), nbytes, self.phase[rank]))
+            self.record.calls.append((rank, self.trial[rank], str(op), header.get(peer), nbytes, self.phase[rank],
+                                      "async" if op == "collective" and "handle" in header else ""))
         try:
             if op == "begin":
                 self.trial[rank], self.phase[rank] = int(header["trial"]), ""
