@@ -363,7 +363,10 @@ def test_async_collectives_complete_at_wait():
     assert result, result.message
     for r in range(3):
         assert seen[r]["a"].tolist() == [6.0, 6.0] and seen[r]["b"].tolist() == [60.0, 60.0]
-        assert [k for k, *_ in seen[r]["traffic"]["collectives"]] == ["all_reduce", "all_reduce"]
+        calls = seen[r]["traffic"]["collectives"]
+        assert [c["kind"] for c in calls] == ["all_reduce", "all_reduce"]
+        assert [(c["async"], c["group"], c["bytes"]) for c in calls] == [(True, [0, 1, 2], 8)] * 2
+        assert all(c["waited"] == "" for c in calls)          # waited for, in the job's only phase
 
 
 def _gather_and_uneven_all_to_all_job(fn, inputs):

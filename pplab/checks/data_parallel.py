@@ -144,8 +144,8 @@ def _ddp_rank(fn, trials):
 
 def _all_reduces(collectives, step) -> list:
     """(elements, async, during backward) of each all-reduce of a step, from the router's record (float32)."""
-    return [(n // 4, started_async, phase.endswith("backward")) for kind, n, phase, started_async in collectives
-            if kind == "all_reduce" and phase.startswith(f"step {step} ")]
+    return [(c["bytes"] // 4, c["async"], c["phase"].endswith("backward")) for c in collectives
+            if c["kind"] == "all_reduce" and c["phase"].startswith(f"step {step} ")]
 
 
 def _check_launches(step, buckets, sizes, calls):

@@ -115,20 +115,26 @@ def to_tensor(meta: dict, blob: bytes) -> torch.Tensor:
 class Record:
     """Every call of every rank, as the router saw it (the only record a checker trusts)."""
 
-    calls: list = field(default_factory=list)       # (rank, trial, op, peer or kind, bytes, phase, "async" or ""):
-    #                                                 every request
+    calls: list = field(default_factory=list)       # every request: {rank, trial, op, peer (or kind), bytes,
+    #                                                 phase, handle, group}
     sends: list = field(default_factory=list)       # (rank, trial, dst, bytes, phase), when posted
     received: list = field(default_factory=list)    # (rank, trial, src, bytes), when delivered
     forbidden: list = field(default_factory=list)   # (rank, trial, message)
+    waited: dict = field(default_factory=dict)      # (rank, handle) -> the phase of the first wait() on it
 
     def traffic(self, trial: int) -> dict:
-        """{rank: {"sends": [(dst, bytes)], "received": [(src, bytes)], "collectives": [(kind, bytes, phase, async)]}}
-        of one trial; a collective is (kind, bytes of the tensor the rank put in, the phase the job
-        named with sealed.phase, e.g. "forward", whether it was started with async_op=True); "sends_in": {phase: [(dst, bytes)]}."""
+        """What each rank did in one trial: {rank: {"sends": [(dst, bytes)], "received": [(src, bytes)],
+        "sends_in": {phase: [(dst, bytes)]}, "collectives": [{"kind", "bytes", "phase", "async",
+        "group", "waited"}]}}. A collective's bytes are those of the tensor the rank put in; phase
+        is what the job named with sealed.phase ("forward"); waited: the phase in which the rank
+        first waited for an async one (wait(), or is_completed() once it was), None if never."""
         out = defaultdict(lambda: {"sends": [], "received": [], "collectives": [], "sends_in": {}})
-        for rank, t, op, kind, n, phase, started in self.calls:
-            if t == trial and op == "collective":
-                out[rank]["collectives"].append((kind, n or 0, phase, started == "async"))
+        for call in self.calls:
+            if call["trial"] == trial and call["op"] == "collective":
+                out[call["rank"]]["collectives"].append({
+                    "kind": call["peer"], "bytes": call["bytes"] or 0, "phase": call["phase"],
+                    "async": call["handle"] is not None, "group": call["group"],
+                    "waited": self.waited.get((call["rank"], call["handle"]))})
         for rank, t, peer, n, phase in self.sends:
             if t == trial:
                 out[rank]["sends"].append((peer, n))
@@ -229,6 +235,8 @@ class Router:
         if key not in self.handles:
             raise ValueError("wait() on an operation that already completed or never existed")
         h = self.handles[key]
+        if not test or h["done"]:
+            self.record.waited.setdefault(key, self.phase[rank])
         if h["done"]:
             out.append((rank, *h["reply"]))
             del self.handles[key]
@@ -354,8 +362,9 @@ class Router:
         if op not in ("begin", "phase", "wait", "test"):
             peer = {"send": "dst", "isend": "dst", "recv": "src", "irecv": "src"}.get(op, "kind")
             nbytes = len(blobs[0]) if blobs else header.get("nbytes")       # a receive: the size posted
-            self.record.calls.append((rank, self.trial[rank], str(op), header.get(peer), nbytes, self.phase[rank],
-                                      "async" if op == "collective" and "handle" in header else ""))
+            self.record.calls.append({"rank": rank, "trial": self.trial[rank], "op": str(op), "peer": header.get(peer),
+                                      "bytes": nbytes, "phase": self.phase[rank], "handle": header.get("handle"),
+                                      "group": list(header.get("group") or range(self.p))})
         try:
             if op == "begin":
                 self.trial[rank], self.phase[rank] = int(header["trial"]), ""

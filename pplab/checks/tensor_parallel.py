@@ -65,8 +65,8 @@ def _launch(job, fn, t, inputs, timeout, exercise_id, probe=None):
     kept = {}
 
     def keep(p, i, observed, traffic):
-        kept.update({r: {**o, "calls": [(phase, _SHORT.get(kind, kind), n // 8)
-                                        for kind, n, phase, _ in traffic[r]["collectives"]]}
+        kept.update({r: {**o, "calls": [(c["phase"], _SHORT.get(c["kind"], c["kind"]), c["bytes"] // 8)
+                                        for c in traffic[r]["collectives"]]}
                      for r, o in observed.items()})
     sealed.run_sealed(job, fn, [inputs], world_size=t[0], timeout=timeout, exercise=(exercise_id, ""), forbidden=(),
                       probe=probe, describe=lambda world_size, i: _where(t), check=keep)

@@ -90,7 +90,7 @@ def _check_zero1(trials, steps):
         trial = trials[i]
         n = trial["n"]
         for rank in sorted(observed):
-            if any(kind == "all_reduce" for kind, *_ in traffic[rank]["collectives"]):
+            if any(c["kind"] == "all_reduce" for c in traffic[rank]["collectives"]):
                 raise Forbidden(f"exercise 'zero1_step' asks for ZeRO stage 1 without an all-reduce: rank "
                                 f"{rank} called one. Reduce-scatter the gradient instead "
                                 f"(comm.reduce_scatter_tensor): each rank receives the sum of its own shard only, "
