@@ -442,3 +442,153 @@ def test_object_collectives_pass_through_the_router():
     seen, result = _run_job(_objects_job, [[torch.zeros(1) for r in range(3)]], 3)
     assert result, result.message
     assert all(seen[r]["everyone"] == [0, 1, 2] and seen[r]["bounds"] == [1, "x"] for r in range(3))
+
+
+# -- attacks on the other chapters' checks: the seed and the references are nowhere in reach --
+
+def _secrets_in_reach():
+    """The check's seed, anywhere in this process: the stack's locals, any frame or container gc
+    tracks. Inside the answer of a sealed check, nothing."""
+    import gc
+    import sys
+    target = int("918" + "273645")                       # computed: no constant of this code holds it
+    me, frames, frame = sys._getframe(), [], sys._getframe().f_back
+    while frame is not None:
+        frames.append(frame)
+        frame = frame.f_back
+    for obj in gc.get_objects():
+        if type(obj).__name__ == "frame" and obj is not me:
+            frames.append(obj)
+        elif isinstance(obj, dict) and any(type(v) is int and v == target for v in obj.values()):
+            return "a dict holds the seed"
+        elif isinstance(obj, (list, tuple)) and any(type(v) is int and v == target for v in obj):
+            return "a list holds the seed"
+    for f in frames:
+        if any(type(v) is int and v == target for v in f.f_locals.values()):
+            return f"the frame of {f.f_code.co_name} holds the seed"
+    return None
+
+
+def zero1_reads_the_seed(flat_param, optimizer_class):
+    """ZeRO-1: with the seed, the checker's own reference could be recomputed; without, a step that does nothing."""
+    found = _secrets_in_reach()
+    if found:
+        raise RuntimeError(f"FOUND: {found}")
+    return lambda flat_grad: None
+
+
+def zero1_uses_the_backend(flat_param, optimizer_class):
+    """ZeRO-1 that all-reduces on the process group's backend object, out of the router's sight."""
+    group = dist.distributed_c10d._get_default_group()
+
+    def step(flat_grad):
+        group.allreduce([flat_grad]).wait()
+    return step
+
+
+def f_and_g_reads_the_seed():
+    found = _secrets_in_reach()
+    if found:
+        raise RuntimeError(f"FOUND: {found}")
+    return (lambda x, group: x), (lambda x, group: x)
+
+
+def f_and_g_with_functional_collectives():
+    """f and g whose all-reduce is a functional collective (no record at a process group)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    class G(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            return funcol.all_reduce(x, "sum", list(range(comm.world_size())))
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad, None
+    return (lambda x, group: x), (lambda x, group: G.apply(x, group))
+
+
+def dispatch_reads_the_seed(expert, num_experts, world_size):
+    found = _secrets_in_reach()
+    if found:
+        raise RuntimeError(f"FOUND: {found}")
+    return [0] * world_size, torch.zeros(0, dtype=torch.long)
+
+
+def dispatch_with_the_backend(expert, num_experts, world_size):
+    """Learns the other ranks' choices through the backend object's all-gather."""
+    group = dist.distributed_c10d._get_default_group()
+    out = [torch.empty_like(expert) for _ in range(world_size)]
+    group.allgather([out], [expert]).wait()
+    return [0] * world_size, torch.zeros(0, dtype=torch.long)
+
+
+def bubble_fraction_reads_the_seed(p, m, v):
+    found = _secrets_in_reach()
+    if found:
+        raise RuntimeError(f"FOUND: {found}")
+    return -1.0
+
+
+def bubble_fraction_with_functional_collectives(p, m, v):
+    from torch.distributed import _functional_collectives as funcol
+    return float(funcol.all_reduce(torch.tensor([(p - 1) / (v * m)]), "sum", [0])[0])
+
+
+CHAPTER_ATTACKS = [
+    ("zero1_step", zero1_reads_the_seed, r"rank \d gave its optimizer nothing element\(s\)"),
+    ("zero1_step", zero1_uses_the_backend, r"rank \d raised RuntimeError: a check's ranks have no process group"),
+    ("f_g", f_and_g_reads_the_seed, r"rank \d: x\.grad after f's backward differs from the single-process value"),
+    ("f_g", f_and_g_with_functional_collectives, r"rank \d raised RuntimeError: a check's ranks have no process group"),
+    ("moe_dispatch", dispatch_reads_the_seed, r"rank \d's send_counts is \[0(, 0)+\], expected"),
+    ("moe_dispatch", dispatch_with_the_backend, r"rank \d raised RuntimeError: a check's ranks have no process group"),
+    ("bubble_fraction", bubble_fraction_reads_the_seed,
+     r"bubble_fraction_reads_the_seed\(\d+, \d+, \d+\) is -1, expected"),
+    ("bubble_fraction", bubble_fraction_with_functional_collectives,
+     r"bubble_fraction_with_functional_collectives raised RuntimeError: a check's ranks have no process group"),
+]
+
+
+def as_source_with_search(fn):
+    """As as_source, with _secrets_in_reach defined in the notebook too."""
+    cells = [(1, IMPORTS), (2, inspect.getsource(_secrets_in_reach)), (3, textwrap.dedent(inspect.getsource(fn)))]
+    return submission.definitions(cells, {fn.__name__}).answers[fn.__name__]
+
+
+@pytest.mark.parametrize("exercise_id, answer, pattern",
+                         [pytest.param(ex, answer, pattern, id=f"{fn.__name__}-{form}")
+                          for ex, fn, pattern in CHAPTER_ATTACKS
+                          for form, answer in (("function", fn), ("source", as_source_with_search(fn)))])
+def test_an_attack_on_another_chapter_finds_no_secret_and_gets_no_pass(exercise_id, answer, pattern):
+    result = checks.run_check(exercise_id, answer, seed=int("918" + "273645"))    # the seed _secrets_in_reach
+    assert not result                                                               # looks for: in no name here
+    assert "FOUND" not in result.message, result.message
+    assert re.search(pattern, result.message), result.message
+
+
+def test_the_attacks_would_find_the_seed_in_the_checkers_own_process():
+    """The search is not blind: in the process that runs the check (where the old checks
+    called a pure-function answer), the seed is in reach."""
+    found = []
+
+    @checks.exercise("test_in_reach", "in reach", answer="f")
+    def check_in_reach(fn, seed, timeout):
+        found.append(_secrets_in_reach())
+        return ""
+    try:
+        checks.run_check("test_in_reach", lambda: None, seed=int("918" + "273645"))
+    finally:
+        del checks.EXERCISES["test_in_reach"]
+    assert found[0]
+
+
+@pytest.mark.parametrize("exercise_id", sorted(checks.EXERCISES))
+def test_every_solution_passes_as_a_function_and_as_source(exercise_id):
+    from notebook_answers import solution_notebook
+    fn = solution(exercise_id)
+    cells = [(n, c.source) for n, c in enumerate(solution_notebook(exercise_id).cells, 1) if c.cell_type == "code"]
+    source = submission.definitions(cells, {fn.__name__}).answers[fn.__name__]
+    for answer in (fn, source):
+        result = checks.run_check(exercise_id, answer)
+        assert result, result.message
+    assert checks.get_exercise(exercise_id).sealed

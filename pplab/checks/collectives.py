@@ -14,7 +14,6 @@ about 1/p of the data per step.
 """
 from __future__ import annotations
 
-import dis
 import inspect
 import math
 import random
@@ -24,8 +23,9 @@ import torch
 import torch.distributed as dist
 
 from .. import costmodel
-from .core import Fail, check_number, exercise, first_difference, require_function, sealed
-from .core import _fmt, refuse_library
+from . import sealed
+from .core import Fail, check_number, exercise, first_difference, refuse_library, require_function
+from .core import _fmt
 
 # ----------------------------------------------------------------------------------
 # Exercise "broadcast": build broadcast from point-to-point operations

@@ -103,7 +103,6 @@ def _refuse_planner(fn) -> None:
           answer="pick_layout", notebook="07b_pick_layout", sealed=True)
 def check_pick_layout(fn, seed: int, timeout: float) -> str:
     """pick_layout(problem) -> the index of the fastest of problem['layouts'] that fits, or None."""
-    from .. import planner
     cases = problems(seed)
     require_function(fn, "pick_layout", "problem", cases[0][0])
     outs = sealed.call_each(fn, [(dict(problem),) for problem, *_ in cases], where=lambda k: f"problem {k}: ",

@@ -44,10 +44,10 @@ The job, in each rank (a module-level function of a pplab.checks module):
 
 and `check(world_size, i, observed, traffic)` runs here: observed is {rank: data},
 traffic is the router's record of trial i, {rank: {"sends": [(dst, bytes)],
-"received": [(src, bytes)]}}. Converting a run_on_ranks checker: compute inputs here
-from the seed and pass them; in the job, replace `progress` with `begin`, drop
-`watch_comm` (the router refuses the forbidden collectives; `forbidden=` lists them,
-"*" for all) and take counts from `traffic`.
+"received": [(src, bytes)], ...}} (router.py's Record.traffic says all it holds: the
+collectives too, with the phase a job names with `phase("forward")`). A pure function is
+called with `call_each(answer, cases, where=, timeout=)` (one sealed rank, every case in
+one launch) or `call_answer(answer, *args)`.
 """
 from __future__ import annotations
 
@@ -58,13 +58,12 @@ import socket
 import sys
 import time
 
-from .sealed_rank import begin, observe, phase, watch_collectives  # noqa: F401 - what a sealed job calls
-from .zygote import _ZYGOTES, zygote  # noqa: F401 - run_check enters zygote()
 from .answers import _not_plain, answer_files, decode, encode
-from .core import Fail, Forbidden
+from .failures import Fail, Forbidden, _hang_message, _not_implemented, _student_frame
 from .forbidden import _forbidden_message
 from .router import Reader, Router, WireError, pack
-from .running import _hang_message, _not_implemented, _student_frame
+from .sealed_rank import begin, observe, phase, watch_collectives  # noqa: F401 - what a sealed job calls
+from .zygote import _ZYGOTES, zygote  # noqa: F401 - run_check enters zygote()
 
 _ISOLATION = {"missing": None}          # what the last launch's ranks could not isolate ("" = nothing)
 
@@ -225,6 +224,15 @@ def call_each(answer, cases, *, where, timeout: float, probe=None, job=None):
         yield got[i]
     if failure is not None:
         raise failure
+
+
+def call_answer(answer, *args, where: str = "", timeout: float = 30.0):
+    """What `answer(*args)` returns, called in a sealed rank: the check's zygote's, or, outside
+    a check (where no secret exists), a zygote forked for this call. Fail if it raises or hangs."""
+    if _ZYGOTES:
+        return next(call_each(answer, [args], where=lambda i: where, timeout=timeout))
+    with zygote(answer):
+        return next(call_each(answer, [args], where=lambda i: where, timeout=timeout))
 
 
 def _call_rank(fn, calls):

@@ -22,6 +22,7 @@ import contextlib
 import importlib
 import inspect
 import os
+import pickle
 import signal
 import socket
 import sys
@@ -31,6 +32,9 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from .answers import SourceAnswer, decode, encode
+from .failures import Forbidden
+from .forbidden import _COMM_COLLECTIVES, _TORCH_COLLECTIVES, _collectives_module, forbidden_references
 from .isolation import _PR_SET_DUMPABLE, _PR_SET_PDEATHSIG, isolate, prctl
 from .router import Reader, pack, tensor_bytes, tensor_meta, to_tensor
 
@@ -61,7 +65,6 @@ class Channel:
             self.queue += self.reader.feed(data)
         reply, blobs = self.queue.pop(0)
         if "error" in reply and reply["error"] != "none":
-            from .core import Forbidden
             kinds = {"Forbidden": Forbidden, "ValueError": ValueError, "RuntimeError": RuntimeError}
             raise kinds.get(reply["error"], RuntimeError)(reply["message"])
         return reply, blobs
@@ -83,7 +86,6 @@ def phase(name: str) -> None:
 
 def observe(trial: int, data) -> None:
     """In a sealed job: what the student's code left in trial `trial`, as plain data."""
-    from .answers import encode
     _STATE["channel"].tell({"op": "observe", "trial": trial}, [encode(data)])
 
 
@@ -241,7 +243,6 @@ def _reduce_scatter(output, input_list, op=dist.ReduceOp.SUM, group=None, async_
 
 def _all_gather_object(object_list, obj, group=None):
     """Pickled here, passed on by the router unread, unpickled by the other ranks."""
-    import pickle
     reply, blobs = _STATE["channel"].call({"op": "collective", "kind": "all_gather_object", "shown":
                                            "torch.distributed.all_gather_object", "group": list(_ranks(group))},
                                           [pickle.dumps(obj)])
@@ -249,7 +250,6 @@ def _all_gather_object(object_list, obj, group=None):
 
 
 def _broadcast_object_list(object_list, src=None, group=None, device=None, group_src=None):
-    import pickle
     reply, blobs = _STATE["channel"].call({"op": "collective", "kind": "broadcast_object_list", "shown":
                                            "torch.distributed.broadcast_object_list", "group": list(_ranks(group)),
                                            "src": src}, [pickle.dumps(list(object_list))])
@@ -328,7 +328,6 @@ def _no_process_group(*args, **kwargs):
 
 def preload() -> None:
     """Import what install() patches (in the zygote: its ranks then start faster)."""
-    from .forbidden import _collectives_module
     _collectives_module()
     with contextlib.suppress(ImportError):
         importlib.import_module("torch.distributed._functional_collectives")
@@ -338,7 +337,6 @@ def install(forbidden: list) -> None:
     """Route torch.distributed (and pplab.comm through it) to the router; refuse, at the
     router, the collectives in `forbidden` ("*": all) wherever they are called from."""
     from .. import comm
-    from .forbidden import _COMM_COLLECTIVES, _TORCH_COLLECTIVES, _collectives_module
 
     c10d = dist.distributed_c10d
     stand_ins = _entry_points()
@@ -410,7 +408,6 @@ def rank_main(zygote_pid: int, chan_fd: int, out_fd: int, err_fd: int) -> None:
 
 
 def _run(channel: Channel, missing: str) -> None:
-    from .answers import SourceAnswer, decode, encode
     from .. import trace
 
     while not channel.queue:                              # the launch message, from the checker
@@ -434,12 +431,10 @@ def _run(channel: Channel, missing: str) -> None:
         if isinstance(answer, SourceAnswer):
             answer = answer.resolve(workdir)
         if launch.get("refuse"):                          # a collective imported by name: before install()
-            from .forbidden import forbidden_references
             message = forbidden_references(answer, *launch["refuse"])
             if message:
                 channel.tell({"op": "refused", "message": message})
         if launch.get("probe"):                           # the library's own answer, used by the student's code
-            from .core import Forbidden
             module, _, name = launch["probe"].partition(":")
             try:
                 getattr(importlib.import_module(module), name)(answer)

@@ -24,8 +24,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .core import Fail, check_number, exercise, first_difference, refuse_library, require_function
 from . import sealed
+from .core import Fail, check_number, exercise, first_difference, refuse_library, require_function
 from .core import _fmt
 
 TOL = 1e-10

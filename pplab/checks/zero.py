@@ -33,8 +33,8 @@ import random
 
 import torch
 
-from .core import Fail, Forbidden, check_number, exercise, first_difference, refuse_library, require_function
 from . import sealed
+from .core import Fail, Forbidden, check_number, exercise, first_difference, refuse_library, require_function
 from .core import _fmt
 
 TOL = 1e-9
