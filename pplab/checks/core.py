@@ -88,6 +88,7 @@ student's code left in its own tensors; what it sent and received is the router'
 """
 from __future__ import annotations
 
+import importlib
 import inspect
 import math
 import os
@@ -113,16 +114,18 @@ class Exercise:
     checker: Callable                    # checker(answer, seed, timeout) -> summary, or raise Fail
     notebook: str = ""                   # where the exercise lives, for messages and the grader
     sealed: bool = False                 # the checker uses run_sealed: run_check starts a zygote first
+    preload: tuple = ()                  # modules the ranks use (imported before the zygote forks, once)
 
 
 EXERCISES: dict[str, Exercise] = {}
 
 
-def exercise(id: str, title: str, answer: str, notebook: str = "", sealed: bool = False):
+def exercise(id: str, title: str, answer: str, notebook: str = "", sealed: bool = False, preload: tuple = ()):
     """Register the decorated function as the checker of exercise `id` (sealed=True: it
-    launches ranks with run_sealed, see sealed.py)."""
+    launches ranks with run_sealed, see sealed.py; preload: modules its ranks import, such as
+    the library a probe refuses, imported here once rather than in every rank)."""
     def register(checker):
-        EXERCISES[id] = Exercise(id, title, answer, checker, notebook, sealed)
+        EXERCISES[id] = Exercise(id, title, answer, checker, notebook, sealed, tuple(preload))
         return checker
     return register
 
@@ -161,6 +164,8 @@ def run_check(exercise_id: str, answer, *, seed: int | None = None, timeout: flo
     """
     ex = get_exercise(exercise_id)
     if ex.sealed and answer is not None and answer is not Ellipsis and callable(answer):
+        for module in ex.preload:                       # no secret in a module: the zygote inherits it
+            importlib.import_module(module)
         with zygote(answer):                            # forked now, before the seed exists
             return _run_check(ex, answer, seed, timeout)
     return _run_check(ex, answer, seed, timeout)

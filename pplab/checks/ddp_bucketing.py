@@ -263,7 +263,8 @@ def _refuse_library_ddp(fn) -> None:
 
 
 @exercise("ddp_bucketing", "DDP from scratch: buckets, hooks, overlap", answer="bucketed_ddp",
-          notebook="02c_ddp_from_scratch", sealed=True)
+          notebook="02c_ddp_from_scratch", sealed=True,
+          preload=('pplab.data_parallel', 'torch._dynamo'))   # an optimizer's first step imports it
 def check_ddp_bucketing(fn, seed: int, timeout: float) -> str:
     """bucketed_ddp(model, group, cap_bytes) -> finish: after loss.backward() and finish(),
     every .grad is the mean over the group's ranks (= the group's whole batch's gradient)."""

@@ -125,7 +125,8 @@ def _order_hint(order, want, expert, E, p, rank) -> str:
 
 
 @exercise("moe_dispatch", "MoE dispatch: counts per rank and the permutation for the all-to-all",
-          answer="dispatch", notebook="08a_moe_dispatch", sealed=True)
+          answer="dispatch", notebook="08a_moe_dispatch", sealed=True,
+          preload=('pplab.expert_parallel',))
 def check_moe_dispatch(fn, seed: int, timeout: float) -> str:
     """dispatch(expert, num_experts, world_size) -> (send_counts, order): order = the kept choices
     sorted (stably) by expert; send_counts[j] = how many of them go to rank j's experts."""
@@ -204,7 +205,8 @@ def _refuse_all_to_all_bytes(fn) -> None:
 
 
 @exercise("moe_bytes", "Predict the bytes one rank sends in an MoE layer's forward", answer="moe_bytes",
-          notebook="08b_moe_bytes", sealed=True)
+          notebook="08b_moe_bytes", sealed=True,
+          preload=('pplab.expert_parallel',))
 def check_moe_bytes(fn, seed: int, timeout: float) -> str:
     """moe_bytes(tokens, k, experts, ranks, hidden, element_size) = counts + dispatch + combine bytes."""
     require_function(fn, "moe_bytes", "tokens, k, experts, ranks, hidden, element_size", 8, 1, 4, 2, 16, 4)

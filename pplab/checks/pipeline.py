@@ -106,7 +106,8 @@ def _compare(fn, seed: int, timeout: float, library: str, shown: str, peak_limit
 
 
 @exercise("gpipe_order", "GPipe's order of forwards and backwards", answer="gpipe_order", notebook="04a_gpipe_order",
-          sealed=True)
+          sealed=True,
+          preload=('pplab.pipeline',))
 def check_gpipe_order(fn, seed: int, timeout: float) -> str:
     """gpipe_order(p, m): every rank runs all m forwards, then all m backwards."""
     require_function(fn, "gpipe_order", "num_stages, num_microbatches", 2, 2)
@@ -115,7 +116,8 @@ def check_gpipe_order(fn, seed: int, timeout: float) -> str:
 
 
 @exercise("1f1b_order", "1F1B's order of forwards and backwards", answer="one_f_one_b_order",
-          notebook="04b_1f1b_order", sealed=True)
+          notebook="04b_1f1b_order", sealed=True,
+          preload=('pplab.pipeline',))
 def check_1f1b_order(fn, seed: int, timeout: float) -> str:
     """one_f_one_b_order(p, m): rank r runs min(p-1-r, m) forwards, then alternates F and B."""
     require_function(fn, "1f1b_order", "num_stages, num_microbatches", 2, 2)
@@ -146,7 +148,8 @@ def _refuse_bubble_fraction(fn) -> None:
 
 
 @exercise("bubble_fraction", "The bubble fraction of a flushed pipeline", answer="bubble_fraction",
-          notebook="04c_bubble_fraction", sealed=True)
+          notebook="04c_bubble_fraction", sealed=True,
+          preload=('pplab.pipeline',))
 def check_bubble_fraction(fn, seed: int, timeout: float) -> str:
     """bubble_fraction(p, m, v) = (p-1)/(v·m), as pplab.pipeline.bubble_fraction (m >= p when v > 1)."""
     from ..pipeline import bubble_fraction as reference

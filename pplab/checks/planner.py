@@ -100,7 +100,8 @@ def _refuse_planner(fn) -> None:
 
 
 @exercise("pick_layout", "Pick the fastest layout that fits, from α, β, layer times and memory",
-          answer="pick_layout", notebook="07b_pick_layout", sealed=True)
+          answer="pick_layout", notebook="07b_pick_layout", sealed=True,
+          preload=('pplab.planner',))
 def check_pick_layout(fn, seed: int, timeout: float) -> str:
     """pick_layout(problem) -> the index of the fastest of problem['layouts'] that fits, or None."""
     cases = problems(seed)

@@ -237,7 +237,8 @@ def _refuse_row_parallel(fn) -> None:
 
 
 @exercise("row_parallel_linear", "A row-parallel Linear layer from a dense one", answer="row_parallel_from_dense",
-          notebook="03b_row_parallel", sealed=True)
+          notebook="03b_row_parallel", sealed=True,
+          preload=('pplab.tensor_parallel',))
 def check_row_parallel(fn, seed: int, timeout: float) -> str:
     require_function(fn, "row_parallel_linear", "dense, group", nn.Linear(1, 1), None)
     trials = _trials(seed, (2, 3))
@@ -337,7 +338,8 @@ def _refuse_vocab_parallel_ce(fn) -> None:
 
 
 @exercise("vocab_parallel_ce", "Vocabulary-parallel cross-entropy that never gathers the logits",
-          answer="vocab_parallel_ce", notebook="03c_vocab_parallel_ce", sealed=True)
+          answer="vocab_parallel_ce", notebook="03c_vocab_parallel_ce", sealed=True,
+          preload=('pplab.tensor_parallel.transformer',))
 def check_vocab_parallel_ce(fn, seed: int, timeout: float) -> str:
     require_function(fn, "vocab_parallel_ce", "logits_shard, targets, vocab_start, group",
                      torch.zeros(1, 1), torch.zeros(1, dtype=torch.long), 0, None)

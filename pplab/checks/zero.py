@@ -170,7 +170,8 @@ def _refuse_model_state_bytes(fn) -> None:
 
 
 @exercise("zero_bytes", "ZeRO's model-state bytes per rank, stage by stage", answer="zero_bytes",
-          notebook="06b_zero_bytes", sealed=True)
+          notebook="06b_zero_bytes", sealed=True,
+          preload=('pplab.zero',))
 def check_zero_bytes(fn, seed: int, timeout: float) -> str:
     """zero_bytes(stage, psi, n, k) = bytes of parameters + gradients + optimizer state per rank."""
     require_function(fn, "zero_bytes", "stage, psi, n, k", 1, 10, 2, 12)
