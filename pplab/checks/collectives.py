@@ -10,7 +10,8 @@ smaller than p and some that p does not divide, and compare every rank with the 
 computed in one process (exact for int64, to 1e-5 for float32). They also read whom each
 rank sent to and how many bytes, from the record the checker's router keeps (all three
 run on sealed ranks, sealed.py): a ring sends only to its right neighbour, one chunk of
-about 1/p of the data per step.
+about 1/p of the data per step. predict_time's answer is called in one sealed rank
+(sealed.call_each) on random α, β, p and sizes, and compared with pplab.costmodel.
 """
 from __future__ import annotations
 

@@ -413,7 +413,8 @@ def _failure(outcome, where, name, files, timeout, statuses, pids, single=False)
         signal_number = -status if isinstance(status, int) and status < 0 else \
             status - 128 if isinstance(status, int) and status > 128 else None
         how = f"killed by signal {signal_number}" if signal_number else f"exit code {status}"
-        return Fail(f"{where(rank)}{who(rank)} died ({how}) while running {name}, without raising an exception: "
+        running = "" if single else f" while running {name}"
+        return Fail(f"{where(rank)}{who(rank)} died ({how}){running}, without raising an exception: "
                     f"did the code call os._exit, or kill a process?")
     if kind == "not plain":
         _, rank, trial, why = outcome
