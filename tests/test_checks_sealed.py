@@ -592,3 +592,32 @@ def test_every_solution_passes_as_a_function_and_as_source(exercise_id):
         result = checks.run_check(exercise_id, answer)
         assert result, result.message
     assert checks.get_exercise(exercise_id).sealed
+
+
+def _stops_in_trial_1_job(fn, inputs):
+    """Rank 2 raises in trial 1 before recording it; ranks 0 and 1 record trials 0, 1 and 2."""
+    for i in range(3):
+        sealed.begin(i)
+        if dist.get_rank() == 2 and i == 1:
+            raise ValueError("rank 2 stops here")
+        sealed.observe(i, {"rank": dist.get_rank()})
+
+
+def test_after_a_failed_launch_trials_are_judged_up_to_the_first_one_a_rank_never_recorded():
+    """Trial 1 is judged on what ranks 0 and 1 saw (a wrong value there is the clearest message);
+    trial 2 is not: what they saw there is out of step with rank 2, so the launch's own failure
+    (rank 2's raise) is what gets reported."""
+    judged = []
+
+    @checks.exercise("test_judged", "judged", answer="f", sealed=True)
+    def check_judged(fn, seed, timeout):
+        sealed.run_sealed(_stops_in_trial_1_job, fn, [[0] * 3] * 3, world_size=3, timeout=timeout,
+                          exercise=("x", "y"), forbidden=(),
+                          check=lambda p, i, seen, traffic: judged.append((i, sorted(seen))))
+        return ""
+    try:
+        result = checks.run_check("test_judged", lambda: None, timeout=20)
+    finally:
+        del checks.EXERCISES["test_judged"]
+    assert judged == [(0, [0, 1, 2]), (1, [0, 1])]
+    assert not result and "rank 2 raised ValueError: rank 2 stops here" in result.message

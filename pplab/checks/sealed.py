@@ -190,6 +190,8 @@ def run_sealed(job, answer, inputs, *, world_size: int, timeout: float, exercise
         except Exception as exc:  # noqa: BLE001 - data shaped unlike what the job records: refused
             raise Fail(f"{where(0, i)}the results recorded by the ranks could not be read "
                        f"({type(exc).__name__}: {exc}).") from None
+        if missing:         # the launch failed in this trial: what ranks recorded after it is out of step
+            break
     if not complete:
         raise _failure(outcome, where, name, files, timeout, statuses, pids, single) from None
     return [results[r] for r in range(p)]
