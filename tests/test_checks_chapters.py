@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import pplab
-from pplab import checks, comm
+from pplab import checks
 from wrong_solutions_chapters import WRONG
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
@@ -156,18 +156,3 @@ def test_wrong_signatures_and_answers_that_are_not_numbers():
     assert "must return one list of actions per rank" in message
     message = checks.run_check("gpipe_order", lambda p, m: [[("X", 0)]] * p).message
     assert "('X', 0) is not an action: write ('F', i) or ('B', i)" in message
-
-
-def test_the_watch_counts_sends_at_the_process_group():
-    """Sends through pplab.comm and torch.distributed, blocking or not, as (dst, bytes)."""
-    def job():
-        with checks.core.watch_comm("ring_all_reduce", "all_reduce") as watch:
-            if dist.get_rank() == 0:
-                comm.send(torch.zeros(3), 1)
-                dist.isend(torch.zeros(2, dtype=torch.int64), 1).wait()
-            else:
-                comm.recv(torch.zeros(3), 0)
-                dist.recv(torch.zeros(2, dtype=torch.int64), 0)
-        return watch.sends, watch.receives
-
-    assert pplab.launch(job, world_size=2) == [([(1, 12), (1, 16)], 0), ([], 2)]

@@ -329,3 +329,296 @@ def test_allowed_collectives_go_through_the_router():
         assert seen[r]["rank"] == r and seen[r]["p"] == 3
         assert seen[r]["sum"].tolist() == [6.0, 6.0] and seen[r]["from_1"].tolist() == [2.0, 2.0]
         assert seen[r]["all"].tolist() == [1.0, 1.0, 2.0, 2.0, 3.0, 3.0]
+
+
+def _run_job(job, inputs, world_size, forbidden=()):
+    """Run a sealed job of this module under run_check; {rank: what it observed in trial 0}, or the failure."""
+    seen = {}
+
+    @checks.exercise("test_router", "router", answer="f", sealed=True)
+    def check_router(fn, seed, timeout):
+        def keep(p, i, observed, traffic):
+            seen.update({r: {**o, "traffic": dict(traffic[r])} for r, o in observed.items()})
+        sealed.run_sealed(job, fn, inputs, world_size=world_size, timeout=timeout, exercise=("x", "y"),
+                          check=keep, forbidden=forbidden)
+        return ""
+    try:
+        result = checks.run_check("test_router", lambda: None, timeout=20)
+    finally:
+        del checks.EXERCISES["test_router"]
+    return seen, result
+
+
+def _async_job(fn, inputs):
+    """Two async all-reduces in flight at once (as DDP's hooks start them), waited for in reverse order."""
+    sealed.begin(0)
+    a, b = inputs[0].clone(), inputs[0].clone() * 10
+    first, second = dist.all_reduce(a, async_op=True), comm.all_reduce(b, async_op=True)
+    second.wait()
+    first.wait()
+    sealed.observe(0, {"a": a, "b": b})
+
+
+def test_async_collectives_complete_at_wait():
+    seen, result = _run_job(_async_job, [[torch.full((2,), float(r + 1)) for r in range(3)]], 3)
+    assert result, result.message
+    for r in range(3):
+        assert seen[r]["a"].tolist() == [6.0, 6.0] and seen[r]["b"].tolist() == [60.0, 60.0]
+        calls = seen[r]["traffic"]["collectives"]
+        assert [c["kind"] for c in calls] == ["all_reduce", "all_reduce"]
+        assert [(c["async"], c["group"], c["bytes"]) for c in calls] == [(True, [0, 1, 2], 8)] * 2
+        assert all(c["waited"] == "" for c in calls)          # waited for, in the job's only phase
+
+
+def _gather_and_uneven_all_to_all_job(fn, inputs):
+    """A list all_gather, then an all-to-all where rank r sends r+1 rows to every rank."""
+    sealed.begin(0)
+    x = inputs[0]
+    p, r = dist.get_world_size(), dist.get_rank()
+    parts = [torch.empty_like(x) for _ in range(p)]
+    dist.all_gather(parts, x)
+    rows = torch.arange(p * (r + 1) * 2, dtype=torch.float32).view(-1, 2) + 100 * r
+    out = torch.empty(sum(s + 1 for s in range(p)), 2)
+    dist.all_to_all_single(out, rows, output_split_sizes=[s + 1 for s in range(p)],
+                           input_split_sizes=[r + 1] * p)
+    sealed.observe(0, {"parts": parts, "out": out})
+
+
+def test_list_all_gather_and_uneven_all_to_all():
+    seen, result = _run_job(_gather_and_uneven_all_to_all_job, [[torch.full((2,), float(r)) for r in range(3)]], 3)
+    assert result, result.message
+    for r in range(3):
+        assert [t.tolist() for t in seen[r]["parts"]] == [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]]
+        want = torch.cat([(torch.arange(3 * (s + 1) * 2, dtype=torch.float32).view(-1, 2) + 100 * s)
+                          [r * (s + 1):(r + 1) * (s + 1)] for s in range(3)])
+        assert torch.equal(seen[r]["out"], want)
+
+
+def _subgroup_job(fn, inputs):
+    """new_group: an all-reduce within {0, 2} and one within {1, 3}, and a rank number within the group."""
+    sealed.begin(0)
+    r = dist.get_rank()
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    mine = groups[r % 2]
+    t = inputs[0].clone()
+    dist.all_reduce(t, group=mine)
+    sealed.observe(0, {"t": t, "rank_in_group": dist.get_rank(mine), "size": dist.get_world_size(mine)})
+
+
+def test_subgroups_reduce_within_themselves():
+    seen, result = _run_job(_subgroup_job, [[torch.tensor([float(10 ** r)]) for r in range(4)]], 4)
+    assert result, result.message
+    assert [seen[r]["t"].item() for r in range(4)] == [101.0, 1010.0, 101.0, 1010.0]
+    assert [seen[r]["rank_in_group"] for r in range(4)] == [0, 0, 1, 1]
+    assert all(seen[r]["size"] == 2 for r in range(4))
+
+
+def _async_never_joined_job(fn, inputs):
+    sealed.begin(0)
+    t = inputs[0].clone()
+    if dist.get_rank() == 0:
+        dist.all_reduce(t, async_op=True).wait()
+    else:
+        comm.recv(t, 0)
+
+
+def test_a_deadlock_on_an_async_collective_is_named():
+    seen, result = _run_job(_async_never_joined_job, [[torch.zeros(1) for r in range(2)]], 2)
+    assert not result
+    assert "a deadlock: rank 0 waits in all_reduce for rank 1 to join it, rank 1 waits to receive from rank 0" \
+        in result.message
+
+
+def _objects_job(fn, inputs):
+    """The library's bookkeeping collectives: objects pickled in a rank, unpickled in the others."""
+    sealed.begin(0)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, {"rank": dist.get_rank()})
+    bounds = [dist.get_rank(), "x"]
+    dist.broadcast_object_list(bounds, src=1)
+    sealed.observe(0, {"everyone": [e["rank"] for e in everyone], "bounds": bounds})
+
+
+def test_object_collectives_pass_through_the_router():
+    seen, result = _run_job(_objects_job, [[torch.zeros(1) for r in range(3)]], 3)
+    assert result, result.message
+    assert all(seen[r]["everyone"] == [0, 1, 2] and seen[r]["bounds"] == [1, "x"] for r in range(3))
+
+
+# -- attacks on the other chapters' checks: the seed and the references are nowhere in reach --
+
+def _secrets_in_reach():
+    """The check's seed, anywhere in this process: the stack's locals, any frame or container gc
+    tracks. Inside the answer of a sealed check, nothing."""
+    import gc
+    import sys
+    target = int("918" + "273645")                       # computed: no constant of this code holds it
+    me, frames, frame = sys._getframe(), [], sys._getframe().f_back
+    while frame is not None:
+        frames.append(frame)
+        frame = frame.f_back
+    for obj in gc.get_objects():
+        if type(obj).__name__ == "frame" and obj is not me:
+            frames.append(obj)
+        elif isinstance(obj, dict) and any(type(v) is int and v == target for v in obj.values()):
+            return "a dict holds the seed"
+        elif isinstance(obj, (list, tuple)) and any(type(v) is int and v == target for v in obj):
+            return "a list holds the seed"
+    for f in frames:
+        if any(type(v) is int and v == target for v in f.f_locals.values()):
+            return f"the frame of {f.f_code.co_name} holds the seed"
+    return None
+
+
+def zero1_reads_the_seed(flat_param, optimizer_class):
+    """ZeRO-1: with the seed, the checker's own reference could be recomputed; without, a step that does nothing."""
+    found = _secrets_in_reach()
+    if found:
+        raise RuntimeError(f"FOUND: {found}")
+    return lambda flat_grad: None
+
+
+def zero1_uses_the_backend(flat_param, optimizer_class):
+    """ZeRO-1 that all-reduces on the process group's backend object, out of the router's sight."""
+    group = dist.distributed_c10d._get_default_group()
+
+    def step(flat_grad):
+        group.allreduce([flat_grad]).wait()
+    return step
+
+
+def f_and_g_reads_the_seed():
+    found = _secrets_in_reach()
+    if found:
+        raise RuntimeError(f"FOUND: {found}")
+    return (lambda x, group: x), (lambda x, group: x)
+
+
+def f_and_g_with_functional_collectives():
+    """f and g whose all-reduce is a functional collective (no record at a process group)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    class G(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            return funcol.all_reduce(x, "sum", list(range(comm.world_size())))
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad, None
+    return (lambda x, group: x), (lambda x, group: G.apply(x, group))
+
+
+def dispatch_reads_the_seed(expert, num_experts, world_size):
+    found = _secrets_in_reach()
+    if found:
+        raise RuntimeError(f"FOUND: {found}")
+    return [0] * world_size, torch.zeros(0, dtype=torch.long)
+
+
+def dispatch_with_the_backend(expert, num_experts, world_size):
+    """Learns the other ranks' choices through the backend object's all-gather."""
+    group = dist.distributed_c10d._get_default_group()
+    out = [torch.empty_like(expert) for _ in range(world_size)]
+    group.allgather([out], [expert]).wait()
+    return [0] * world_size, torch.zeros(0, dtype=torch.long)
+
+
+def bubble_fraction_reads_the_seed(p, m, v):
+    found = _secrets_in_reach()
+    if found:
+        raise RuntimeError(f"FOUND: {found}")
+    return -1.0
+
+
+def bubble_fraction_with_functional_collectives(p, m, v):
+    from torch.distributed import _functional_collectives as funcol
+    return float(funcol.all_reduce(torch.tensor([(p - 1) / (v * m)]), "sum", [0])[0])
+
+
+CHAPTER_ATTACKS = [
+    ("zero1_step", zero1_reads_the_seed, r"rank \d gave its optimizer nothing element\(s\)"),
+    ("zero1_step", zero1_uses_the_backend, r"rank \d raised RuntimeError: a check's ranks have no process group"),
+    ("f_g", f_and_g_reads_the_seed, r"rank \d: x\.grad after f's backward differs from the single-process value"),
+    ("f_g", f_and_g_with_functional_collectives, r"rank \d raised RuntimeError: a check's ranks have no process group"),
+    ("moe_dispatch", dispatch_reads_the_seed, r"rank \d's send_counts is \[0(, 0)+\], expected"),
+    ("moe_dispatch", dispatch_with_the_backend, r"rank \d raised RuntimeError: a check's ranks have no process group"),
+    ("bubble_fraction", bubble_fraction_reads_the_seed,
+     r"bubble_fraction_reads_the_seed\(\d+, \d+, \d+\) is -1, expected"),
+    ("bubble_fraction", bubble_fraction_with_functional_collectives,
+     r"bubble_fraction_with_functional_collectives raised RuntimeError: a check's ranks have no process group"),
+]
+
+
+def as_source_with_search(fn):
+    """As as_source, with _secrets_in_reach defined in the notebook too."""
+    cells = [(1, IMPORTS), (2, inspect.getsource(_secrets_in_reach)), (3, textwrap.dedent(inspect.getsource(fn)))]
+    return submission.definitions(cells, {fn.__name__}).answers[fn.__name__]
+
+
+@pytest.mark.parametrize("exercise_id, answer, pattern",
+                         [pytest.param(ex, answer, pattern, id=f"{fn.__name__}-{form}")
+                          for ex, fn, pattern in CHAPTER_ATTACKS
+                          for form, answer in (("function", fn), ("source", as_source_with_search(fn)))])
+def test_an_attack_on_another_chapter_finds_no_secret_and_gets_no_pass(exercise_id, answer, pattern):
+    result = checks.run_check(exercise_id, answer, seed=int("918" + "273645"))    # the seed _secrets_in_reach
+    assert not result                                                               # looks for: in no name here
+    assert "FOUND" not in result.message, result.message
+    assert re.search(pattern, result.message), result.message
+
+
+def test_the_attacks_would_find_the_seed_in_the_checkers_own_process():
+    """The search is not blind: in the process that runs the check (where the old checks
+    called a pure-function answer), the seed is in reach."""
+    found = []
+
+    @checks.exercise("test_in_reach", "in reach", answer="f")
+    def check_in_reach(fn, seed, timeout):
+        found.append(_secrets_in_reach())
+        return ""
+    try:
+        checks.run_check("test_in_reach", lambda: None, seed=int("918" + "273645"))
+    finally:
+        del checks.EXERCISES["test_in_reach"]
+    assert found[0]
+
+
+@pytest.mark.parametrize("exercise_id", sorted(checks.EXERCISES))
+def test_every_solution_passes_as_a_function_and_as_source(exercise_id):
+    from notebook_answers import solution_notebook
+    fn = solution(exercise_id)
+    cells = [(n, c.source) for n, c in enumerate(solution_notebook(exercise_id).cells, 1) if c.cell_type == "code"]
+    source = submission.definitions(cells, {fn.__name__}).answers[fn.__name__]
+    for answer in (fn, source):
+        result = checks.run_check(exercise_id, answer)
+        assert result, result.message
+    assert checks.get_exercise(exercise_id).sealed
+
+
+def _stops_in_trial_1_job(fn, inputs):
+    """Rank 2 raises in trial 1 before recording it; ranks 0 and 1 record trials 0, 1 and 2."""
+    for i in range(3):
+        sealed.begin(i)
+        if dist.get_rank() == 2 and i == 1:
+            raise ValueError("rank 2 stops here")
+        sealed.observe(i, {"rank": dist.get_rank()})
+
+
+def test_after_a_failed_launch_trials_are_judged_up_to_the_first_one_a_rank_never_recorded():
+    """Trial 1 is judged on what ranks 0 and 1 saw (a wrong value there is the clearest message);
+    trial 2 is not: what they saw there is out of step with rank 2, so the launch's own failure
+    (rank 2's raise) is what gets reported."""
+    judged = []
+
+    @checks.exercise("test_judged", "judged", answer="f", sealed=True)
+    def check_judged(fn, seed, timeout):
+        sealed.run_sealed(_stops_in_trial_1_job, fn, [[0] * 3] * 3, world_size=3, timeout=timeout,
+                          exercise=("x", "y"), forbidden=(),
+                          check=lambda p, i, seen, traffic: judged.append((i, sorted(seen))))
+        return ""
+    try:
+        result = checks.run_check("test_judged", lambda: None, timeout=20)
+    finally:
+        del checks.EXERCISES["test_judged"]
+    assert judged == [(0, [0, 1, 2]), (1, [0, 1])]
+    assert not result and "rank 2 raised ValueError: rank 2 stops here" in result.message

@@ -266,7 +266,7 @@ def ce_from_library(logits_shard, targets, vocab_start, group=None):
 
 
 # ----------------------------------------------------------------------------------
-# Seed 002's table
+# The table of CMU 15-418's lecture 25 (model and pipeline parallelism)
 
 
 def traffic_counts_tensor_sizes(strategy, B, c_in, c_out):

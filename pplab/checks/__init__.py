@@ -3,12 +3,14 @@
     result = pplab.check("broadcast", my_broadcast)
     ✔ broadcast: passed on world sizes 2, 3, 4 (18 trials with random data, ...)
 
-`core` holds the registry (`@exercise`), `check`/`run_check` and the helpers every checker
-uses, `answers` the student's answer and what may come back from it, `running` where it
-runs (real ranks, or one child) and how each failure is worded, `forbidden` what it may not
-call (all described in core's docstring, and all imported from `core` by the checkers);
-each other module of this package holds one chapter's checkers and imports only
-from `core`. Every module here is imported when the package is, so a new chapter adds one
+From the bottom up, each module importing only those above it: `failures` (Fail, and how
+a failure is worded), `answers` (the student's answer and the plain data that may come
+back from it), `forbidden` (what an answer may not call), `router` and `isolation`, then
+`sealed_rank` (a rank's life), `zygote` (what ranks are forked from) and `sealed` (a
+launch, seen from the checker), and `core`: the registry (`@exercise`), `check`/
+`run_check` and the helpers every checker uses (core's docstring has the contract). Each
+other module of this package holds one chapter's checkers and imports from `core` and
+`sealed`. Every module here is imported when the package is, so a new chapter adds one
 file and touches nothing else.
 """
 import importlib
@@ -21,5 +23,5 @@ __all__ = ["EXERCISES", "CheckResult", "compare_prediction", "Exercise", "Fail",
            "exercise", "first_difference", "get_exercise", "run_check"]
 
 for _module in pkgutil.iter_modules(__path__):
-    if _module.name not in ("core", "answers", "running", "forbidden"):
+    if _module.name not in ("core", "answers", "failures", "forbidden"):
         importlib.import_module(f"{__name__}.{_module.name}")

@@ -1,11 +1,11 @@
 """A student's answer (the function, or its source), and what may come back from it.
 
 A checker never runs the student's code in its own process. It hands the answer to
-`run_on_ranks(job, answer, ...)` (real ranks) or `call_answer(answer, ...)`, and reads
-back plain data: numbers, strings, None, lists, tuples, dicts and tensors, decoded with
-`torch.load(weights_only=True)` (never plain pickle), so nothing a rank sends can run
-code in the checker's process. See core.py's docstring for the whole contract;
-running.py runs the answer and turns every way that can fail into a Fail.
+`sealed.run_sealed(job, answer, ...)` (ranks) or `sealed.call_each(answer, ...)` (one
+call per case), and reads back plain data: numbers, strings, None, lists, tuples, dicts
+and tensors, decoded with `torch.load(weights_only=True)` (never plain pickle), so
+nothing a rank sends can run code in the checker's process. See core.py's docstring for
+the whole contract.
 
 The answer is either the function itself (`pplab.check("broadcast", my_broadcast)` in
 a notebook: forked ranks inherit it) or, when grading, a `SourceAnswer`: the student's
@@ -24,9 +24,7 @@ import types
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from .. import trace
 
 # ----------------------------------------------------------------------------------
 # The answer as source (the grader's form)
@@ -65,7 +63,7 @@ class SourceAnswer:
 
     def __call__(self, *args, **kwargs):
         raise TypeError(f"{self.name} is source code: it runs only in a child process. Call it with "
-                        f"call_answer({self.name}, ...) or run_on_ranks(job, {self.name}, ...).")
+                        f"sealed.call_each({self.name}, ...) or sealed.run_sealed(job, {self.name}, ...).")
 
     @property
     def filenames(self) -> set:
@@ -151,38 +149,3 @@ def _not_plain(value) -> str | None:
     if isinstance(value, tuple) and len(value) == 2 and value[0] == "__pplab_not_plain_data__":
         return str(value[1])
     return None
-
-
-# ----------------------------------------------------------------------------------
-# Inside a rank: what the checker's job records
-
-
-def progress(directory: str, trial: int) -> None:
-    """Inside a rank: note the trial this rank is on (see run_on_ranks)."""
-    with open(os.path.join(directory, str(dist.get_rank())), "w") as f:
-        f.write(str(trial))
-
-
-def observe(directory: str, trial: int, data) -> None:
-    """Inside a rank: record what the student's code produced and this rank observed in
-    trial `trial` (plain data: tensors, numbers, strings, lists, tuples, dicts). The
-    checker's `check` reads it in the checker's process."""
-    path = os.path.join(directory, f"observed.{dist.get_rank()}.{trial}")
-    with open(path + ".part", "wb") as f:
-        f.write(encode(data))
-    os.replace(path + ".part", path)
-
-
-def _on_rank(job, args, directory):
-    """What each rank runs: resolve a SourceAnswer here, run the checker's job, send back
-    its result as bytes of plain data."""
-    rank = dist.get_rank()
-    with open(os.path.join(directory, f"pid.{rank}"), "w") as f:
-        f.write(str(os.getpid()))
-    workdir = os.path.join(directory, f"cwd.{rank}")
-    os.makedirs(workdir, exist_ok=True)
-    args = tuple(a.resolve(workdir) if isinstance(a, SourceAnswer) else a for a in args)
-    result = job(*args, directory)
-    trace.reset(rank)                     # the checker needs no trace; what comes back stays plain
-    return encode(result)
-

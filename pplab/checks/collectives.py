@@ -10,11 +10,11 @@ smaller than p and some that p does not divide, and compare every rank with the 
 computed in one process (exact for int64, to 1e-5 for float32). They also read whom each
 rank sent to and how many bytes, from the record the checker's router keeps (all three
 run on sealed ranks, sealed.py): a ring sends only to its right neighbour, one chunk of
-about 1/p of the data per step.
+about 1/p of the data per step. predict_time's answer is called in one sealed rank
+(sealed.call_each) on random α, β, p and sizes, and compared with pplab.costmodel.
 """
 from __future__ import annotations
 
-import dis
 import inspect
 import math
 import random
@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 
 from .. import costmodel
-from .core import Fail, call_answer, check_number, exercise, first_difference, require_function, sealed
-from .core import _fmt, refuse_library
+from . import sealed
+from .core import Fail, check_number, exercise, first_difference, refuse_library, require_function
+from .core import _fmt
 
 # ----------------------------------------------------------------------------------
 # Exercise "broadcast": build broadcast from point-to-point operations
@@ -383,23 +384,29 @@ _MISTAKES = [       # (what a common slip computes, what to say about it)
 ]
 
 
+def _refuse_costmodel(fn) -> None:
+    """In the sealed rank: Forbidden if the answer asks pplab.costmodel for the time."""
+    refuse_library(fn, "predict_time", "the time", {"costmodel": costmodel, "predict": costmodel.predict,
+                                                    "cost": costmodel.cost}, "pplab.costmodel")
+
+
 @exercise("predict_time", "Predict a ring all-reduce's time with the α-β model", answer="predict_ring_all_reduce",
-          notebook="01c_predict_time")
+          notebook="01c_predict_time", sealed=True)
 def check_predict_time(fn, seed: int, timeout: float) -> str:
     """predict_ring_all_reduce(alpha, beta, p, n_bytes) -> seconds, = pplab.costmodel.predict(
     "all_reduce", "ring", ...): 2(p-1)·α + 2(p-1)/p·N·β."""
     require_function(fn, "predict_time", "alpha, beta, p, n_bytes", 1e-5, 1e-9, 4, 10**6)
-    refuse_library(fn, "predict_time", "the time", {"costmodel": costmodel, "predict": costmodel.predict,
-                                                    "cost": costmodel.cost}, "pplab.costmodel")
     rng = random.Random(seed)
     cases = []
     for kind in ("latency only", "bandwidth only", "both", "both", "both", "both"):
         alpha = 10 ** rng.uniform(-6, -4) if kind != "bandwidth only" else 0.0     # 1 to 100 µs
         beta = 1 / 10 ** rng.uniform(9, 11) if kind != "latency only" else 0.0     # 1 to 100 GB/s
         cases.append((alpha, beta, rng.randint(3, 64), rng.choice([rng.randint(1, 999) * 4096, 10**9])))
-    for alpha, beta, p, n in cases:
-        where = f"alpha={alpha:.3g} s, beta={beta:.3g} s/B, p={p}, n_bytes={n:,}: "
-        got = call_answer(fn, alpha, beta, p, n, where=where)
+    def where_of(alpha, beta, p, n):
+        return f"alpha={alpha:.3g} s, beta={beta:.3g} s/B, p={p}, n_bytes={n:,}: "
+    outs = sealed.call_each(fn, cases, where=lambda i: where_of(*cases[i]), timeout=timeout, probe=_refuse_costmodel)
+    for (alpha, beta, p, n), got in zip(cases, outs):
+        where = where_of(alpha, beta, p, n)
         expected = costmodel.predict("all_reduce", "ring", p, n, alpha, beta)
         try:
             check_number(got, expected, what=f"{fn.__name__}(...)", rel_tol=1e-6, abs_tol=0.0)

@@ -4,8 +4,8 @@
     ✔ broadcast: passed on world sizes 2, 3, 4 (18 trials with random data, ...)
 
 Every exercise is registered once, with `@exercise(id, title, answer=...)` on its
-checker, in the module of its chapter (pplab/checks/<chapter>.py, which imports only
-from this module). `answer` is the name the student defines (the grader looks for it in
+checker, in the module of its chapter (pplab/checks/<chapter>.py, which imports from
+this module and from sealed.py). `answer` is the name the student defines (the grader looks for it in
 the notebook). A checker is a plain function `checker(answer, seed, timeout)` that
 returns a short summary of what it tried, or raises `Fail("what was wrong")`.
 
@@ -15,8 +15,7 @@ The contract that keeps a mark honest
 `pplab grade` runs the checker, a `SourceAnswer`: the student's definitions as source
 text, which must never run in the checker's process (the grader runs checkers in a
 fresh process where no student code runs, and believes only what that process says).
-So a checker never calls the answer itself; it goes through one of these (sealed.py,
-answers.py, running.py):
+So a checker never calls the answer itself; it goes through one of these (sealed.py):
 
 * `sealed.run_sealed(job, answer, inputs, world_size=, timeout=, exercise=, describe=, check=)`
   (register the exercise with `sealed=True`): the way a checker runs the answer on ranks.
@@ -29,26 +28,22 @@ answers.py, running.py):
   refuses the collectives in `forbidden=` ("*": all, the default), records every call,
   and stops a deadlock at once. `check(world_size, i, {rank: data}, traffic)` runs here
   afterwards; traffic is the router's record of trial i, {rank: {"sends": [(dst, bytes)],
-  "received": [(src, bytes)]}}: the bytes each rank really sent and received. It
+  "received": [(src, bytes)], "collectives": [...]}}: what each rank really sent and
+  received (router.py's Record.traffic). It
   compares every rank with the reference and raises each `Fail` (prefixed with
   `describe(world_size, i)`). The module docstring of sealed.py has the whole contract.
-* `run_on_ranks(job, answer, *args, world_size=, timeout=, describe=, trials=, check=)`,
-  the older way, still used by the chapters not converted yet: ranks forked from the
-  checker's process with a real process group. A job there must not receive the seed
-  (it can read the checker's stack) and the counts a `CommWatch` keeps in the rank can
-  be forged; convert such a checker to run_sealed (sealed.py says how). The job gets a
-  progress directory: `progress(PROGRESS, i)`, `observe(PROGRESS, i, data)`, and
-  `check(world_size, i, {rank: data})`.
-* `call_answer(answer, *args, where=)` returns what the answer returned (in a child
-  process for a SourceAnswer, with a time limit); the checker compares it.
-* `inspect_answer(answer, probe, *args)` runs `probe(function, *args)` where the
-  function exists (a child for a SourceAnswer) and returns its plain-data result;
-  `forbidden_references` and `refuse_library` (forbidden.py) use it to look inside the
-  answer's code.
+* `sealed.call_each(answer, cases, where=, timeout=, probe=)` yields what the answer
+  returned for each case (a tuple of arguments), called in one sealed rank (all cases in
+  one launch); a raise or a hang in case i is a Fail when the iteration reaches it.
+  `sealed.call_answer(answer, *args)` is one such call.
+* `probe=` (both): a module-level function of the checker's module, run in each rank on
+  the answer before the job, which raises Forbidden if the answer uses the library's own
+  answer (`refuse_library`, forbidden.py): looking inside the answer's code happens where
+  the answer exists, never here.
 
 Whatever comes back from a process where student code ran is decoded with
 `torch.load(weights_only=True)`, never plain pickle (`decode`; a small pplab dataclass
-can be let through with `allow_type`); the launch itself uses `safe_results=True`. Data
+can be let through with `allow_type`, in the rank too: a probe can call it). Data
 that is malformed or not plain data makes the check fail, never pass. A `Fail` raised
 inside a rank still fails the check, but a pass can only come from `check` here.
 
@@ -84,7 +79,7 @@ folder as its working directory.
   every rank with a reference, and forbids the library collectives (the router refuses
   and records them; each rank also looks for one bound by name, `forbidden_references`);
 * a checker for a numeric answer (a bubble fraction, a byte count) compares a number
-  (`check_number`); one for a pure function calls it with `call_answer`.
+  (`check_number`); one for a pure function calls it with `sealed.call_each`.
 
 Inputs are random, from a seed drawn fresh on every call (os.urandom) unless you
 pass seed=, so an answer cannot be tuned to them; a failure says which seed
@@ -93,6 +88,7 @@ student's code left in its own tensors; what it sent and received is the router'
 """
 from __future__ import annotations
 
+import importlib
 import inspect
 import math
 import os
@@ -102,28 +98,13 @@ from typing import Callable
 import torch
 
 from ..runtime import comm  # noqa: F401 - chapters' checkers import comm from here (tensor_parallel)
+from .answers import SourceAnswer, allow_type, decode, encode  # noqa: F401 - what checkers use, in one place
+from .failures import Fail, Forbidden
+from .forbidden import forbidden_references, refuse_library  # noqa: F401
+from .sealed import call_answer, zygote  # noqa: F401 - run_check enters zygote() before the seed exists
 
 # ----------------------------------------------------------------------------------
 # The registry
-
-
-class Fail(Exception):
-    """Raised by a checker (or inside a rank) with the message the student will read.
-
-    seed_matters=False for failures that no other input would change (nothing written
-    yet, a forbidden call): their message does not offer the seed.
-    """
-
-    def __init__(self, message: str, seed_matters: bool = True):
-        super().__init__(message)
-        self.seed_matters = seed_matters
-
-
-class Forbidden(Fail):
-    """The answer called (or names) a library function the exercise asks to replace."""
-
-    def __init__(self, message: str):
-        super().__init__(message, seed_matters=False)
 
 
 @dataclass(frozen=True)
@@ -134,16 +115,18 @@ class Exercise:
     checker: Callable                    # checker(answer, seed, timeout) -> summary, or raise Fail
     notebook: str = ""                   # where the exercise lives, for messages and the grader
     sealed: bool = False                 # the checker uses run_sealed: run_check starts a zygote first
+    preload: tuple = ()                  # modules the ranks use (imported before the zygote forks, once)
 
 
 EXERCISES: dict[str, Exercise] = {}
 
 
-def exercise(id: str, title: str, answer: str, notebook: str = "", sealed: bool = False):
+def exercise(id: str, title: str, answer: str, notebook: str = "", sealed: bool = False, preload: tuple = ()):
     """Register the decorated function as the checker of exercise `id` (sealed=True: it
-    launches ranks with run_sealed, see sealed.py)."""
+    launches ranks with run_sealed, see sealed.py; preload: modules its ranks import, such as
+    the library a probe refuses, imported here once rather than in every rank)."""
     def register(checker):
-        EXERCISES[id] = Exercise(id, title, answer, checker, notebook, sealed)
+        EXERCISES[id] = Exercise(id, title, answer, checker, notebook, sealed, tuple(preload))
         return checker
     return register
 
@@ -181,8 +164,9 @@ def run_check(exercise_id: str, answer, *, seed: int | None = None, timeout: flo
     reported as hung (a check launches once per world size).
     """
     ex = get_exercise(exercise_id)
-    _SETTINGS["timeout"] = timeout                      # call_answer's limit in a child, by default
     if ex.sealed and answer is not None and answer is not Ellipsis and callable(answer):
+        for module in ex.preload:                       # no secret in a module: the zygote inherits it
+            importlib.import_module(module)
         with zygote(answer):                            # forked now, before the seed exists
             return _run_check(ex, answer, seed, timeout)
     return _run_check(ex, answer, seed, timeout)
@@ -305,13 +289,3 @@ def require_function(fn, exercise_id: str, params: str, *sample_args) -> None:
                    f"{inspect.signature(fn)}.", seed_matters=False) from None
     except ValueError:
         pass                                             # no signature to inspect (a builtin)
-
-
-# The student's answer: where it runs and what comes back, and what it may not call
-# (imported last: they use Fail).
-from .answers import SourceAnswer, allow_type, decode, encode, observe, progress  # noqa: E402
-from .running import (_SETTINGS, _not_implemented, _student_frame, call_answer, inspect_answer,  # noqa: E402
-                      run_on_ranks)
-from .forbidden import CommWatch, forbidden_references, refuse_library, watch_comm  # noqa: E402
-from . import sealed  # noqa: E402
-from .sealed import zygote  # noqa: E402

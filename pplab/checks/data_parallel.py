@@ -3,11 +3,12 @@
     ddp_buckets          attach_ddp_hooks(model, cap_bytes) -> (buckets, finish)
     topk_error_feedback  topk_ef_step(grad, memory, k) -> (values, indices, new_memory)
 
-ddp_buckets runs on 2 and 3 real ranks: a small random MLP, a random bucket cap, two
-training steps each. It checks the buckets (reverse parameter order, filled up to the
-cap), that each bucket's all-reduce was started asynchronously *during* backward, from
-a hook, one per bucket and in bucket order, and that after finish() every .grad equals
-the single-process gradient of the global batch (to 1e-5). Here the library all-reduce
+ddp_buckets runs on 2 and 3 sealed ranks (sealed.py): a small random MLP, a random bucket
+cap, two training steps each. It checks the buckets (reverse parameter order, filled up to
+the cap), that each bucket's all-reduce was started asynchronously *during* backward, from
+a hook, one per bucket and in bucket order (the checker's router records every all-reduce),
+and that after finish() every .grad equals the single-process gradient of the global batch
+(to 1e-5). Here the library all-reduce
 is allowed: the lesson is buckets and hooks, not the collective.
 
 topk_error_feedback needs no ranks: a few seeded runs of 5 steps each, checking the
@@ -20,11 +21,11 @@ import copy
 import random
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .core import Fail, call_answer, exercise, first_difference, observe, progress, require_function, run_on_ranks
+from . import sealed
+from .core import Fail, exercise, first_difference, require_function
 from .core import _fmt, random_mlp_and_cap
 
 # ----------------------------------------------------------------------------------
@@ -111,42 +112,40 @@ def _batch(seed, i, step, p, trial):
     return torch.randn(2 * p, trial["widths"][0], generator=g), torch.randn(2 * p, trial["widths"][-1], generator=g)
 
 
-def _ddp_rank(fn, trials, seed, progress_dir):
-    """Run on every rank: two training steps per trial with the student's hooks; record the
-    buckets, every all-reduce call (size, async, during backward) and every .grad."""
-    rank, p = dist.get_rank(), dist.get_world_size()
-    original, state, calls = dist.all_reduce, {"backward": False}, []
-
-    def all_reduce(tensor, *args, **kwargs):            # record each call, then do it
-        async_op = kwargs.get("async_op", args[2] if len(args) > 2 else False)
-        calls.append((tensor.numel(), bool(async_op), state["backward"]))
-        return original(tensor, *args, **kwargs)
-
+def _ddp_rank(fn, trials):
+    """Run on every sealed rank: two training steps per trial with the student's hooks on this
+    rank's part of the batch; record the buckets and every .grad (the router records the
+    all-reduces: size, async or not, in backward or in finish())."""
     for i, trial in enumerate(trials):
-        progress(progress_dir, i)
-        model = _mlp(trial["widths"], trial["seed"])
+        sealed.begin(i)
+        model = _mlp(trial["widths"], 0)
+        with torch.no_grad():
+            for q, value in zip(model.parameters(), trial["parameters"]):
+                q.copy_(value)
         returned = fn(model, trial["cap"])
         names, problem = _bucket_names(model, returned)
         seen = {"buckets": names, "problem": problem, "steps": []}
         if problem is not None or [set(b) for b in names] != [set(b) for b in _reference_buckets(model, trial["cap"])]:
-            observe(progress_dir, i, seen)              # the checker says what is wrong; nothing more to run
+            sealed.observe(i, seen)                     # the checker says what is wrong; nothing more to run
             return
         finish = returned[1]
-        for step in range(2):
-            X, Y = _batch(seed, i, step, p, trial)
+        for step, (x, y) in enumerate(trial["batches"]):
             model.zero_grad()
-            loss = F.mse_loss(model(X[2 * rank:2 * rank + 2]), Y[2 * rank:2 * rank + 2])
-            del calls[:]
-            dist.all_reduce, state["backward"] = all_reduce, True
-            try:
-                loss.backward()
-                state["backward"] = False
-                finish()
-            finally:
-                dist.all_reduce, state["backward"] = original, False
-            seen["steps"].append({"calls": list(calls), "grads": {n: None if q.grad is None else q.grad.clone()
-                                                                  for n, q in model.named_parameters()}})
-        observe(progress_dir, i, seen)
+            loss = F.mse_loss(model(x), y)
+            sealed.phase(f"step {step} backward")
+            loss.backward()
+            sealed.phase(f"step {step} finish")
+            finish()
+            sealed.phase("")
+            seen["steps"].append({"grads": {n: None if q.grad is None else q.grad.clone()
+                                            for n, q in model.named_parameters()}})
+        sealed.observe(i, seen)
+
+
+def _all_reduces(collectives, step) -> list:
+    """(elements, async, during backward) of each all-reduce of a step, from the router's record (float32)."""
+    return [(c["bytes"] // 4, c["async"], c["phase"].endswith("backward")) for c in collectives
+            if c["kind"] == "all_reduce" and c["phase"].startswith(f"step {step} ")]
 
 
 def _check_launches(step, buckets, sizes, calls):
@@ -195,7 +194,7 @@ def _check_grads(step, rank, p, grads, single, local):
 
 
 def _check_ddp(name, trials, seed):
-    def check(p, i, observed):
+    def check(p, i, observed, traffic):
         trial = trials[p][i]
         model = _mlp(trial["widths"], trial["seed"])
         for rank, seen in sorted(observed.items()):
@@ -205,13 +204,13 @@ def _check_ddp(name, trials, seed):
             if len(seen["steps"]) != 2:
                 raise Fail(f"rank {rank} did not finish its 2 training steps.")
             for step, done in enumerate(seen["steps"]):
-                _check_launches(step, buckets, sizes, done["calls"])
+                _check_launches(step, buckets, sizes, _all_reduces(traffic[rank]["collectives"], step))
                 _check_grads(step, rank, p, done["grads"], *_references(model, trial, seed, i, step, rank, p))
     return check
 
 
 @exercise("ddp_buckets", "DDP's gradient averaging: buckets, hooks, async all-reduce", answer="attach_ddp_hooks",
-          notebook="02a_ddp_buckets")
+          notebook="02a_ddp_buckets", sealed=True)
 def check_ddp_buckets(fn, seed: int, timeout: float) -> str:
     """attach_ddp_hooks(model, cap_bytes) -> (buckets, finish): after loss.backward() and
     finish(), every rank's .grad is the mean over ranks (= the global batch's gradient)."""
@@ -222,8 +221,15 @@ def check_ddp_buckets(fn, seed: int, timeout: float) -> str:
         t = trials[world_size][i]
         return f"world_size={world_size}, MLP widths {t['widths']}, cap_bytes={t['cap']}"
     for p in trials:
-        run_on_ranks(_ddp_rank, fn, trials[p], seed, world_size=p, timeout=timeout, answer=fn, describe=describe,
-                     trials=len(trials[p]), check=_check_ddp(fn.__name__, trials, seed))
+        inputs = []
+        for i, t in enumerate(trials[p]):
+            parameters = [q.detach().clone() for q in _mlp(t["widths"], t["seed"]).parameters()]
+            batches = [_batch(seed, i, step, p, t) for step in range(2)]
+            inputs.append([{"widths": t["widths"], "cap": t["cap"], "parameters": parameters,
+                            "batches": [(X[2 * r:2 * r + 2], Y[2 * r:2 * r + 2]) for X, Y in batches]}
+                           for r in range(p)])
+        sealed.run_sealed(_ddp_rank, fn, inputs, world_size=p, timeout=timeout, exercise=("ddp_buckets", "DDP"),
+                          forbidden=(), describe=describe, check=_check_ddp(fn.__name__, trials, seed))
     return ("on world sizes 2 and 3 (4 random MLPs and bucket caps, 2 steps each: buckets in reverse order up to "
             "the cap, one async all-reduce per bucket started during backward, .grad = the global batch's "
             "gradient to 1e-5)")
@@ -272,8 +278,20 @@ def _check_selection(grad, a, chosen, k, where):
                f"of grad + memory largest in magnitude.{hint}")
 
 
+def _topk_rank(fn, steps):
+    """In the sealed rank: the runs of topk_ef_step, each step's memory the answer's own
+    new_memory of the step before (what error feedback carries), zeros at a run's start."""
+    memory = None
+    for i, (grad, k, first) in enumerate(steps):
+        sealed.begin(i)
+        memory = torch.zeros_like(grad) if first else memory
+        out = fn(grad.clone(), memory.clone(), k)
+        sealed.observe(i, out)
+        memory = out[2].detach().double().float()        # a malformed result: the checker says why, at this step
+
+
 @exercise("topk_error_feedback", "Top-k gradient compression with error feedback", answer="topk_ef_step",
-          notebook="02b_topk_error_feedback")
+          notebook="02b_topk_error_feedback", sealed=True)
 def check_topk_error_feedback(fn, seed: int, timeout: float) -> str:
     """topk_ef_step(grad, memory, k) -> (values, indices, new_memory): the k entries of
     a = grad + memory largest in magnitude, and new_memory = a - what was sent."""
@@ -281,34 +299,40 @@ def check_topk_error_feedback(fn, seed: int, timeout: float) -> str:
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
     runs = [(rng.randint(20, 200), None) for _ in range(3)] + [(rng.randint(5, 20), "all")]
+    steps = []                                          # (grad, k, first step of its run), computed here
     for run, (d, k) in enumerate(runs):
         k = d if k == "all" else [1, rng.randint(2, d // 4), rng.randint(d // 4, d - 1)][run]
-        memory = torch.zeros(d)
-        grads_so_far, sent_so_far = torch.zeros(d, dtype=torch.float64), torch.zeros(d, dtype=torch.float64)
-        for step in range(5):
-            where = f"d={d}, k={k}, step {step} of a run that starts from memory = 0: "
-            grad = torch.randn(d, generator=g) * rng.choice([0.1, 1.0, 10.0])
-            out = call_answer(fn, grad.clone(), memory.clone(), k, where=where)
-            values, indices, new_memory = _unpack_topk(fn.__name__, out, d, k, where)
-            a = grad.double() + memory.double()
-            _check_selection(grad.double(), a, set(indices.tolist()), k, where)
-            diff = first_difference(values, a[indices], atol=1e-6, rtol=1e-6)
-            if diff is not None:
-                j, got, want = diff
-                also = " (that is grad alone: send grad + memory)" if abs(got - grad[indices[j]].item()) < 1e-6 \
-                    else ""
-                raise Fail(f"{where}values[{j}] is {_fmt(got)} but the entry at indices[{j}] = {indices[j].item()} "
-                           f"of grad + memory is {_fmt(want)}{also}.")
-            grads_so_far += grad.double()
-            sent_so_far.index_add_(0, indices, values)
-            diff = first_difference(sent_so_far + new_memory, grads_so_far, atol=1e-5, rtol=1e-5)
-            if diff is not None:
-                j, got, want = diff
-                hint = " new_memory is all zeros: error feedback keeps what was not sent." if \
-                    not new_memory.any() and k < d else ""
-                raise Fail(f"{where}what was sent so far + new_memory should equal the sum of the gradients so far "
-                           f"(nothing lost, only late), but at index {j} it is {_fmt(got)}, not {_fmt(want)}: "
-                           f"new_memory = (grad + memory) with the sent entries set to 0.{hint}")
-            memory = new_memory.float()
+        steps += [(torch.randn(d, generator=g) * rng.choice([0.1, 1.0, 10.0]), k, step == 0) for step in range(5)]
+
+    def where_of(i):
+        grad, k, _ = steps[i]
+        return f"d={len(grad)}, k={k}, step {i % 5} of a run that starts from memory = 0: "
+    outs = sealed.call_each(fn, steps, where=where_of, timeout=timeout, job=_topk_rank)
+    for i, ((grad, k, first), out) in enumerate(zip(steps, outs)):
+        d, where = len(grad), where_of(i)
+        if first:
+            memory = torch.zeros(d)
+            grads_so_far, sent_so_far = torch.zeros(d, dtype=torch.float64), torch.zeros(d, dtype=torch.float64)
+        values, indices, new_memory = _unpack_topk(fn.__name__, out, d, k, where)
+        a = grad.double() + memory.double()
+        _check_selection(grad.double(), a, set(indices.tolist()), k, where)
+        diff = first_difference(values, a[indices], atol=1e-6, rtol=1e-6)
+        if diff is not None:
+            j, got, want = diff
+            also = " (that is grad alone: send grad + memory)" if abs(got - grad[indices[j]].item()) < 1e-6 \
+                else ""
+            raise Fail(f"{where}values[{j}] is {_fmt(got)} but the entry at indices[{j}] = {indices[j].item()} "
+                       f"of grad + memory is {_fmt(want)}{also}.")
+        grads_so_far += grad.double()
+        sent_so_far.index_add_(0, indices, values)
+        diff = first_difference(sent_so_far + new_memory, grads_so_far, atol=1e-5, rtol=1e-5)
+        if diff is not None:
+            j, got, want = diff
+            hint = " new_memory is all zeros: error feedback keeps what was not sent." if \
+                not new_memory.any() and k < d else ""
+            raise Fail(f"{where}what was sent so far + new_memory should equal the sum of the gradients so far "
+                       f"(nothing lost, only late), but at index {j} it is {_fmt(got)}, not {_fmt(want)}: "
+                       f"new_memory = (grad + memory) with the sent entries set to 0.{hint}")
+        memory = new_memory.float()
     return (f"on {len(runs)} seeded runs of 5 steps (d from 5 to 200, k from 1 to d): exact top-k of |grad + memory|, "
             f"and sent + memory = the sum of the gradients at every step (to 1e-5)")

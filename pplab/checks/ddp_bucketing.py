@@ -3,13 +3,13 @@
     ddp_bucketing   bucketed_ddp(model, group, cap_bytes) -> finish
 
 Unlike exercise 2a, nothing is handed over: the answer returns only `finish`, and the
-check finds the buckets from what the answer did. On 2, 3 and 4 real ranks (on 4, also
+check finds the buckets from what the answer did. On 2, 3 and 4 sealed ranks (on 4, also
 as two data-parallel groups {0, 2} and {1, 3}, each averaging on its own), a random
-float64 MLP is trained two SGD steps, every rank on its own data. Every all-reduce is
-seen where all of them end, at the process group (`ProcessGroup.allreduce`, whether it
-came through pplab.comm or torch.distributed): its size, its group, whether it was
-asynchronous, whether loss.backward() was still running, which gradients were ready
-when it started, and whether its handle was waited on before finish() returned.
+float64 MLP is trained two SGD steps, every rank on its own data. Every all-reduce is in
+the checker's router's record (whether it came through pplab.comm or torch.distributed):
+its size, its group, whether it was asynchronous, whether loss.backward() was still
+running, and whether its handle was waited on before finish() returned; the rank notes
+which gradients were ready when each started.
 In the checker's process:
 
 * the all-reduces, in the order they started, are the buckets: the parameters in
@@ -30,7 +30,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .core import Fail, exercise, first_difference, observe, progress, refuse_library, require_function, run_on_ranks
+from . import sealed
+from .core import Fail, exercise, first_difference, refuse_library, require_function
 from .core import _fmt, random_mlp_and_cap
 
 _ATOL, _RTOL = 1e-12, 1e-9
@@ -67,49 +68,26 @@ def _group_batch(config, seed, c, step, g):
             torch.randn(n, w[-1], generator=gen, dtype=torch.float64))
 
 
-class _Work:
-    """The handle an all-reduce returns, noting whether anyone waited for it."""
-
-    def __init__(self, work, call):
-        self._work, self._call = work, call
-
-    def wait(self, *args, **kwargs):
-        self._call["waited"] = True
-        return self._work.wait(*args, **kwargs)
-
-    def get_future(self):
-        self._call["waited"] = True                      # the future's wait is the handle's
-        return self._work.get_future()
-
-    def is_completed(self):
-        done = self._work.is_completed()
-        self._call["waited"] |= bool(done)
-        return done
-
-    def __getattr__(self, name):
-        return getattr(self._work, name)
-
-
-def _ddp_rank(fn, configs, seed, progress_dir):
+def _ddp_rank(fn, configs):
+    """In every sealed rank: two SGD steps per model with the answer's hooks, on this rank's
+    slice of its group's batch. The router records every all-reduce (size, group, async,
+    in backward or finish, waited for when); the job adds which gradients were in when each
+    started (its own hooks run before the answer's)."""
     rank = dist.get_rank()
     made = {tuple(ranks): dist.new_group(ranks) for c in configs for ranks in c["groups"]}   # every rank, in order
-    calls, ready, state = [], [], {"backward": False}
-    original = vars(dist.ProcessGroup)["allreduce"]
+    ready, started = [], []
 
-    def allreduce(pg, tensors, *args, **kwargs):
-        opts = args[0] if args else kwargs.get("opts")
-        ts = tensors if isinstance(tensors, (list, tuple)) else [tensors]
-        call = {"numel": sum(t.numel() for t in ts), "async": bool(getattr(opts, "asyncOp", True)),
-                "during": state["backward"], "ready": list(ready), "ranks": dist.get_process_group_ranks(pg),
-                "waited": False}
-        calls.append(call)
-        return _Work(original(pg, tensors, *args, **kwargs), call)
-
+    def note(kind, into):
+        if kind == "all_reduce":
+            started.append(list(ready))
     for c, config in enumerate(configs):
-        g = next(g for g, ranks in enumerate(config["groups"]) if rank in ranks)
-        group, k = made[tuple(config["groups"][g])], config["groups"][g].index(rank)
-        progress(progress_dir, c * _STEPS)
+        members = next(ranks for ranks in config["groups"] if rank in ranks)
+        group = made[tuple(members)]
+        sealed.begin(c * _STEPS)
         model = _mlp(config)
+        with torch.no_grad():
+            for q, value in zip(model.parameters(), config["parameters"]):
+                q.copy_(value)
         for name, q in model.named_parameters():        # before the answer's hooks: ours run first
             q.register_post_accumulate_grad_hook(lambda q, name=name: ready.append(name))
         finish = fn(model, group, config["cap"])
@@ -117,25 +95,31 @@ def _ddp_rank(fn, configs, seed, progress_dir):
             raise Fail(f"{fn.__name__} must return finish, a function the training loop calls after every "
                        f"loss.backward(); it returned {type(finish).__name__}.", seed_matters=False)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        for step in range(_STEPS):
-            progress(progress_dir, c * _STEPS + step)
-            X, Y = _group_batch(config, seed, c, step, g)
-            b = config["batch"]
+        for step, (x, y) in enumerate(config["batches"]):
+            sealed.begin(c * _STEPS + step)
             model.zero_grad()
-            loss = F.mse_loss(model(X[k * b:(k + 1) * b]), Y[k * b:(k + 1) * b])
-            del calls[:], ready[:]
-            dist.ProcessGroup.allreduce, state["backward"] = allreduce, True
-            try:
+            loss = F.mse_loss(model(x), y)
+            del ready[:], started[:]
+            with sealed.watch_collectives(note):
+                sealed.phase("backward")
                 loss.backward()
-                state["backward"] = False
+                sealed.phase("finish")
                 finish()
-            finally:
-                dist.ProcessGroup.allreduce, state["backward"] = original, False
-            observe(progress_dir, c * _STEPS + step,
-                    {"calls": [dict(call) for call in calls],
-                     "grads": {n: None if q.grad is None else q.grad.clone() for n, q in model.named_parameters()}})
+                sealed.phase("")
+            sealed.observe(c * _STEPS + step,
+                           {"ready": list(started),
+                            "grads": {n: None if q.grad is None else q.grad.clone() for n, q in model.named_parameters()}})
             optimizer.step()
         dist.barrier()
+
+
+def _all_reduces(collectives, ready) -> list:
+    """Each all-reduce of a step as the checks below read it: the router's record (float64), and
+    the gradients that were in when it started (the rank's note, in the same order)."""
+    calls = [c for c in collectives if c["kind"] == "all_reduce"]
+    return [{"numel": c["bytes"] // 8, "async": c["async"], "during": c["phase"] == "backward",
+             "ranks": c["group"], "waited": c["waited"] in ("backward", "finish"),
+             "ready": ready[i] if i < len(ready) else []} for i, c in enumerate(calls)]
 
 
 def _reference(config, seed, c, step, g, k) -> dict:
@@ -249,31 +233,42 @@ def _check_grads(grads, reference, rank, p_group, step):
 
 
 def _check_ddp(configs, seed):
-    def check(p, t, observed):
+    def check(p, t, observed, traffic):
         c, step = divmod(t, _STEPS)
         config = configs[p][c]
         model = _mlp(config)
         params = [(n, q.numel(), q.numel() * q.element_size()) for n, q in model.named_parameters()]
         for rank, seen in sorted(observed.items()):
             g = next(g for g, ranks in enumerate(config["groups"]) if rank in ranks)
-            buckets = _check_buckets(seen["calls"], params, config["cap"], step)
-            _check_launches(seen["calls"], buckets, params, config["groups"][g], step)
+            calls = _all_reduces(traffic[rank]["collectives"], seen["ready"])
+            buckets = _check_buckets(calls, params, config["cap"], step)
+            _check_launches(calls, buckets, params, config["groups"][g], step)
             members = config["groups"][g]
             _check_grads(seen["grads"], _reference(config, seed, c, step, g, members.index(rank)), rank,
                          len(members), step)
     return check
 
 
-@exercise("ddp_bucketing", "DDP from scratch: buckets, hooks, overlap", answer="bucketed_ddp",
-          notebook="02c_ddp_from_scratch")
-def check_ddp_bucketing(fn, seed: int, timeout: float) -> str:
-    """bucketed_ddp(model, group, cap_bytes) -> finish: after loss.backward() and finish(),
-    every .grad is the mean over the group's ranks (= the group's whole batch's gradient)."""
+def _ddp_rank_of_trials(fn, trials):
+    """run_sealed gives a rank one input per trial; this job's configs all come with trial 0."""
+    _ddp_rank(fn, trials[0])
+
+
+def _refuse_library_ddp(fn) -> None:
+    """In the sealed rank: Forbidden if the answer uses a library DDP."""
     from ..data_parallel import DDP, reverse_buckets
-    require_function(fn, "ddp_bucketing", "model, group, cap_bytes", nn.Linear(1, 1), None, 100)
     refuse_library(fn, "ddp_bucketing", "the buckets and their all-reduces",
                    {"DDP": DDP, "reverse_buckets": reverse_buckets,
                     "DistributedDataParallel": nn.parallel.DistributedDataParallel}, "a library DDP")
+
+
+@exercise("ddp_bucketing", "DDP from scratch: buckets, hooks, overlap", answer="bucketed_ddp",
+          notebook="02c_ddp_from_scratch", sealed=True,
+          preload=('pplab.data_parallel', 'torch._dynamo'))   # an optimizer's first step imports it
+def check_ddp_bucketing(fn, seed: int, timeout: float) -> str:
+    """bucketed_ddp(model, group, cap_bytes) -> finish: after loss.backward() and finish(),
+    every .grad is the mean over the group's ranks (= the group's whole batch's gradient)."""
+    require_function(fn, "ddp_bucketing", "model, group, cap_bytes", nn.Linear(1, 1), None, 100)
     configs = {p: _configs(seed, p) for p in (2, 3, 4)}
 
     def describe(p, t):
@@ -281,8 +276,23 @@ def check_ddp_bucketing(fn, seed: int, timeout: float) -> str:
         groups = "" if len(config["groups"]) == 1 else f", groups {config['groups']}"
         return f"world_size={p}{groups}, MLP widths {config['widths']}, cap_bytes={config['cap']}"
     for p in configs:
-        run_on_ranks(_ddp_rank, fn, configs[p], seed, world_size=p, timeout=timeout, answer=fn, describe=describe,
-                     trials=len(configs[p]) * _STEPS, check=_check_ddp(configs, seed))
+        jobs = [[] for _ in range(p)]                   # rank r's configs: the model, its slice of each batch
+        for c, config in enumerate(configs[p]):
+            parameters = [q.detach().clone() for q in _mlp(config).parameters()]
+            batches = [[_group_batch(config, seed, c, step, g) for g in range(len(config["groups"]))]
+                       for step in range(_STEPS)]
+            b = config["batch"]
+            for r in range(p):
+                g = next(g for g, ranks in enumerate(config["groups"]) if r in ranks)
+                k = config["groups"][g].index(r)
+                jobs[r].append({"widths": config["widths"], "cap": config["cap"], "groups": config["groups"],
+                                "seed": 0, "parameters": parameters,
+                                "batches": [(X[k * b:(k + 1) * b], Y[k * b:(k + 1) * b])
+                                            for X, Y in (batches[step][g] for step in range(_STEPS))]})
+        inputs = [[jobs[r] if t == 0 else None for r in range(p)] for t in range(len(configs[p]) * _STEPS)]
+        sealed.run_sealed(_ddp_rank_of_trials, fn, inputs, world_size=p, timeout=timeout,
+                          exercise=("ddp_bucketing", "DDP"), forbidden=(), probe=_refuse_library_ddp,
+                          describe=describe, check=_check_ddp(configs, seed))
     return ("on world sizes 2, 3, 4 (and two groups of 2 on 4), 6 random float64 MLPs and caps, 2 SGD steps each: one "
             "async all-reduce per bucket (reverse order, filled to the cap) over the group, started during backward "
             "as soon as its bucket was complete and waited for in finish(); .grad = the group's whole-batch gradient "

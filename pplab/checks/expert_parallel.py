@@ -3,7 +3,7 @@
     moe_dispatch     dispatch(expert, num_experts, world_size) -> (send_counts, order)
     moe_bytes        moe_bytes(tokens, k, experts, ranks, hidden, element_size) -> bytes one rank sends
 
-moe_dispatch runs on 2, 3 and 4 real ranks. Every rank gets its own random choices
+moe_dispatch runs on 2, 3 and 4 sealed ranks (sealed.py). Every rank gets its own random choices
 (expert[s] in 0..E-1, or -1 where the choice was dropped; E a multiple of p, a different
 number of choices on every rank), calls the answer, and then, with the answer's send_counts,
 exchanges the counts and sends x[order] by the library's uneven all-to-all, x's rows naming
@@ -21,7 +21,8 @@ import random
 import torch
 import torch.distributed as dist
 
-from .core import Fail, call_answer, check_number, exercise, progress, refuse_library, require_function, run_on_ranks
+from . import sealed
+from .core import Fail, check_number, exercise, refuse_library, require_function
 
 
 # ----------------------------------------------------------------------------------
@@ -50,13 +51,13 @@ def _rows(rank, n):
     return torch.stack([torch.full((n,), float(rank)), torch.arange(n, dtype=torch.float64)], 1)
 
 
-def _dispatch_rank(fn, trials, progress_dir):
+def _dispatch_rank(fn, trials):
+    """In every sealed rank: the answer on this rank's choices, then the exchange it plans."""
     from .. import collectives
     rank, p = dist.get_rank(), dist.get_world_size()
-    out = []
     for i, trial in enumerate(trials):
-        progress(progress_dir, i)
-        expert = trial["expert"][rank]
+        sealed.begin(i)
+        expert = trial["expert"]
         got = fn(expert.clone(), trial["E"], p)
         seen = {"answer": tuple(got) if isinstance(got, (tuple, list)) else repr(type(got)), "received": None,
                 "error": None}
@@ -78,8 +79,14 @@ def _dispatch_rank(fn, trials, progress_dir):
                 seen["received"] = received
             except ValueError as err:
                 seen["error"] = str(err)
-        out.append(seen)
-    return out
+        sealed.observe(i, seen)
+
+
+def _refuse_dispatch_plan(fn) -> None:
+    """In the sealed rank: Forbidden if the answer uses the library's dispatch_plan."""
+    from ..expert_parallel import dispatch_plan             # loaded only when this check runs
+    refuse_library(fn, "moe_dispatch", "the dispatch", {"dispatch_plan": dispatch_plan},
+                   "pplab.expert_parallel.dispatch_plan")
 
 
 def _counts_hint(counts, expert, E, p) -> str:
@@ -118,14 +125,13 @@ def _order_hint(order, want, expert, E, p, rank) -> str:
 
 
 @exercise("moe_dispatch", "MoE dispatch: counts per rank and the permutation for the all-to-all",
-          answer="dispatch", notebook="08a_moe_dispatch")
+          answer="dispatch", notebook="08a_moe_dispatch", sealed=True,
+          preload=('pplab.expert_parallel',))
 def check_moe_dispatch(fn, seed: int, timeout: float) -> str:
     """dispatch(expert, num_experts, world_size) -> (send_counts, order): order = the kept choices
     sorted (stably) by expert; send_counts[j] = how many of them go to rank j's experts."""
     require_function(fn, "moe_dispatch", "expert, num_experts, world_size", torch.zeros(2, dtype=torch.long), 2, 1)
     from ..expert_parallel import dispatch_plan             # loaded only when this check runs
-    refuse_library(fn, "moe_dispatch", "the dispatch", {"dispatch_plan": dispatch_plan},
-                   "pplab.expert_parallel.dispatch_plan")
     count = 0
     for p in (2, 3, 4):
         trials = _dispatch_trials(seed, p)
@@ -133,13 +139,17 @@ def check_moe_dispatch(fn, seed: int, timeout: float) -> str:
         def describe(world_size, i, trials=trials):
             return (f"world_size={world_size}, E={trials[i]['E']} experts, "
                     f"{[len(e) for e in trials[i]['expert']]} choices per rank")
-        res = run_on_ranks(_dispatch_rank, fn, trials, world_size=p, timeout=timeout, answer=fn, describe=describe)
-        for i, trial in enumerate(trials):
+        def check(p, i, observed, traffic, trials=trials):
+            trial = trials[i]
             E, plans = trial["E"], [dispatch_plan(e, trial["E"], p) for e in trial["expert"]]
-            for rank in range(p):                           # every rank's answer, then what arrived
-                _check_answer(res[rank][i], rank, trial["expert"], plans, E, p, describe(p, i) + f": rank {rank}")
-            for rank in range(p):
-                _check_received(res[rank][i], rank, trial["expert"], plans, p, describe(p, i) + f": rank {rank}")
+            for rank in sorted(observed):                   # every rank's answer, then what arrived
+                _check_answer(observed[rank], rank, trial["expert"], plans, E, p, f"rank {rank}")
+            for rank in sorted(observed):
+                _check_received(observed[rank], rank, trial["expert"], plans, p, f"rank {rank}")
+        inputs = [[{"expert": e, "E": t["E"]} for e in t["expert"]] for t in trials]
+        sealed.run_sealed(_dispatch_rank, fn, inputs, world_size=p, timeout=timeout,
+                          exercise=("moe_dispatch", "the dispatch"), forbidden=(), probe=_refuse_dispatch_plan,
+                          describe=describe, check=check)
         count += len(trials)
     return (f"on world sizes 2, 3, 4 ({count} trials with random choices and drops: send_counts, order and the "
             f"rows each rank received, against the single-process routing)")
@@ -187,14 +197,19 @@ def _moe_bytes(tokens, k, experts, ranks, hidden, element_size):
     return counts + rows * hidden * element_size
 
 
-@exercise("moe_bytes", "Predict the bytes one rank sends in an MoE layer's forward", answer="moe_bytes",
-          notebook="08b_moe_bytes")
-def check_moe_bytes(fn, seed: int, timeout: float) -> str:
-    """moe_bytes(tokens, k, experts, ranks, hidden, element_size) = counts + dispatch + combine bytes."""
-    require_function(fn, "moe_bytes", "tokens, k, experts, ranks, hidden, element_size", 8, 1, 4, 2, 16, 4)
+def _refuse_all_to_all_bytes(fn) -> None:
+    """In the sealed rank: Forbidden if the answer asks pplab.expert_parallel for the bytes."""
     from ..expert_parallel import all_to_all_bytes            # loaded only when this check runs
     refuse_library(fn, "moe_bytes", "the bytes per rank", {"all_to_all_bytes": all_to_all_bytes},
                    "pplab.expert_parallel.all_to_all_bytes")
+
+
+@exercise("moe_bytes", "Predict the bytes one rank sends in an MoE layer's forward", answer="moe_bytes",
+          notebook="08b_moe_bytes", sealed=True,
+          preload=('pplab.expert_parallel',))
+def check_moe_bytes(fn, seed: int, timeout: float) -> str:
+    """moe_bytes(tokens, k, experts, ranks, hidden, element_size) = counts + dispatch + combine bytes."""
+    require_function(fn, "moe_bytes", "tokens, k, experts, ranks, hidden, element_size", 8, 1, 4, 2, 16, 4)
     rng = random.Random(seed)
     cases = [(4096, 2, 8, 4, 1024, 2)]
     for _ in range(12):
@@ -202,10 +217,12 @@ def check_moe_bytes(fn, seed: int, timeout: float) -> str:
         experts = ranks * rng.choice([1, 2, 4])
         cases.append((experts * rng.randint(1, 512), rng.choice([1, 2]), experts, ranks, rng.choice([64, 512, 4096]),
                       rng.choice([2, 4])))
-    for case in cases:
-        tokens, k, experts, ranks, hidden, es = case
-        what = f"tokens={tokens}, k={k}, experts={experts}, ranks={ranks}, hidden={hidden}, element_size={es}"
-        got = call_answer(fn, *case, where=what + ": ")
+    def what_of(tokens, k, experts, ranks, hidden, es):
+        return f"tokens={tokens}, k={k}, experts={experts}, ranks={ranks}, hidden={hidden}, element_size={es}"
+    outs = sealed.call_each(fn, cases, where=lambda i: what_of(*cases[i]) + ": ", timeout=timeout,
+                            probe=_refuse_all_to_all_bytes)
+    for case, got in zip(cases, outs):
+        what = what_of(*case)
         try:
             check_number(got, _moe_bytes(*case), what=f"{what}: bytes one rank sends")
         except Fail as fail:

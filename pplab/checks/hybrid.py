@@ -2,11 +2,11 @@
 
     mesh_groups      mesh_groups(rank, pp, dp, tp) -> {"pp": [...], "dp": [...], "tp": [...]}
 
-mesh_groups runs on real ranks, three launches of 4, 6 and 8 ranks whose (pp, dp, tp) sizes
-are drawn from the seed (one dimension of size 1 among them, uneven sizes such as 3). Each
-rank calls the answer with its own global rank and builds pplab.mesh.Mesh of the same sizes;
-the job only returns both. Here, every rank's three groups must equal the mesh's (global
-ranks, in order along the dimension). A wrong answer is named when it matches a common
+mesh_groups runs on sealed ranks (sealed.py), three launches of 4, 6 and 8 ranks whose
+(pp, dp, tp) sizes are drawn from the seed (one dimension of size 1 among them, uneven sizes
+such as 3). Each rank calls the answer with its own global rank; the job only returns what
+it said. Here, every rank's three groups must equal pplab.mesh.groups' (global ranks, in
+order along the dimension). A wrong answer is named when it matches a common
 mistake: tp not the innermost dimension, dp and pp swapped, groups right only on rank 0.
 """
 from __future__ import annotations
@@ -15,7 +15,8 @@ import random
 
 import torch.distributed as dist
 
-from .core import Fail, Forbidden, exercise, refuse_library, require_function, run_on_ranks
+from . import sealed
+from .core import Fail, Forbidden, exercise, refuse_library, require_function
 
 DIMS = ("pp", "dp", "tp")
 _SIZES = {4: [(1, 2, 2), (2, 2, 1), (2, 1, 2), (1, 1, 4), (4, 1, 1)],
@@ -35,12 +36,12 @@ class _UsedLibrary(Exception):
 _LIBRARY = "<used pplab.mesh>"
 
 
-def _mesh_rank(fn, sizes, progress_dir):
-    """In each rank: what the answer says about this rank, and what pplab.mesh made."""
+def _mesh_rank(fn, trials):
+    """In each sealed rank: what the answer says about this rank (pplab.mesh refused meanwhile)."""
     from .. import mesh as library
-    pp, dp, tp = sizes
+    pp, dp, tp = trials[0]
+    sealed.begin(0)
     rank = dist.get_rank()
-    mesh = library.Mesh(pp=pp, dp=dp, tp=tp)
     saved = {n: getattr(library, n) for n in ("groups", "grid", "describe", "Mesh")}
 
     def refused(*args, **kwargs):
@@ -50,7 +51,8 @@ def _mesh_rank(fn, sizes, progress_dir):
     try:
         got = fn(rank, pp, dp, tp)
     except _UsedLibrary:
-        return {"answer": _LIBRARY, "mesh": {}}
+        sealed.observe(0, {"answer": _LIBRARY})
+        return
     finally:
         for n, f in saved.items():
             setattr(library, n, f)
@@ -60,7 +62,23 @@ def _mesh_rank(fn, sizes, progress_dir):
                for k, v in got.items() if isinstance(k, str)}
     else:
         got = repr(got)
-    return {"answer": got, "mesh": {d: mesh.ranks(d) for d in DIMS}}
+    sealed.observe(0, {"answer": got})
+
+
+def _mesh(rank, pp, dp, tp) -> dict:
+    """The reference, here: rank's group along each dimension, from pplab.mesh (no ranks needed)."""
+    from ..mesh import groups
+    return {d: next(g for g in groups(d, pp=pp, dp=dp, tp=tp) if rank in g) for d in DIMS}
+
+
+def _refuse_mesh(fn) -> None:
+    """In the sealed rank: Forbidden if the answer names pplab.mesh's functions or torch's DeviceMesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from .. import mesh
+    refuse_library(fn, "mesh_groups", "the groups of a mesh",
+                   {"groups": mesh.groups, "grid": mesh.grid, "Mesh": mesh.Mesh, "describe": mesh.describe,
+                    "init_device_mesh": init_device_mesh}, "pplab.mesh (or torch's DeviceMesh)")
 
 
 def _diagnose(answers: dict, meshes: dict, sizes) -> str:
@@ -82,27 +100,25 @@ def _diagnose(answers: dict, meshes: dict, sizes) -> str:
 
 
 @exercise("mesh_groups", "The dp, tp and pp groups of a device mesh", answer="mesh_groups",
-          notebook="07a_mesh_groups")
+          notebook="07a_mesh_groups", sealed=True,
+          preload=('pplab.mesh', 'torch.distributed.device_mesh'))
 def check_mesh_groups(fn, seed: int, timeout: float) -> str:
     """mesh_groups(rank, pp, dp, tp) -> this rank's pp, dp and tp groups as lists of global ranks."""
     require_function(fn, "mesh_groups", "rank, pp, dp, tp", 0, 1, 2, 2)
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from .. import mesh
-    refuse_library(fn, "mesh_groups", "the groups of a mesh",
-                   {"groups": mesh.groups, "grid": mesh.grid, "Mesh": mesh.Mesh, "describe": mesh.describe,
-                    "init_device_mesh": init_device_mesh}, "pplab.mesh (or torch's DeviceMesh)")
     cases = _cases(seed)
     for sizes in cases:
         pp, dp, tp = sizes
         world = pp * dp * tp
         where = f"pp={pp}, dp={dp}, tp={tp} on {world} ranks: "
-        results = run_on_ranks(_mesh_rank, fn, sizes, world_size=world, timeout=timeout, answer=fn,
-                               describe=lambda w, i, where=where: where.rstrip(": "))
+        observed = {}
+        sealed.run_sealed(_mesh_rank, fn, [[sizes] * world], world_size=world, timeout=timeout,
+                          exercise=("mesh_groups", "the groups"), forbidden=(), probe=_refuse_mesh,
+                          describe=lambda w, i, where=where: where.rstrip(": "),
+                          check=lambda p, i, seen, traffic: observed.update(seen))
         answers, meshes = {}, {}
         for rank in range(world):
             try:
-                got, want = results[rank]["answer"], results[rank]["mesh"]
+                got, want = observed[rank]["answer"], _mesh(rank, pp, dp, tp)
             except (KeyError, TypeError, IndexError):
                 raise Fail(f"{where}what rank {rank} returned could not be read.") from None
             if got == _LIBRARY:
@@ -121,4 +137,4 @@ def check_mesh_groups(fn, seed: int, timeout: float) -> str:
             raise Fail(f"{where}rank {r}'s {dim} group is {answers[r][dim]}, expected {meshes[r][dim]}"
                        f"{only0}.{_diagnose(answers, meshes, sizes)}")
     shown = ", ".join(f"pp={a}×dp={b}×tp={c}" for a, b, c in cases)
-    return f"on real ranks: {shown} (every rank's three groups equal pplab.mesh's)"
+    return f"on sealed ranks: {shown} (every rank's three groups equal pplab.mesh's)"

@@ -18,7 +18,8 @@ import math
 import random
 import re
 
-from .core import Fail, allow_type, call_answer, check_number, exercise, refuse_library, require_function
+from . import sealed
+from .core import Fail, allow_type, check_number, exercise, refuse_library, require_function
 
 # pplab.pipeline is imported inside the checks: it loads its executor (torch.fx, sympy),
 # which would make every `import pplab.checks` slow and every process it forks bigger.
@@ -47,11 +48,16 @@ def _action(a, rank: int, where: str):
                f"micro-batch i (or the string 'F3', or pplab.pipeline.Action).", seed_matters=False)
 
 
-def _schedule(fn, p: int, m: int, where: str):
-    """Call the student's generator and check its result with pplab.pipeline.validate."""
+def _actions_come_back(fn) -> None:
+    """In the sealed rank, before the answer runs: pplab.pipeline.Action may come back as plain data."""
+    from ..pipeline import Action
+    allow_type(Action)
+
+
+def _schedule(fn, out, p: int, m: int, where: str):
+    """Check what the student's generator returned with pplab.pipeline.validate."""
     from ..pipeline import Action, Schedule, ScheduleError, validate
-    allow_type(Action)                                   # may come back from a child when grading
-    out = call_answer(fn, p, m, where=where)
+    allow_type(Action)                                   # comes back from the sealed rank
     if not isinstance(out, (list, tuple)) or len(out) != p or not all(isinstance(r, (list, tuple)) for r in out):
         got = f"{len(out)} items" if isinstance(out, (list, tuple)) else type(out).__name__
         raise Fail(f"{where}{fn.__name__} must return one list of actions per rank ({p} lists, rank r's list at "
@@ -65,12 +71,17 @@ def _schedule(fn, p: int, m: int, where: str):
         raise Fail(f"{where}this schedule cannot run as a training step. {err}") from None
 
 
-def _compare(fn, seed: int, library: str, shown: str, peak_limit, peak_rule: str) -> str:
+def _where(p, m) -> str:
+    return f"p={p} stages, m={m} micro-batch{'es' if m > 1 else ''}: "
+
+
+def _compare(fn, seed: int, timeout: float, library: str, shown: str, peak_limit, peak_rule: str) -> str:
     from ..pipeline import make_schedule, simulate
     cases = _cases(seed)
-    for p, m in cases:
-        where = f"p={p} stages, m={m} micro-batch{'es' if m > 1 else ''}: "
-        mine = simulate(_schedule(fn, p, m, where), t_f=T_F, t_b=T_B)
+    outs = sealed.call_each(fn, cases, where=lambda i: _where(*cases[i]), timeout=timeout, probe=_actions_come_back)
+    for (p, m), out in zip(cases, outs):
+        where = _where(p, m)
+        mine = simulate(_schedule(fn, out, p, m, where), t_f=T_F, t_b=T_B)
         ref = simulate(make_schedule(library, p, m), t_f=T_F, t_b=T_B)
         peaks = [(r, peak, peak_limit(p, m, r)) for r, peak in enumerate(mine.peak_activations)]
 
@@ -94,20 +105,23 @@ def _compare(fn, seed: int, library: str, shown: str, peak_limit, peak_rule: str
             f"once, no deadlock), {shown}'s step length and peak activations on every rank")
 
 
-@exercise("gpipe_order", "GPipe's order of forwards and backwards", answer="gpipe_order", notebook="04a_gpipe_order")
+@exercise("gpipe_order", "GPipe's order of forwards and backwards", answer="gpipe_order", notebook="04a_gpipe_order",
+          sealed=True,
+          preload=('pplab.pipeline',))
 def check_gpipe_order(fn, seed: int, timeout: float) -> str:
     """gpipe_order(p, m): every rank runs all m forwards, then all m backwards."""
     require_function(fn, "gpipe_order", "num_stages, num_microbatches", 2, 2)
-    return _compare(fn, seed, "gpipe", "GPipe", lambda p, m, r: m,
+    return _compare(fn, seed, timeout, "gpipe", "GPipe", lambda p, m, r: m,
                     "GPipe runs all m = {m} forwards before any backward, so every rank holds all of them")
 
 
 @exercise("1f1b_order", "1F1B's order of forwards and backwards", answer="one_f_one_b_order",
-          notebook="04b_1f1b_order")
+          notebook="04b_1f1b_order", sealed=True,
+          preload=('pplab.pipeline',))
 def check_1f1b_order(fn, seed: int, timeout: float) -> str:
     """one_f_one_b_order(p, m): rank r runs min(p-1-r, m) forwards, then alternates F and B."""
     require_function(fn, "1f1b_order", "num_stages, num_microbatches", 2, 2)
-    return _compare(fn, seed, "1f1b", "1F1B", lambda p, m, r: min(p - r, m),
+    return _compare(fn, seed, timeout, "1f1b", "1F1B", lambda p, m, r: min(p - r, m),
                     "rank {r} runs min(p - 1 - r, m) = {w} forwards ahead (the warm-up), then one forward, one "
                     "backward, one forward, ..., so it never holds more than min(p - r, m)")
 
@@ -126,22 +140,29 @@ _BUBBLE_MISTAKES = [
 ]
 
 
+def _refuse_bubble_fraction(fn) -> None:
+    """In the sealed rank: Forbidden if the answer calls the library's bubble_fraction."""
+    from ..pipeline import bubble_fraction
+    refuse_library(fn, "bubble_fraction", "the bubble fraction", {"bubble_fraction": bubble_fraction},
+                   "pplab.pipeline.bubble_fraction")
+
+
 @exercise("bubble_fraction", "The bubble fraction of a flushed pipeline", answer="bubble_fraction",
-          notebook="04c_bubble_fraction")
+          notebook="04c_bubble_fraction", sealed=True,
+          preload=('pplab.pipeline',))
 def check_bubble_fraction(fn, seed: int, timeout: float) -> str:
     """bubble_fraction(p, m, v) = (p-1)/(v·m), as pplab.pipeline.bubble_fraction (m >= p when v > 1)."""
     from ..pipeline import bubble_fraction as reference
     require_function(fn, "bubble_fraction", "p, m, v", 4, 8, 1)
-    refuse_library(fn, "bubble_fraction", "the bubble fraction", {"bubble_fraction": reference},
-                   "pplab.pipeline.bubble_fraction")
     rng = random.Random(seed)
     # With chunks (v > 1) the exercise's formula needs m >= p: interleaving with fewer
     # micro-batches than ranks idles more (pplab.pipeline.bubble_fraction, chapter 4).
     cases = [(p, rng.randint(1 if v == 1 else p, 64), v)
              for p, v in ((rng.randint(3, 16), v) for v in (1, 1, 2, 3, 4, rng.randint(2, 8)))]
-    for p, m, v in cases:
-        where = f"p={p}, m={m}, v={v}: "
-        got, expected = call_answer(fn, p, m, v, where=where), reference(p, m, v)
+    outs = sealed.call_each(fn, cases, where=lambda i: "p={}, m={}, v={}: ".format(*cases[i]), timeout=timeout,
+                            probe=_refuse_bubble_fraction)
+    for (p, m, v), got in zip(cases, outs):
+        where, expected = f"p={p}, m={m}, v={v}: ", reference(p, m, v)
         try:
             check_number(got, expected, what=f"{fn.__name__}({p}, {m}, {v})", rel_tol=1e-9, abs_tol=0.0)
         except Fail as failure:

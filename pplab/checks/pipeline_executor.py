@@ -1,4 +1,5 @@
-"""Check of chapter 4's harder exercise: the executor loop that runs a schedule on real ranks.
+"""Check of chapter 4's harder exercise: the executor loop that runs a schedule on real ranks
+(sealed ranks, sealed.py: the model and the micro-batches come from the checker).
 
     pipeline_executor   run_actions(actions, stage, microbatches, loss_fn, prev_rank, next_rank)
 
@@ -20,7 +21,8 @@ these are matched against a single-process run of the whole model:
 * every parameter's .grad equals the single-process gradient of the whole batch
   (float64, to 1e-9 relative).
 
-A rank that stops, waiting, is reported as a hang with where each rank had got to.
+Ranks that stop, waiting on each other, are reported as a deadlock (or a hang) with where
+each rank had got to.
 """
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .core import Fail, exercise, first_difference, observe, progress, refuse_library, require_function, run_on_ranks
+from . import sealed
+from .core import Fail, exercise, first_difference, refuse_library, require_function
 from .core import _fmt
 
 _ATOL, _RTOL = 1e-12, 1e-9
@@ -76,23 +79,29 @@ class _WatchedStage(nn.Sequential):
         return out
 
 
-def _executor_rank(fn, trials, seed, progress_dir):
+def _executor_rank(fn, trials):
+    """In every sealed rank: the answer runs this rank's actions on its stage; the stage's
+    notes go to the checker after every event (so a hang still tells how far each rank got)."""
     from ..pipeline import make_schedule
     rank, p = dist.get_rank(), dist.get_world_size()
     for t, trial in enumerate(trials):
-        progress(progress_dir, t)
+        sealed.begin(t)
 
         def note(event, t=t):
             note.events.append(event)
-            observe(progress_dir, t, {"done": False, "events": note.events})
+            sealed.observe(t, {"done": False, "events": note.events})
         note.events = []
-        observe(progress_dir, t, {"done": False, "events": []})
-        stage = _WatchedStage(_stages(trial, p)[rank], note)
+        sealed.observe(t, {"done": False, "events": []})
+        layers = nn.Sequential(nn.Linear(trial["d"], trial["d"], dtype=torch.float64), nn.Tanh())
+        with torch.no_grad():
+            for q, value in zip(layers.parameters(), trial["parameters"]):
+                q.copy_(value)
+        stage = _WatchedStage(layers, note)
         actions = list(make_schedule(trial["schedule"], p, trial["m"]).actions[rank])
-        fn(actions, stage, _microbatches(trial, seed, t), nn.MSELoss(),
+        fn(actions, stage, trial["microbatches"], nn.MSELoss(),
            rank - 1 if rank > 0 else None, rank + 1 if rank < p - 1 else None)
         grads = {n: None if q.grad is None else q.grad.clone() for n, q in stage.named_parameters()}
-        observe(progress_dir, t, {"done": True, "events": note.events, "grads": grads})
+        sealed.observe(t, {"done": True, "events": note.events, "grads": grads})
         dist.barrier()                                   # the next trial's messages after this one's
 
 
@@ -174,7 +183,7 @@ def _shown(order) -> str:
 
 
 def _check_executor(trials, seed, stuck):
-    def check(p, t, observed):
+    def check(p, t, observed, traffic):
         stuck.clear()
         trial = trials[p][t]
         inputs, out_grads, grads, m = _reference(trial, seed, t, p)
@@ -221,15 +230,20 @@ def _check_executor(trials, seed, stuck):
     return check
 
 
-@exercise("pipeline_executor", "The 1F1B executor loop on real ranks", answer="run_actions",
-          notebook="04d_1f1b_executor")
-def check_pipeline_executor(fn, seed: int, timeout: float) -> str:
-    """run_actions(actions, stage, microbatches, loss_fn, prev_rank, next_rank) on every rank."""
+def _refuse_executor(fn) -> None:
+    """In the sealed rank: Forbidden if the answer uses pplab.pipeline's executor."""
     from ..pipeline import PipelineExecutor, run_pipeline
-    require_function(fn, "pipeline_executor", "actions, stage, microbatches, loss_fn, prev_rank, next_rank",
-                     [], None, [], None, None, None)
     refuse_library(fn, "pipeline_executor", "the executor loop", {"PipelineExecutor": PipelineExecutor,
                    "run_pipeline": run_pipeline}, "pplab.pipeline's executor")
+
+
+@exercise("pipeline_executor", "The 1F1B executor loop on real ranks", answer="run_actions",
+          notebook="04d_1f1b_executor", sealed=True,
+          preload=('pplab.pipeline',))
+def check_pipeline_executor(fn, seed: int, timeout: float) -> str:
+    """run_actions(actions, stage, microbatches, loss_fn, prev_rank, next_rank) on every rank."""
+    require_function(fn, "pipeline_executor", "actions, stage, microbatches, loss_fn, prev_rank, next_rank",
+                     [], None, [], None, None, None)
     trials = {p: _trials(seed, p) for p in (2, 3, 4)}
 
     def describe(p, t):
@@ -237,11 +251,15 @@ def check_pipeline_executor(fn, seed: int, timeout: float) -> str:
         return f"p={p} ranks, {tr['schedule']} with m={tr['m']} micro-batches of {tr['b']}x{tr['d']}"
     for p in trials:
         stuck = {}
+        inputs = [[{"schedule": tr["schedule"], "m": tr["m"], "d": tr["d"], "microbatches": _microbatches(tr, seed, t),
+                    "parameters": [q.detach().clone() for q in stage.parameters()]}
+                   for stage in _stages(tr, p)] for t, tr in enumerate(trials[p])]
         try:
-            run_on_ranks(_executor_rank, fn, trials[p], seed, world_size=p, timeout=timeout, answer=fn,
-                         describe=describe, trials=len(trials[p]), check=_check_executor(trials, seed, stuck))
+            sealed.run_sealed(_executor_rank, fn, inputs, world_size=p, timeout=timeout,
+                              exercise=("pipeline_executor", "the executor"), forbidden=(), probe=_refuse_executor,
+                              describe=describe, check=_check_executor(trials, seed, stuck))
         except Fail as failure:
-            if stuck and "still" in str(failure):        # a hang: say where each rank had got to
+            if stuck and ("still" in str(failure) or "a deadlock" in str(failure)):   # say where each rank got to
                 raise Fail(f"{failure} Where the ranks stopped: {'; '.join(stuck[r] for r in sorted(stuck))}. A send "
                            f"that waits for its receiver (comm.send) can deadlock a schedule: post sends with "
                            f"send(...) (comm.isend) and wait for them at the end of the step.") from None

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import random
 
-from .core import Fail, call_answer, exercise, refuse_library, require_function
+from . import sealed
+from .core import Fail, exercise, refuse_library, require_function
 
 
 def _problem(rng):
@@ -91,17 +92,23 @@ def _describe(problem, preds, budget) -> str:
     return "\n".join(rows)
 
 
-@exercise("pick_layout", "Pick the fastest layout that fits, from α, β, layer times and memory",
-          answer="pick_layout", notebook="07b_pick_layout")
-def check_pick_layout(fn, seed: int, timeout: float) -> str:
-    """pick_layout(problem) -> the index of the fastest of problem['layouts'] that fits, or None."""
+def _refuse_planner(fn) -> None:
+    """In the sealed rank: Forbidden if the answer asks pplab.planner for the times and memory."""
     from .. import planner
-    cases = problems(seed)
-    require_function(fn, "pick_layout", "problem", cases[0][0])
     refuse_library(fn, "pick_layout", "the layouts' times and memory",
                    {"plan": planner.plan, "predict": planner.predict}, "pplab.planner")
-    for k, (problem, preds, budget, best) in enumerate(cases):
-        got = call_answer(fn, dict(problem), where=f"problem {k}: ")
+
+
+@exercise("pick_layout", "Pick the fastest layout that fits, from α, β, layer times and memory",
+          answer="pick_layout", notebook="07b_pick_layout", sealed=True,
+          preload=('pplab.planner',))
+def check_pick_layout(fn, seed: int, timeout: float) -> str:
+    """pick_layout(problem) -> the index of the fastest of problem['layouts'] that fits, or None."""
+    cases = problems(seed)
+    require_function(fn, "pick_layout", "problem", cases[0][0])
+    outs = sealed.call_each(fn, [(dict(problem),) for problem, *_ in cases], where=lambda k: f"problem {k}: ",
+                            timeout=timeout, probe=_refuse_planner)
+    for k, ((problem, preds, budget, best), got) in enumerate(zip(cases, outs)):
         if got != best or isinstance(got, bool):
             said = "None (nothing fits)" if best is None else f"{best}"
             raise Fail(f"problem {k}: you picked {got!r}, the planner picks {said}. The planner's numbers, "

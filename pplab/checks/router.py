@@ -115,17 +115,30 @@ def to_tensor(meta: dict, blob: bytes) -> torch.Tensor:
 class Record:
     """Every call of every rank, as the router saw it (the only record a checker trusts)."""
 
-    calls: list = field(default_factory=list)       # (rank, trial, op, peer or collective, bytes): every request
-    sends: list = field(default_factory=list)       # (rank, trial, dst, bytes), when posted
+    calls: list = field(default_factory=list)       # every request: {rank, trial, op, peer (or kind), bytes,
+    #                                                 phase, handle, group}
+    sends: list = field(default_factory=list)       # (rank, trial, dst, bytes, phase), when posted
     received: list = field(default_factory=list)    # (rank, trial, src, bytes), when delivered
     forbidden: list = field(default_factory=list)   # (rank, trial, message)
+    waited: dict = field(default_factory=dict)      # (rank, handle) -> the phase of the first wait() on it
 
     def traffic(self, trial: int) -> dict:
-        """{rank: {"sends": [(dst, bytes)], "received": [(src, bytes)]}} of one trial."""
-        out = defaultdict(lambda: {"sends": [], "received": []})
-        for rank, t, peer, n in self.sends:
+        """What each rank did in one trial: {rank: {"sends": [(dst, bytes)], "received": [(src, bytes)],
+        "sends_in": {phase: [(dst, bytes)]}, "collectives": [{"kind", "bytes", "phase", "async",
+        "group", "waited"}]}}. A collective's bytes are those of the tensor the rank put in; phase
+        is what the job named with sealed.phase ("forward"); waited: the phase in which the rank
+        first waited for an async one (wait(), or is_completed() once it was), None if never."""
+        out = defaultdict(lambda: {"sends": [], "received": [], "collectives": [], "sends_in": {}})
+        for call in self.calls:
+            if call["trial"] == trial and call["op"] == "collective":
+                out[call["rank"]]["collectives"].append({
+                    "kind": call["peer"], "bytes": call["bytes"] or 0, "phase": call["phase"],
+                    "async": call["handle"] is not None, "group": call["group"],
+                    "waited": self.waited.get((call["rank"], call["handle"]))})
+        for rank, t, peer, n, phase in self.sends:
             if t == trial:
                 out[rank]["sends"].append((peer, n))
+                out[rank]["sends_in"].setdefault(phase, []).append((peer, n))
         for rank, t, peer, n in self.received:
             if t == trial:
                 out[rank]["received"].append((peer, n))
@@ -153,12 +166,14 @@ class Router:
         self.p, self.record = world_size, Record()
         self.forbidden_message = forbidden_message      # (kind, shown) -> message, or None if allowed
         self.trial = [None] * world_size
+        self.phase = [""] * world_size                   # what the job says the rank is doing (sealed.phase)
         self.finished = [False] * world_size
         self.blocked: dict[int, str] = {}               # rank -> what it waits for
         self.sends, self.recvs = defaultdict(deque), defaultdict(deque)   # (src, dst, tag) -> posts
         self.handles: dict[tuple, dict] = {}            # (rank, id) -> {"done", "reply", "waiting"}
         self.joined: dict[tuple, dict] = {}             # (group, index) -> {rank: (header, blobs)}
         self.calls = defaultdict(int)                   # (rank, group) -> collectives entered
+        self.waiting_in: dict[tuple, str] = {}          # (rank, handle) -> what its collective waits for
 
     # -- point-to-point ---------------------------------------------------------
 
@@ -179,7 +194,7 @@ class Router:
         post = _Post(rank, self.trial[rank], {**meta, "nbytes": nbytes}, blobs[0] if sending else b"", handle)
         key = (rank, peer, tag) if sending else (peer, rank, tag)
         if sending:
-            self.record.sends.append((rank, self.trial[rank], peer, nbytes))
+            self.record.sends.append((rank, self.trial[rank], peer, nbytes, self.phase[rank]))
         mine, theirs = (self.sends, self.recvs) if sending else (self.recvs, self.sends)
         if theirs[key]:
             send, recv = (post, theirs[key].popleft()) if sending else (theirs[key].popleft(), post)
@@ -220,6 +235,8 @@ class Router:
         if key not in self.handles:
             raise ValueError("wait() on an operation that already completed or never existed")
         h = self.handles[key]
+        if not test or h["done"]:
+            self.record.waited.setdefault(key, self.phase[rank])
         if h["done"]:
             out.append((rank, *h["reply"]))
             del self.handles[key]
@@ -227,7 +244,8 @@ class Router:
             out.append((rank, {"pending": True}, []))
         else:
             h["waiting"] = True
-            self.blocked[rank] = f"waits for its {header.get('what', 'isend/irecv')} to complete"
+            self.blocked[rank] = self.waiting_in.get(key) or \
+                f"waits for its {header.get('what', 'isend/irecv')} to complete"
 
     # -- collectives --------------------------------------------------------------
 
@@ -240,14 +258,21 @@ class Router:
             return
         if rank not in group or any(not 0 <= r < self.p for r in group):
             raise ValueError(f"{kind}: rank {rank} is not in the group {list(group)}")
+        handle = header.get("handle")                   # async_op=True: the rank goes on, waits at wait()
+        if handle is not None:
+            if not isinstance(handle, int) or (rank, handle) in self.handles:
+                raise WireError("an async collective without a handle of its own")
+            self.handles[(rank, handle)] = {"done": False, "reply": None, "waiting": False}
         index = self.calls[(rank, group)]
         self.calls[(rank, group)] += 1
         parts = self.joined.setdefault((group, index), {})
         parts[rank] = (header, blobs)
         missing = [r for r in group if r not in parts]
         if missing:
-            self.blocked[rank] = f"waits in {kind} for rank{'s' if len(missing) > 1 else ''} " \
-                                 f"{', '.join(map(str, missing))} to join it"
+            self.waiting_in[(rank, handle)] = f"waits in {kind} for rank{'s' if len(missing) > 1 else ''} " \
+                                              f"{', '.join(map(str, missing))} to join it"
+            if handle is None:
+                self.blocked[rank] = self.waiting_in[(rank, handle)]
             return
         del self.joined[(group, index)]
         try:
@@ -257,8 +282,9 @@ class Router:
                                                           f"({type(exc).__name__}: {exc})"}, [])
             replies = {r: error for r in group}
         for r, reply in replies.items():
-            self.blocked.pop(r, None)
-            out.append((r, *reply))
+            h = parts[r][0].get("handle")
+            self.waiting_in.pop((r, h), None)
+            self._complete(_Post(r, self.trial[r], {}, handle=h), reply, out)
 
     def _compute(self, kind, group, parts) -> dict:
         """{rank: reply} of a collective every member of `group` joined."""
@@ -267,6 +293,11 @@ class Router:
             error = ({"error": "RuntimeError", "message": f"the ranks of group {list(group)} called different "
                                                           f"collectives at the same point: {sorted(kinds)}"}, [])
             return {r: error for r in group}
+        if kind == "all_gather_object":                  # pickled by the ranks, passed on unread: the
+            return {r: ({"data": True}, [parts[s][1][0] for s in group]) for r in group}    # checker never unpickles
+        if kind == "broadcast_object_list":
+            src = parts[group[0]][0]["src"]
+            return {r: ({"data": True}, [parts[src][1][0]]) for r in group}
         ins = {r: to_tensor(h["tensor"], b[0]) if b else None for r, (h, b) in parts.items()}
         h0 = parts[group[0]][0]
         if kind == "barrier":
@@ -284,10 +315,41 @@ class Router:
             total = _REDUCE[h0.get("reduce", "sum")]([ins[r].reshape(-1) for r in group]).to(ins[group[0]].dtype)
             chunks = total.chunk(len(group))
             return {r: ({"data": True}, [tensor_bytes(chunks[i])]) for i, r in enumerate(group)}
-        if kind == "all_to_all_single":
-            pieces = {r: ins[r].reshape(-1).chunk(len(group)) for r in group}
-            return {r: ({"data": True}, [tensor_bytes(torch.cat([pieces[s][i] for s in group]))])
-                    for i, r in enumerate(group)}
+        if kind == "reduce_scatter":                     # the list form: piece i to the group's i-th rank
+            sizes = [int(n) for n in h0["sizes"]]
+            if any([int(n) for n in h["sizes"]] != sizes for h, _ in parts.values()):
+                raise ValueError("reduce_scatter needs input lists of the same sizes on every rank")
+            total = _REDUCE[h0.get("reduce", "sum")]([ins[r].reshape(-1) for r in group]).to(ins[group[0]].dtype)
+            pieces = total.split(sizes)
+            return {r: ({"data": True}, [tensor_bytes(pieces[i])]) for i, r in enumerate(group)}
+        if kind == "all_gather":                         # a list of tensors, one from each rank
+            if len({(ins[r].dtype, ins[r].shape) for r in group}) > 1:
+                raise ValueError("all_gather needs a tensor of the same dtype and shape on every rank")
+            result = torch.cat([ins[r].reshape(-1) for r in group])
+            return {r: ({"data": True}, [tensor_bytes(result)]) for r in group}
+        if kind == "all_to_all_single":                  # rows of dim 0, split evenly or by the split sizes
+            pieces = {}
+            for r in group:
+                h, x = parts[r][0], ins[r]
+                row = x[0].numel() if x.dim() else 1
+                rows = h.get("input_split_sizes") or [x.shape[0] // len(group)] * len(group) if x.dim() else []
+                if len(rows) != len(group) or sum(rows) != (x.shape[0] if x.dim() else 0):
+                    raise ValueError(f"rank {r}'s input_split_sizes {rows} do not add up to its input's "
+                                     f"{x.shape[0] if x.dim() else 0} rows, one size per rank")
+                pieces[r] = x.reshape(-1).split([n * row for n in rows])
+            replies = {}
+            for i, r in enumerate(group):
+                got = torch.cat([pieces[s][i] for s in group])
+                want = parts[r][0].get("output_split_sizes")
+                sizes = [pieces[s][i].numel() // max(1, ins[s][0].numel() if ins[s].dim() else 1) for s in group]
+                if want is not None and list(want) != sizes:
+                    raise ValueError(f"rank {r}'s output_split_sizes {list(want)} differ from the rows the "
+                                     f"ranks send it, {sizes}")
+                if got.numel() * got.element_size() != int(parts[r][0].get("out_nbytes", got.numel() *
+                                                                           got.element_size())):
+                    raise ValueError(f"rank {r} receives {got.numel()} elements into an output of a different size")
+                replies[r] = ({"data": True}, [tensor_bytes(got)])
+            return replies
         error = ({"error": "RuntimeError", "message": f"{kind} is not available in a sealed check"}, [])
         return {r: error for r in group}
 
@@ -297,13 +359,17 @@ class Router:
         """Serve one request of `rank`; return the replies that can be sent now."""
         out: list = []
         op = header.get("op")
-        if op not in ("begin", "wait", "test"):
+        if op not in ("begin", "phase", "wait", "test"):
             peer = {"send": "dst", "isend": "dst", "recv": "src", "irecv": "src"}.get(op, "kind")
             nbytes = len(blobs[0]) if blobs else header.get("nbytes")       # a receive: the size posted
-            self.record.calls.append((rank, self.trial[rank], str(op), header.get(peer), nbytes))
+            self.record.calls.append({"rank": rank, "trial": self.trial[rank], "op": str(op), "peer": header.get(peer),
+                                      "bytes": nbytes, "phase": self.phase[rank], "handle": header.get("handle"),
+                                      "group": list(header.get("group") or range(self.p))})
         try:
             if op == "begin":
-                self.trial[rank] = int(header["trial"])
+                self.trial[rank], self.phase[rank] = int(header["trial"]), ""
+            elif op == "phase":
+                self.phase[rank] = str(header["name"])[:100]
             elif op in ("send", "recv"):
                 self._post(rank, header, blobs, out, sending=op == "send", blocking=True)
             elif op in ("isend", "irecv"):

@@ -44,10 +44,10 @@ The job, in each rank (a module-level function of a pplab.checks module):
 
 and `check(world_size, i, observed, traffic)` runs here: observed is {rank: data},
 traffic is the router's record of trial i, {rank: {"sends": [(dst, bytes)],
-"received": [(src, bytes)]}}. Converting a run_on_ranks checker: compute inputs here
-from the seed and pass them; in the job, replace `progress` with `begin`, drop
-`watch_comm` (the router refuses the forbidden collectives; `forbidden=` lists them,
-"*" for all) and take counts from `traffic`.
+"received": [(src, bytes)], ...}} (router.py's Record.traffic says all it holds: the
+collectives too, with the phase a job names with `phase("forward")`). A pure function is
+called with `call_each(answer, cases, where=, timeout=)` (one sealed rank, every case in
+one launch) or `call_answer(answer, *args)`.
 """
 from __future__ import annotations
 
@@ -58,13 +58,12 @@ import socket
 import sys
 import time
 
-from .sealed_rank import begin, observe  # noqa: F401 - what a sealed job calls
-from .zygote import _ZYGOTES, zygote  # noqa: F401 - run_check enters zygote()
 from .answers import _not_plain, answer_files, decode, encode
-from .core import Fail, Forbidden
+from .failures import Fail, Forbidden, _hang_message, _not_implemented, _student_frame
 from .forbidden import _forbidden_message
 from .router import Reader, Router, WireError, pack
-from .running import _hang_message, _not_implemented, _student_frame
+from .sealed_rank import begin, observe, phase, watch_collectives  # noqa: F401 - what a sealed job calls
+from .zygote import _ZYGOTES, zygote  # noqa: F401 - run_check enters zygote()
 
 _ISOLATION = {"missing": None}          # what the last launch's ranks could not isolate ("" = nothing)
 
@@ -117,13 +116,17 @@ _OUTPUT_LIMIT = 1 << 20                 # bytes of output printed per rank and l
 
 
 def run_sealed(job, answer, inputs, *, world_size: int, timeout: float, exercise: tuple, check, describe=None,
-               forbidden=("*",)):
+               forbidden=("*",), probe=None, prefix=None, single=False):
     """Run `job(answer, [inputs[i][rank] for i])` on `world_size` sealed ranks, then
     `check(world_size, i, observed, traffic)` here for every trial i. Raises Fail for any
     way it went wrong (see the module docstring). Returns each rank's result of `job`.
 
     exercise: (exercise id, what it builds), for the wording of a forbidden call;
-    forbidden: the collectives the router refuses ("*": all of them)."""
+    forbidden: the collectives the router refuses ("*": all of them);
+    probe: a module-level function probe(answer) of a pplab.checks module, run in each rank
+    before the job, that raises Forbidden if the answer uses the library's own answer
+    (refuse_library); prefix(trial): the whole text before each message, instead of
+    describe's; single: one rank calling the answer (call_each), named after the answer."""
     if not _ZYGOTES:
         raise RuntimeError("a sealed launch needs the zygote that run_check starts before it draws the seed: "
                            "run the checker through pplab.checks.run_check")
@@ -142,7 +145,7 @@ def run_sealed(job, answer, inputs, *, world_size: int, timeout: float, exercise
     output = _Output(outs, errs)
     try:
         outcome = _serve(router, socks, output, pids, job, inputs, forbidden, exercise, timeout, observed, results,
-                         refused)
+                         refused, probe)
     finally:
         statuses = zygote.end()
         output.drain()
@@ -153,6 +156,8 @@ def run_sealed(job, answer, inputs, *, world_size: int, timeout: float, exercise
 
     def where(rank, trial=None):
         trial = router.trial[rank] if trial is None else trial
+        if prefix is not None:
+            return prefix(trial) if trial is not None else ""
         return f"{describe(p, trial)}: " if describe is not None and trial is not None else f"world_size={p}: "
 
     forbidden_calls = refused + router.record.forbidden        # a name bound before the launch, then a call
@@ -169,6 +174,9 @@ def run_sealed(job, answer, inputs, *, world_size: int, timeout: float, exercise
         if missing and complete:
             raise Fail(f"{where(missing[0], i)}rank {missing[0]} recorded no result for this trial.")
         for rank, data in seen.items():
+            if _not_plain(data) and single:
+                raise Fail(f"{where(rank, i)}{name} returned a {_not_plain(data)}, which cannot come back from the "
+                           f"process it ran in: return numbers, strings, lists, tuples, dicts or tensors.")
             if _not_plain(data):
                 raise Fail(f"{where(rank, i)}rank {rank}: the answer gave a {_not_plain(data)}, which cannot come "
                            f"back from the process it ran in: return numbers, strings, lists, tuples, dicts or "
@@ -182,9 +190,66 @@ def run_sealed(job, answer, inputs, *, world_size: int, timeout: float, exercise
         except Exception as exc:  # noqa: BLE001 - data shaped unlike what the job records: refused
             raise Fail(f"{where(0, i)}the results recorded by the ranks could not be read "
                        f"({type(exc).__name__}: {exc}).") from None
+        if missing:         # the launch failed in this trial: what ranks recorded after it is out of step
+            break
     if not complete:
-        raise _failure(outcome, where, name, files, timeout, statuses, pids) from None
+        raise _failure(outcome, where, name, files, timeout, statuses, pids, single) from None
     return [results[r] for r in range(p)]
+
+
+def call_each(answer, cases, *, where, timeout: float, probe=None, job=None):
+    """Yield `answer(*args)` for each args in `cases`, in order: a pure function's answers.
+
+    The answer runs in one sealed rank (forked from the zygote: it never held the seed),
+    all cases in one launch; what it returned comes back as plain data. where(i) starts
+    the message of case i ("p=4, m=8: "). A raise, a hang or a death in case i is raised
+    as a Fail when the iteration reaches case i, so a wrong value in an earlier case is
+    told first. probe: as for run_sealed (refuse_library, in the rank). job: instead of
+    calling the answer on each case, a job of the checker's module, job(answer, cases),
+    that records each case with begin(i) and observe(i, data) (e.g. calls that depend on
+    what the answer returned before); `_call_rank_and_args` records (returned, args)."""
+    got = {}
+
+    def keep(p, i, observed, traffic):
+        got[i] = observed[0]
+    failure = None
+    try:
+        run_sealed(job or _call_rank, answer, [[tuple(args)] for args in cases], world_size=1, timeout=timeout,
+                   exercise=("", ""), check=keep, forbidden=(), probe=probe, prefix=where, single=True)
+    except Fail as exc:
+        failure = exc
+    if isinstance(failure, Forbidden):
+        raise failure
+    for i in range(len(cases)):
+        if i not in got:
+            break
+        yield got[i]
+    if failure is not None:
+        raise failure
+
+
+def call_answer(answer, *args, where: str = "", timeout: float = 30.0):
+    """What `answer(*args)` returns, called in a sealed rank: the check's zygote's, or, outside
+    a check (where no secret exists), a zygote forked for this call. Fail if it raises or hangs."""
+    if _ZYGOTES:
+        return next(call_each(answer, [args], where=lambda i: where, timeout=timeout))
+    with zygote(answer):
+        return next(call_each(answer, [args], where=lambda i: where, timeout=timeout))
+
+
+def _call_rank(fn, calls):
+    """The job of call_each, in its rank: call the answer on each case, record what it returned."""
+    for i, args in enumerate(calls):
+        begin(i)
+        observe(i, fn(*args))
+
+
+def _call_rank_and_args(fn, calls):
+    """As _call_rank, recording (returned, the arguments after the call): did it change its inputs?"""
+    for i, args in enumerate(calls):
+        begin(i)
+        returned = fn(*args)
+        observe(i, (returned, args))
 
 
 class _Output:
@@ -219,7 +284,7 @@ class _Output:
                 self(fd)
 
 
-def _serve(router, socks, output, pids, job, inputs, forbidden, exercise, timeout, observed, results, refused):
+def _serve(router, socks, output, pids, job, inputs, forbidden, exercise, timeout, observed, results, refused, probe):
     """The checker's side of a launch: route requests, print output, until the ranks end
     or cannot go on. Returns ("complete",) or what stopped it."""
     p = len(socks)
@@ -227,7 +292,8 @@ def _serve(router, socks, output, pids, job, inputs, forbidden, exercise, timeou
     readers = {r: Reader() for r in range(p)}
     for r in range(p):                                   # the launch message: this rank's inputs only
         outbox[r] += pack({"job": f"{job.__module__}:{job.__name__}", "rank": r, "world_size": p,
-                           "forbidden": list(forbidden), "refuse": list(exercise)},
+                           "forbidden": list(forbidden), "refuse": list(exercise) if forbidden else [],
+                           "probe": f"{probe.__module__}:{probe.__name__}" if probe else None},
                           [encode([trial[r] for trial in inputs])])
         socks[r].setblocking(False)
     busy, deadline, next_sample = _Busy(pids), time.monotonic() + timeout, 0.0
@@ -308,9 +374,10 @@ def _serve(router, socks, output, pids, job, inputs, forbidden, exercise, timeou
     return ("complete",)
 
 
-def _failure(outcome, where, name, files, timeout, statuses, pids) -> Fail:
-    """The Fail that says why a launch did not complete."""
+def _failure(outcome, where, name, files, timeout, statuses, pids, single=False) -> Fail:
+    """The Fail that says why a launch did not complete (single: one rank calling the answer)."""
     kind = outcome[0]
+    who = (lambda rank: name) if single else (lambda rank: f"rank {rank}")
     if kind == "raised":
         _, rank, exc, message, text = outcome
         if exc == "Forbidden":
@@ -319,7 +386,7 @@ def _failure(outcome, where, name, files, timeout, statuses, pids) -> Fail:
             return Fail(where(rank) + message)
         if exc == "NotImplementedError":
             return Fail(_not_implemented(name), seed_matters=False)
-        return Fail(f"{where(rank)}rank {rank} raised {exc}: {message}{_student_frame(text, files)}.")
+        return Fail(f"{where(rank)}{who(rank)} raised {exc}: {message}{_student_frame(text, files)}.")
     if kind == "deadlock":
         _, waiting, finished = outcome
         what = ", ".join(f"rank {r} {w}" for r, w in waiting)
@@ -331,8 +398,10 @@ def _failure(outcome, where, name, files, timeout, statuses, pids) -> Fail:
     if kind == "hang":
         _, running, busy = outcome
         looping = [r for r in running if (busy.busy(r) or 0) >= 0.7]
+        if single:
+            return Fail(where(running[0]) + _hang_message(running, timeout, busy, name, name))
         if looping or all(r in busy.blocked for r in running):
-            return Fail(where(looping[0]) + _hang_message(running, timeout, busy, name))
+            return Fail(where(looping[0] if looping else running[0]) + _hang_message(running, timeout, busy, name))
         idle = [r for r in running if r not in busy.blocked]     # not waiting for a message, not busy
         waiting = [f"rank {r} {busy.blocked[r]}" for r in running if r in busy.blocked]
         also = f" ({'; '.join(waiting)})" if waiting else ""
@@ -346,7 +415,8 @@ def _failure(outcome, where, name, files, timeout, statuses, pids) -> Fail:
         signal_number = -status if isinstance(status, int) and status < 0 else \
             status - 128 if isinstance(status, int) and status > 128 else None
         how = f"killed by signal {signal_number}" if signal_number else f"exit code {status}"
-        return Fail(f"{where(rank)}rank {rank} died ({how}) while running {name}, without raising an exception: "
+        running = "" if single else f" while running {name}"
+        return Fail(f"{where(rank)}{who(rank)} died ({how}){running}, without raising an exception: "
                     f"did the code call os._exit, or kill a process?")
     if kind == "not plain":
         _, rank, trial, why = outcome

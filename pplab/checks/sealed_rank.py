@@ -22,6 +22,7 @@ import contextlib
 import importlib
 import inspect
 import os
+import pickle
 import signal
 import socket
 import sys
@@ -31,6 +32,9 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from .answers import SourceAnswer, decode, encode
+from .failures import Forbidden
+from .forbidden import _COMM_COLLECTIVES, _TORCH_COLLECTIVES, _collectives_module, forbidden_references
 from .isolation import _PR_SET_DUMPABLE, _PR_SET_PDEATHSIG, isolate, prctl
 from .router import Reader, pack, tensor_bytes, tensor_meta, to_tensor
 
@@ -61,7 +65,6 @@ class Channel:
             self.queue += self.reader.feed(data)
         reply, blobs = self.queue.pop(0)
         if "error" in reply and reply["error"] != "none":
-            from .core import Forbidden
             kinds = {"Forbidden": Forbidden, "ValueError": ValueError, "RuntimeError": RuntimeError}
             raise kinds.get(reply["error"], RuntimeError)(reply["message"])
         return reply, blobs
@@ -76,9 +79,13 @@ def begin(trial: int) -> None:
     _STATE["channel"].tell({"op": "begin", "trial": trial})
 
 
+def phase(name: str) -> None:
+    """In a sealed job: the collectives from now on are filed under `name` ("forward", "backward")."""
+    _STATE["channel"].tell({"op": "phase", "name": name})
+
+
 def observe(trial: int, data) -> None:
     """In a sealed job: what the student's code left in trial `trial`, as plain data."""
-    from .answers import encode
     _STATE["channel"].tell({"op": "observe", "trial": trial}, [encode(data)])
 
 
@@ -117,16 +124,15 @@ class Work:
         return self.done
 
 
-class _Done(Work):
-    def __init__(self):
-        super().__init__(None)
-        self.done = True
-
-
-def _write_into(tensor: torch.Tensor, blob: bytes) -> None:
+def _write_into(tensor, blob: bytes) -> None:
     """The bytes that arrived, as this tensor's dtype and shape (as gloo does: bytes, not values)."""
     with torch.no_grad():
-        tensor.copy_(to_tensor(tensor_meta(tensor), blob))
+        if isinstance(tensor, _IntoList):
+            dtype = tensor.tensors[0].dtype
+            tensor.copy_(to_tensor({"dtype": str(dtype).replace("torch.", ""),
+                                    "shape": [sum(t.numel() for t in tensor.tensors)]}, blob))
+        else:
+            tensor.copy_(to_tensor(tensor_meta(tensor), blob))
 
 
 def _ranks(group) -> tuple:
@@ -183,21 +189,90 @@ def _op_name(op) -> str:
 
 
 def _all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
-    if output_split_sizes is not None or input_split_sizes is not None:
-        raise RuntimeError("all_to_all_single with split sizes is not available in a sealed check")
-    return _collective("all_to_all_single", "torch.distributed.all_to_all_single", group, output, input, async_op)
+    sizes = {"output_split_sizes": None if output_split_sizes is None else [int(n) for n in output_split_sizes],
+             "input_split_sizes": None if input_split_sizes is None else [int(n) for n in input_split_sizes],
+             "out_nbytes": output.numel() * output.element_size()}
+    return _collective("all_to_all_single", "torch.distributed.all_to_all_single", group, output, input, async_op,
+                       **sizes)
+
+
+class _IntoList:
+    """all_gather's output list, written as one tensor: the ranks' tensors one after another."""
+
+    def __init__(self, tensors):
+        self.tensors = list(tensors)
+
+    def copy_(self, flat):
+        at = 0
+        for t in self.tensors:
+            t.copy_(flat[at:at + t.numel()].view(t.shape))
+            at += t.numel()
+
+
+def _all_gather(tensor_list, tensor, group=None, async_op=False):
+    if len(tensor_list) != len(_ranks(group)):
+        raise ValueError(f"all_gather: tensor_list has {len(tensor_list)} tensors for a group of "
+                         f"{len(_ranks(group))} ranks")
+    return _collective("all_gather", "torch.distributed.all_gather", group, _IntoList(tensor_list), tensor, async_op)
+
+
+_WATCHERS: list = []                   # a job's callbacks, told (kind, output) of every collective
+
+
+@contextlib.contextmanager
+def watch_collectives(callback):
+    """In a sealed job: callback(kind, output tensor or None) at every collective the rank starts
+    (e.g. where the all-gathers write, to see whether autograd keeps it). The router's record,
+    not this, says what was sent."""
+    _WATCHERS.append(callback)
+    try:
+        yield
+    finally:
+        _WATCHERS.remove(callback)
+
+
+def _reduce_scatter(output, input_list, op=dist.ReduceOp.SUM, group=None, async_op=False):
+    """The list form: input_list[i] summed over the ranks lands in rank i's output."""
+    if len(input_list) != len(_ranks(group)):
+        raise ValueError(f"reduce_scatter: input_list has {len(input_list)} tensors for a group of "
+                         f"{len(_ranks(group))} ranks")
+    flat = torch.cat([t.detach().reshape(-1) for t in input_list])
+    return _collective("reduce_scatter", "torch.distributed.reduce_scatter", group, output, flat, async_op,
+                       reduce=_op_name(op), sizes=[t.numel() for t in input_list])
+
+
+def _all_gather_object(object_list, obj, group=None):
+    """Pickled here, passed on by the router unread, unpickled by the other ranks."""
+    reply, blobs = _STATE["channel"].call({"op": "collective", "kind": "all_gather_object", "shown":
+                                           "torch.distributed.all_gather_object", "group": list(_ranks(group))},
+                                          [pickle.dumps(obj)])
+    object_list[:len(blobs)] = [pickle.loads(b) for b in blobs]
+
+
+def _broadcast_object_list(object_list, src=None, group=None, device=None, group_src=None):
+    reply, blobs = _STATE["channel"].call({"op": "collective", "kind": "broadcast_object_list", "shown":
+                                           "torch.distributed.broadcast_object_list", "group": list(_ranks(group)),
+                                           "src": src}, [pickle.dumps(list(object_list))])
+    object_list[:] = pickle.loads(blobs[0])
 
 
 def _collective(kind, shown, group, into=None, tensor=None, async_op=False, **params):
+    """One collective through the router; async_op=True returns a Work whose wait() gets the result."""
+    for watch in list(_WATCHERS):
+        watch(kind, into.tensors if isinstance(into, _IntoList) else into)
     header = {"op": "collective", "kind": kind, "shown": shown, "group": list(_ranks(group)), **params}
     blobs = []
     if tensor is not None:
         header["tensor"] = tensor_meta(tensor)
         blobs = [tensor_bytes(tensor)]
+    if async_op:                                         # no reply now: the router files it under our handle
+        _STATE["handles"] = handle = _STATE.get("handles", 0) + 1
+        _STATE["channel"].tell({**header, "handle": handle}, blobs)
+        return Work(handle, into, kind)
     reply, blobs = _STATE["channel"].call(header, blobs)
     if into is not None and reply.get("data"):
         _write_into(into, blobs[0])
-    return _Done() if async_op else None
+    return None
 
 
 def _entry_points():
@@ -223,7 +298,8 @@ def _entry_points():
         "reduce_scatter_tensor": lambda output, input, op=dist.ReduceOp.SUM, group=None, async_op=False:
             _collective("reduce_scatter_tensor", "torch.distributed.reduce_scatter_tensor", group, output, input,
                         async_op, reduce=_op_name(op)),
-        "all_to_all_single": _all_to_all_single,
+        "all_to_all_single": _all_to_all_single, "all_gather": _all_gather, "reduce_scatter": _reduce_scatter,
+        "all_gather_object": _all_gather_object, "broadcast_object_list": _broadcast_object_list,
     }
 
 
@@ -252,7 +328,6 @@ def _no_process_group(*args, **kwargs):
 
 def preload() -> None:
     """Import what install() patches (in the zygote: its ranks then start faster)."""
-    from .forbidden import _collectives_module
     _collectives_module()
     with contextlib.suppress(ImportError):
         importlib.import_module("torch.distributed._functional_collectives")
@@ -262,7 +337,6 @@ def install(forbidden: list) -> None:
     """Route torch.distributed (and pplab.comm through it) to the router; refuse, at the
     router, the collectives in `forbidden` ("*": all) wherever they are called from."""
     from ..runtime import comm
-    from .forbidden import _COMM_COLLECTIVES, _TORCH_COLLECTIVES, _collectives_module
 
     c10d = dist.distributed_c10d
     stand_ins = _entry_points()
@@ -334,7 +408,6 @@ def rank_main(zygote_pid: int, chan_fd: int, out_fd: int, err_fd: int) -> None:
 
 
 def _run(channel: Channel, missing: str) -> None:
-    from .answers import SourceAnswer, decode, encode
     from .. import trace
 
     while not channel.queue:                              # the launch message, from the checker
@@ -358,10 +431,15 @@ def _run(channel: Channel, missing: str) -> None:
         if isinstance(answer, SourceAnswer):
             answer = answer.resolve(workdir)
         if launch.get("refuse"):                          # a collective imported by name: before install()
-            from .forbidden import forbidden_references
             message = forbidden_references(answer, *launch["refuse"])
             if message:
                 channel.tell({"op": "refused", "message": message})
+        if launch.get("probe"):                           # the library's own answer, used by the student's code
+            module, _, name = launch["probe"].partition(":")
+            try:
+                getattr(importlib.import_module(module), name)(answer)
+            except Forbidden as refused:
+                channel.tell({"op": "refused", "message": str(refused)})
         install(launch["forbidden"])
         result = job(answer, decode(blobs[0]))
         channel.tell({"op": "done"}, [encode(result)])

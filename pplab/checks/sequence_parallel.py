@@ -8,12 +8,12 @@ online_softmax_merge needs no ranks: partial attention results over two random d
 sets of keys (some rows with no key in one set, or in both), large scores included, are
 merged by the answer and compared with attention over all the keys (float64, 1e-9).
 
-ulysses_all_to_all runs on 2, 3 and 4 real ranks, both ways (sequence-sharded -> head-
+ulysses_all_to_all runs on 2, 3 and 4 sealed ranks (sealed.py), both ways (sequence-sharded -> head-
 sharded and back), on tensors whose entries name their head and token, so a misplaced
 piece is named exactly. It must use point-to-point messages only, and send each other
 rank exactly the piece it needs: (p-1)/p of the tensor.
 
-ring_attention_step runs the ring on 2, 3 and 4 real ranks: the checker calls the answer
+ring_attention_step runs the ring on 2, 3 and 4 sealed ranks: the checker calls the answer
 p times per rank (causal attention, contiguous layout) and compares the running output
 after every step with attention over the blocks seen so far, and the block passed on
 with the left neighbour's. The answer sees only its own queries and one visiting K/V
@@ -28,10 +28,9 @@ import math
 import random
 
 import torch
-import torch.distributed as dist
 
-from .core import Fail, Forbidden, call_answer, exercise, first_difference, forbidden_references, progress, \
-    require_function, run_on_ranks, watch_comm
+from . import sealed
+from .core import Fail, exercise, first_difference, require_function
 from .core import _fmt
 
 TOL = 1e-9
@@ -97,19 +96,28 @@ def _merge_trials(seed):
 
 
 @exercise("online_softmax_merge", "Merge two partial attention results (online softmax)", answer="merge_partials",
-          notebook="05a_online_softmax_merge")
+          notebook="05a_online_softmax_merge", sealed=True)
 def check_online_softmax_merge(fn, seed: int, timeout: float) -> str:
     """merge_partials(o1, lse1, o2, lse2) -> (o, lse): attention over the union of two disjoint key sets."""
     z = torch.zeros(1, 1, 1, 1, dtype=torch.float64)
     require_function(fn, "online_softmax_merge", "o1, lse1, o2, lse2", z, z[..., 0], z, z[..., 0])
-    for i, (what, q, k, v, part, hidden) in enumerate(_merge_trials(seed)):
-        where = f"trial {i} ({what}, q {tuple(q.shape)}, {int(part.sum())} + {int((~part).sum())} keys): "
+    trials, cases = _merge_trials(seed), []
+    for what, q, k, v, part, hidden in trials:
         o1, lse1 = _attention(q, k[..., part, :], v[..., part, :], hidden[:, part])
         o2, lse2 = _attention(q, k[..., ~part, :], v[..., ~part, :], hidden[:, ~part])
+        cases.append((o1, lse1, o2, lse2))
+
+    def where_of(i):
+        what, q, _, _, part, _ = trials[i]
+        return f"trial {i} ({what}, q {tuple(q.shape)}, {int(part.sum())} + {int((~part).sum())} keys): "
+    outs = sealed.call_each(fn, cases, where=where_of, timeout=timeout, job=sealed._call_rank_and_args)
+    for i, ((what, q, k, v, part, hidden), (o1, lse1, o2, lse2), (returned, args)) in \
+            enumerate(zip(trials, cases, outs)):
+        where = where_of(i)
         o, lse = _attention(q, k, v, hidden)
-        args = [t.clone() for t in (o1, lse1, o2, lse2)]
-        got_o, got_lse = _pair(fn.__name__, call_answer(fn, *args, where=where), where)
-        if any(not torch.equal(a, b) for a, b in zip(args, (o1, lse1, o2, lse2))):
+        got_o, got_lse = _pair(fn.__name__, returned, where)
+        if any(not isinstance(a, torch.Tensor) or a.shape != b.shape or not torch.equal(a, b)
+               for a, b in zip(args, (o1, lse1, o2, lse2))):
             raise Fail(f"{where}{fn.__name__} changed its inputs: return new tensors, leave o1, lse1, o2, lse2 as "
                        f"they were (ring attention merges into a running result it still needs).")
         hint = ""
@@ -149,34 +157,64 @@ def _labelled(b, heads, seq, d):
     return 1e6 * i + 1000 * h + t + j / 10
 
 
-def _ulysses_rank(fn, trials, seed, progress_dir):
-    rank, p = dist.get_rank(), dist.get_world_size()
-    out = []
-    with watch_comm("ulysses_all_to_all", "all_to_all") as watch:
-        for i, (b, hp, n, d) in enumerate(trials):
-            progress(progress_dir, i)
-            X = _labelled(b, hp, n * p, d)
-            mine = X[:, :, rank * n:(rank + 1) * n].contiguous()
-            sent = len(watch.sends)
-            y = fn(mine.clone(), 1, 2)                    # sequence-sharded -> head-sharded
-            to_heads = watch.sends[sent:]
-            sent = len(watch.sends)
-            heads = X[:, rank * hp // p:(rank + 1) * hp // p].contiguous()
-            back = fn(heads.clone(), 2, 1)                # head-sharded -> sequence-sharded
-            out.append({"to_heads": y, "back": back, "sends": [to_heads, watch.sends[sent:]]})
-        out.append({"forbidden": list(watch.forbidden), "receives": watch.receives})
-    return out
+def _ulysses_rank(fn, trials):
+    """In every sealed rank: both directions on this rank's shards; the router records what each sent."""
+    for i, t in enumerate(trials):
+        sealed.begin(i)
+        sealed.phase("to_heads")
+        y = fn(t["mine"], 1, 2)                           # sequence-sharded -> head-sharded
+        sealed.phase("back")
+        back = fn(t["heads"], 2, 1)                       # head-sharded -> sequence-sharded
+        sealed.phase("")
+        sealed.observe(i, {"to_heads": y, "back": back})
+
+
+def _check_ulysses(trials):
+    def check(p, i, observed, traffic):
+        b, hp, n, d = trials[i]
+        X, h = _labelled(b, hp, n * p, d), hp // p
+        for rank, got in sorted(observed.items()):
+            where = f"rank {rank}'s "
+            for key, want, what, rule in (
+                    ("to_heads", X[:, rank * h:(rank + 1) * h], "result of ulysses_all_to_all(x, 1, 2)",
+                     f"heads {rank * h}..{(rank + 1) * h - 1} (its share) for all {n * p} tokens, tokens in "
+                     f"order: the piece from rank i holds tokens i·{n}..(i+1)·{n}-1 and goes at place i"),
+                    ("back", X[:, :, rank * n:(rank + 1) * n], "result of ulysses_all_to_all(y, 2, 1)",
+                     f"all {hp} heads of its own tokens {rank * n}..{(rank + 1) * n - 1}: the piece from "
+                     f"rank i holds heads i·{h}..(i+1)·{h}-1 and goes at place i")):
+                value = got[key]
+                if not isinstance(value, torch.Tensor) or value.shape != want.shape:
+                    shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                    raise Fail(f"{where}{what} is {shape}, expected shape {tuple(want.shape)}: {rule}.")
+                diff = first_difference(value, want)
+                if diff is not None:
+                    index, g, w = diff
+                    raise Fail(f"{where}{what} differs at index {index}: got head {int(g // 1000 % 1000)}, token "
+                               f"{int(g % 1000)}, expected head {int(w // 1000 % 1000)}, token {int(w % 1000)}. "
+                               f"It must hold {rule}.")
+            for direction, phase in (("ulysses_all_to_all(x, 1, 2)", "to_heads"),
+                                     ("ulysses_all_to_all(y, 2, 1)", "back")):
+                piece = b * hp * n * d * 8 // p
+                per_peer = {}
+                for dst, nbytes in traffic[rank]["sends_in"].get(phase, []):
+                    per_peer[dst] = per_peer.get(dst, 0) + nbytes
+                want_sends = {j: piece for j in range(p) if j != rank}
+                if per_peer != want_sends:
+                    raise Fail(f"{where}{direction} sent {per_peer or 'nothing'} (bytes per destination rank); "
+                               f"an all-to-all sends every other rank exactly the one piece it needs, "
+                               f"{piece:,} bytes each ({want_sends}), and keeps its own piece: (p-1)/p of "
+                               f"the tensor in all, never the whole tensor.")
+            if p > 1 and not traffic[rank]["received"]:
+                raise Fail(f"rank {rank} received no point-to-point message.")
+    return check
 
 
 @exercise("ulysses_all_to_all", "Ulysses' all-to-all: sequence-sharded to head-sharded and back",
-          answer="ulysses_all_to_all", notebook="05b_ulysses_all_to_all")
+          answer="ulysses_all_to_all", notebook="05b_ulysses_all_to_all", sealed=True)
 def check_ulysses_all_to_all(fn, seed: int, timeout: float) -> str:
     """ulysses_all_to_all(x, scatter_dim, gather_dim): cut x into p pieces along scatter_dim, piece j to
     rank j; concatenate the pieces received, in rank order, along gather_dim. Point-to-point only."""
     require_function(fn, "ulysses_all_to_all", "x, scatter_dim, gather_dim", torch.zeros(1, 1, 1, 1), 1, 2)
-    reference = forbidden_references(fn, "ulysses_all_to_all", "all_to_all")
-    if reference:
-        raise Forbidden(reference)
     count = 0
     for p in (2, 3, 4):
         trials = _ulysses_trials(seed, p)
@@ -184,45 +222,14 @@ def check_ulysses_all_to_all(fn, seed: int, timeout: float) -> str:
         def describe(world_size, i, trials=trials):
             b, hp, n, d = trials[i]
             return f"world_size={world_size}, x of {b} x {hp} heads x {n} tokens per rank x {d}"
-        res = run_on_ranks(_ulysses_rank, fn, trials, seed, world_size=p, timeout=timeout, answer=fn,
-                           describe=describe)
-        for rank, per_rank in enumerate(res):
-            if per_rank[-1]["forbidden"]:
-                raise Forbidden(per_rank[-1]["forbidden"][0])
-            for i, ((b, hp, n, d), got) in enumerate(zip(trials, per_rank)):
-                where = f"{describe(p, i)}: rank {rank}'s "
-                X, h = _labelled(b, hp, n * p, d), hp // p
-                for key, want, what, rule in (
-                        ("to_heads", X[:, rank * h:(rank + 1) * h], "result of ulysses_all_to_all(x, 1, 2)",
-                         f"heads {rank * h}..{(rank + 1) * h - 1} (its share) for all {n * p} tokens, tokens in "
-                         f"order: the piece from rank i holds tokens i·{n}..(i+1)·{n}-1 and goes at place i"),
-                        ("back", X[:, :, rank * n:(rank + 1) * n], "result of ulysses_all_to_all(y, 2, 1)",
-                         f"all {hp} heads of its own tokens {rank * n}..{(rank + 1) * n - 1}: the piece from "
-                         f"rank i holds heads i·{h}..(i+1)·{h}-1 and goes at place i")):
-                    value = got[key]
-                    if not isinstance(value, torch.Tensor) or value.shape != want.shape:
-                        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-                        raise Fail(f"{where}{what} is {shape}, expected shape {tuple(want.shape)}: {rule}.")
-                    diff = first_difference(value, want)
-                    if diff is not None:
-                        index, g, w = diff
-                        raise Fail(f"{where}{what} differs at index {index}: got head {int(g // 1000 % 1000)}, token "
-                                   f"{int(g % 1000)}, expected head {int(w // 1000 % 1000)}, token {int(w % 1000)}. "
-                                   f"It must hold {rule}.")
-                for direction, sends in zip(("ulysses_all_to_all(x, 1, 2)", "ulysses_all_to_all(y, 2, 1)"),
-                                            got["sends"]):
-                    piece = b * hp * n * d * 8 // p
-                    per_peer = {}
-                    for dst, nbytes in sends:
-                        per_peer[dst] = per_peer.get(dst, 0) + nbytes
-                    want_sends = {j: piece for j in range(p) if j != rank}
-                    if per_peer != want_sends:
-                        raise Fail(f"{where}{direction} sent {per_peer or 'nothing'} (bytes per destination rank); "
-                                   f"an all-to-all sends every other rank exactly the one piece it needs, "
-                                   f"{piece:,} bytes each ({want_sends}), and keeps its own piece: (p-1)/p of "
-                                   f"the tensor in all, never the whole tensor.")
-            if p > 1 and per_rank[-1]["receives"] == 0:
-                raise Fail(f"world_size={p}: rank {rank} received no point-to-point message.")
+        inputs = []
+        for b, hp, n, d in trials:
+            X = _labelled(b, hp, n * p, d)
+            inputs.append([{"mine": X[:, :, r * n:(r + 1) * n].contiguous(),
+                            "heads": X[:, r * hp // p:(r + 1) * hp // p].contiguous()} for r in range(p)])
+        sealed.run_sealed(_ulysses_rank, fn, inputs, world_size=p, timeout=timeout,
+                          exercise=("ulysses_all_to_all", "all_to_all"), describe=describe,
+                          check=_check_ulysses(trials))
         count += len(trials)
     return (f"on world sizes 2, 3, 4 ({count} trials, both directions: every entry in its place, every rank "
             f"sent each other rank exactly its piece with point-to-point messages)")
@@ -238,38 +245,37 @@ def _ring_trials(seed, p):
             for _ in range(2)]
 
 
-def _ring_rank(fn, trials, seed, progress_dir):
-    rank, p = dist.get_rank(), dist.get_world_size()
-    results = []
-    with watch_comm("ring_attention_step", "the ring's K/V passing") as watch:
-        for i, (b, h, n, d, s) in enumerate(trials):
-            progress(progress_dir, i)
-            g = torch.Generator().manual_seed(s)
-            Q, K, V = (torch.randn(b, h, n * p, d, generator=g, dtype=torch.float64) for _ in range(3))
-            mine = slice(rank * n, (rank + 1) * n)
-            q, k, v = Q[:, :, mine].contiguous(), K[:, :, mine].contiguous(), V[:, :, mine].contiguous()
-            out = torch.zeros_like(q)
-            lse = torch.full(q.shape[:-1], -math.inf, dtype=q.dtype)
-            steps = []
-            for step in range(p):
-                sent = len(watch.sends)
-                returned = fn(q, k, v, out, lse, step)
-                if not (isinstance(returned, (tuple, list)) and len(returned) == 4):
-                    steps.append({"bad": type(returned).__name__})
-                    break
-                out, lse, k, v = returned
-                steps.append({"out": out.clone() if isinstance(out, torch.Tensor) else out,
-                              "lse": lse.clone() if isinstance(lse, torch.Tensor) else lse,
-                              "k": k.clone() if isinstance(k, torch.Tensor) else k,
-                              "v": v.clone() if isinstance(v, torch.Tensor) else v,
-                              "sends": watch.sends[sent:]})
-            results.append(steps)
-        results.append({"forbidden": list(watch.forbidden)})
-    return results
+def _ring_rank(fn, trials):
+    """In every sealed rank: p steps of the answer on this rank's q, k, v; each step a phase of its own."""
+    for i, t in enumerate(trials):
+        sealed.begin(i)
+        q, k, v = t["q"], t["k"], t["v"]
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:-1], -math.inf, dtype=q.dtype)
+        steps = []
+        for step in range(t["p"]):
+            sealed.phase(f"step {step}")
+            returned = fn(q, k, v, out, lse, step)
+            if not (isinstance(returned, (tuple, list)) and len(returned) == 4):
+                steps.append({"bad": type(returned).__name__})
+                break
+            out, lse, k, v = returned
+            steps.append({"out": out.clone() if isinstance(out, torch.Tensor) else out,
+                          "lse": lse.clone() if isinstance(lse, torch.Tensor) else lse,
+                          "k": k.clone() if isinstance(k, torch.Tensor) else k,
+                          "v": v.clone() if isinstance(v, torch.Tensor) else v})
+        sealed.phase("")
+        sealed.observe(i, steps)
+
+
+def _ring_qkv(shape, p):
+    b, h, n, d, s = shape
+    g = torch.Generator().manual_seed(s)
+    return [torch.randn(b, h, n * p, d, generator=g, dtype=torch.float64) for _ in range(3)]
 
 
 @exercise("ring_attention_step", "One step of causal ring attention", answer="ring_step",
-          notebook="05c_ring_attention_step")
+          notebook="05c_ring_attention_step", sealed=True)
 def check_ring_attention_step(fn, seed: int, timeout: float) -> str:
     """ring_step(q, k, v, out, lse, step) -> (out, lse, k_next, v_next): merge causal attention of my
     queries over the visiting block (from rank (rank - step) % p) into (out, lse), pass the block on."""
@@ -282,27 +288,32 @@ def check_ring_attention_step(fn, seed: int, timeout: float) -> str:
         def describe(world_size, i, trials=trials):
             b, h, n, d, _ = trials[i]
             return f"world_size={world_size}, {n} tokens per rank, q/k/v of {b} x {h} heads x {n} x {d}"
-        res = run_on_ranks(_ring_rank, fn, trials, seed, world_size=p, timeout=timeout, answer=fn, describe=describe)
-        for rank, per_rank in enumerate(res):
-            if per_rank[-1]["forbidden"]:
-                raise Forbidden(per_rank[-1]["forbidden"][0])
-            for i, steps in enumerate(per_rank[:-1]):
-                _check_ring_steps(fn.__name__, describe(p, i), rank, p, trials[i], steps)
+
+        def check(world_size, i, observed, traffic, trials=trials):
+            for rank, steps in sorted(observed.items()):
+                _check_ring_steps(fn.__name__, rank, world_size, trials[i], steps, traffic[rank]["sends_in"])
+        inputs = []
+        for t in trials:
+            mine = (lambda r, n=t[2]: slice(r * n, (r + 1) * n))
+            Q, K, V = _ring_qkv(t, p)
+            inputs.append([{"q": Q[:, :, mine(r)].contiguous(), "k": K[:, :, mine(r)].contiguous(),
+                            "v": V[:, :, mine(r)].contiguous(), "p": p} for r in range(p)])
+        sealed.run_sealed(_ring_rank, fn, inputs, world_size=p, timeout=timeout,
+                          exercise=("ring_attention_step", "the ring's K/V passing"), describe=describe, check=check)
         count += len(trials)
     return (f"on world sizes 2, 3, 4 ({count} rings, causal: after every step the running output and "
             f"log-sum-exp equal attention over the blocks seen so far, to 1e-9; K and V passed only to the "
             f"right neighbour, one block per step)")
 
 
-def _check_ring_steps(name, trial, rank, p, shape, steps):
+def _check_ring_steps(name, rank, p, shape, steps, sends_in):
     b, h, n, d, s = shape
-    g = torch.Generator().manual_seed(s)                  # the rank job's Q, K, V, drawn again
-    Q, K, V = (torch.randn(b, h, n * p, d, generator=g, dtype=torch.float64) for _ in range(3))
+    Q, K, V = _ring_qkv(shape, p)
     pos = torch.arange(n * p)
     q = Q[:, :, rank * n:(rank + 1) * n]
     right = (rank + 1) % p
     for step, got in enumerate(steps):
-        where = f"{trial}: rank {rank}, step {step}: "
+        where = f"rank {rank}, step {step}: "
         if "bad" in got:
             raise Fail(f"{where}{name} must return (out, lse, k_next, v_next), got {got['bad']}.")
         src = (rank - step) % p
@@ -323,7 +334,7 @@ def _check_ring_steps(name, trial, rank, p, shape, steps):
                         f"are all -inf, and exp(-inf - (-inf)) is nan. Skip a block whose keys all come after "
                         f"every query, or merge with a finite reference." if src > rank else rule)
             _compare(value, want, what, where, hint)
-        sends = got["sends"]
+        sends = sends_in.get(f"step {step}", [])
         others = sorted({dst for dst, _ in sends if dst != right})
         if others:
             raise Fail(f"{where}sent to rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))}: in a ring "

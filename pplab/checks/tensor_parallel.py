@@ -5,18 +5,18 @@
     vocab_parallel_ce     vocab_parallel_ce(logits_shard, targets, vocab_start, group=None) -> loss
     linear_traffic        linear_traffic(strategy, B, c_in, c_out) -> numbers sent per step
 
-Every check runs the answer on real gloo ranks (2 and 3, and 4 ranks split into two
+Every check runs the answer on sealed ranks (sealed.py; 2 and 3, and 4 ranks split into two
 sub-groups for f_g and the row layer), in float64, against the dense computation on one
-process (tolerance 1e-10). The ranks record every torch.distributed collective the answer
-makes (pplab.comm's included), with its size and whether it ran in forward or backward;
-the checker then compares values *and* that communication with Megatron's: f is the identity
+process (tolerance 1e-10). The checker's router records every collective the answer makes
+(pplab.comm's and torch.distributed's), with its size and the phase the job named (forward
+or backward); the checker then compares values *and* that communication with Megatron's: f is the identity
 forward and one all-reduce backward, g the reverse; the row layer all-reduces once forward and
 never backward; the cross-entropy never moves a [tokens, vocab] tensor. linear_traffic needs no
-ranks: seed 002's table for random shapes (its notebook measures the same numbers from a trace).
+ranks: the table of CMU 15-418's lecture 25 (model and pipeline parallelism) for random shapes
+(its notebook measures the same numbers from a trace).
 """
 from __future__ import annotations
 
-import contextlib
 import random
 
 import torch
@@ -24,69 +24,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .core import (Fail, call_answer, check_number, exercise, first_difference, progress, refuse_library,
-                   require_function, run_on_ranks)
+from . import sealed
+from .core import Fail, check_number, exercise, first_difference, refuse_library, require_function
 from .core import _fmt
 
 TOL = 1e-10
-_COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
-                "gather", "scatter", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
-                "all_to_all", "all_to_all_single")
-_SHORT = {"all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather", "reduce_scatter_tensor":
-          "reduce_scatter", "reduce_scatter_single": "reduce_scatter", "all_to_all_single": "all_to_all"}
-
-
-def _input_numel(name, args, kwargs):
-    """Elements this rank puts into a collective: the input of (output, input) forms, else the tensor."""
-    args = list(args) + list(kwargs.values())
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    lists = [a for a in args if isinstance(a, (list, tuple))]
-    if len(tensors) >= 2:
-        return tensors[1].numel()
-    if name in ("reduce_scatter", "all_to_all") and lists:
-        return sum(t.numel() for t in lists[-1])
-    return tensors[0].numel() if tensors else 0
-
-
-@contextlib.contextmanager
-def _record(calls: list, phase: dict):
-    """Inside a rank: log (phase, collective, elements) for every torch.distributed collective
-    (pplab.comm's too: its tensor forms are bound to torch's at import, so they are wrapped there)."""
-    from .core import comm
-    owners = [(dist, n) for n in _COLLECTIVES if hasattr(dist, n)]
-    owners += [(comm, n) for n in ("_all_gather_single", "_reduce_scatter_single") if hasattr(comm, n)]
-    saved = [(o, n, getattr(o, n)) for o, n in owners]
-
-    def wrap(name, original):
-        short = _SHORT.get(name.strip("_"), name.strip("_"))
-
-        def collective(*args, **kwargs):
-            if _depth["n"] == 0:
-                calls.append((phase["now"], short, _input_numel(short, args, kwargs)))
-            with _quiet():
-                return original(*args, **kwargs)
-        return collective
-
-    try:
-        for owner, name, original in saved:
-            setattr(owner, name, wrap(name, original))
-        yield
-    finally:
-        for owner, name, original in saved:
-            setattr(owner, name, original)
-
-
-_depth = {"n": 0}
-
-
-@contextlib.contextmanager
-def _quiet():
-    """A collective that calls another (all_gather_into_tensor -> all_gather_single) is logged once."""
-    _depth["n"] += 1
-    try:
-        yield
-    finally:
-        _depth["n"] -= 1
+_SHORT = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+          "all_to_all_single": "all_to_all"}
 
 
 def _groups(members):
@@ -110,18 +54,28 @@ def _trials(seed, sizes, sub_groups=True):
 
 
 def _where(t):
-    p, members, _ = t
+    p, members = t[0], t[1]
     return f"world_size={p}" + (f", sub-groups {members}" if members else "")
 
 
-def _run(job, fn, trials, timeout, *extra):
-    """Launch each trial; returns [(trial, [per-rank data])]."""
-    out = []
-    for t in trials:
-        res = run_on_ranks(job, fn, t, *extra, world_size=t[0], timeout=timeout, answer=fn,
-                           describe=lambda world_size, i, t=t: _where(t))
-        out.append((t, res))
-    return out
+def _launch(job, fn, t, inputs, timeout, exercise_id, probe=None):
+    """One trial on sealed ranks (inputs[rank]: that rank's only); each rank's observation, with
+    "calls": [(phase, collective, elements)] from the router's record (the data is float64 and
+    int64: 8 bytes an element)."""
+    kept = {}
+
+    def keep(p, i, observed, traffic):
+        kept.update({r: {**o, "calls": [(c["phase"], _SHORT.get(c["kind"], c["kind"]), c["bytes"] // 8)
+                                        for c in traffic[r]["collectives"]]}
+                     for r, o in observed.items()})
+    sealed.run_sealed(job, fn, [inputs], world_size=t[0], timeout=timeout, exercise=(exercise_id, ""), forbidden=(),
+                      probe=probe, describe=lambda world_size, i: _where(t), check=keep)
+    return [kept[r] for r in range(t[0])]
+
+
+def _member_ranks(members, p, rank):
+    """The ranks of `rank`'s group: all of them, or the sub-group it is in."""
+    return list(range(p)) if members is None else next(m for m in members if rank in m)
 
 
 def _close(got, want, what, where, hint=""):
@@ -144,39 +98,44 @@ def _comm(calls, phase):
 # Exercise "f_g"
 
 
-def _fg_rank(fn, trial, progress_dir):
-    p, members, seed = trial
-    progress(progress_dir, 0)
-    group, ranks = _groups(members)
+def _fg_shape(seed):
+    return (1 + seed % 3, 2 + seed % 5)
+
+
+def _fg_rank(fn, trials):
+    """In every sealed rank: f then g, forward and backward, each phase named for the router's record."""
+    t = trials[0]
+    sealed.begin(0)
+    group, ranks = _groups(t["members"])
     pair = fn()
     if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(callable(h) for h in pair)):
         got = f"a tuple of {len(pair)}" if isinstance(pair, (tuple, list)) else type(pair).__name__
-        return {"error": f"f_and_g() must return (f, g), two functions called as f(x, group); got {got}"}
+        sealed.observe(0, {"error": f"f_and_g() must return (f, g), two functions called as f(x, group); got {got}"})
+        return
     f, g = pair
-    r, calls, phase = dist.get_rank(), [], {"now": ""}
-    shape = (1 + seed % 3, 2 + seed % 5)
-    x = _data(seed, *shape).requires_grad_()                      # the same on every rank
-    w = _data(seed + 1 + r, *shape)                               # each rank's own upstream gradient
-    xg = _data(seed + 100 + r, *shape).requires_grad_()           # each rank's own partial result
-    with _record(calls, phase):
-        phase["now"] = "f forward"
-        y = f(x, group)
-        phase["now"] = "f backward"
-        (y * w).sum().backward()
-        phase["now"] = "g forward"
-        z = g(xg, group)
-        phase["now"] = "g backward"
-        (z * w).sum().backward()
-    return {"ranks": ranks, "x": x.detach(), "y": y.detach(), "x_grad": x.grad, "z": z.detach(),
-            "xg_grad": xg.grad, "calls": calls, "numel": x.numel()}
+    x, w, xg = t["x"].requires_grad_(), t["w"], t["xg"].requires_grad_()   # x: the same on every rank
+    sealed.phase("f forward")
+    y = f(x, group)
+    sealed.phase("f backward")
+    (y * w).sum().backward()
+    sealed.phase("g forward")
+    z = g(xg, group)
+    sealed.phase("g backward")
+    (z * w).sum().backward()
+    sealed.phase("")
+    sealed.observe(0, {"ranks": ranks, "x": x.detach(), "y": y.detach(), "x_grad": x.grad, "z": z.detach(),
+                       "xg_grad": xg.grad, "numel": x.numel()})
 
 
-@exercise("f_g", "Megatron's f and g: conjugate autograd operators", answer="f_and_g", notebook="03a_f_g")
+@exercise("f_g", "Megatron's f and g: conjugate autograd operators", answer="f_and_g", notebook="03a_f_g", sealed=True)
 def check_f_g(fn, seed: int, timeout: float) -> str:
     require_function(fn, "f_g", "")
     trials = _trials(seed, (2, 3))
-    for t, results in _run(_fg_rank, fn, trials, timeout):
-        seed_t = t[2]
+    for t in trials:
+        seed_t, shape = t[2], _fg_shape(t[2])
+        inputs = [{"members": t[1], "x": _data(seed_t, *shape), "w": _data(seed_t + 1 + r, *shape),
+                   "xg": _data(seed_t + 100 + r, *shape)} for r in range(t[0])]   # each rank's own gradient, part
+        results = _launch(_fg_rank, fn, t, inputs, timeout, "f_g")
         for r, res in enumerate(results):
             if "error" in res:
                 raise Fail(res["error"] + ".", seed_matters=False)
@@ -241,46 +200,62 @@ def _row_shapes(seed, p):
     return c_in, rng.randint(2, 6), rng.randint(1, 4), p == 2 or rng.random() < 0.75
 
 
-def _row_rank(fn, trial, progress_dir):
-    p, members, seed = trial
-    progress(progress_dir, 0)
-    group, ranks = _groups(members)
-    c_in, c_out, batch, bias = _row_shapes(seed, p)
-    r, q = ranks.index(dist.get_rank()), len(ranks)
-    torch.manual_seed(seed)
-    dense = nn.Linear(c_in, c_out, bias=bias).double()
+def _row_rank(fn, trials):
+    """In every sealed rank: the student's module from the dense layer, forward and backward."""
+    t = trials[0]
+    sealed.begin(0)
+    group, ranks = _groups(t["members"])
+    c_in, c_out = t["c_in"], t["c_out"]
+    dense = nn.Linear(c_in, c_out, bias=t["bias"] is not None).double()
+    with torch.no_grad():
+        dense.weight.copy_(t["weight"])
+        if t["bias"] is not None:
+            dense.bias.copy_(t["bias"])
     module = fn(dense, group)
     weight, b = getattr(module, "weight", None), getattr(module, "bias", None)
-    out = {"ranks": ranks, "r": r, "weight": None if weight is None else weight.detach().clone(),
+    out = {"ranks": ranks, "r": t["r"], "weight": None if weight is None else weight.detach().clone(),
            "bias": None if b is None else b.detach().clone(), "is_module": isinstance(module, nn.Module)}
-    a, e = _split(c_in, q, r)
-    fits = torch.tensor([int(weight is not None and tuple(weight.shape) == (c_out, e - a) and out["is_module"])])
+    x = t["x"].requires_grad_()
+    fits = torch.tensor([int(weight is not None and tuple(weight.shape) == (c_out, x.shape[1]) and out["is_module"])])
+    sealed.phase("setup")
     dist.all_reduce(fits, op=dist.ReduceOp.MIN)         # run forward only if every rank can (else: a hang)
-    if not fits.item():
-        return out                                                   # the checker says what is wrong
-    x = _data(seed + 1, batch, c_in)[:, a:e].clone().requires_grad_()
-    calls, phase = [], {"now": "forward"}
-    with _record(calls, phase):
+    if fits.item():
+        sealed.phase("forward")
         y = module(x)
-        phase["now"] = "backward"
-        (y * _data(seed + 2, batch, c_out)).sum().backward()
-    out.update(y=y.detach(), x_grad=x.grad, w_grad=weight.grad, b_grad=None if b is None else b.grad, calls=calls)
-    return out
+        sealed.phase("backward")
+        (y * t["upstream"]).sum().backward()
+        sealed.phase("")
+        out.update(y=y.detach(), x_grad=x.grad, w_grad=weight.grad, b_grad=None if b is None else b.grad)
+    sealed.observe(0, out)                               # the checker says what is wrong
 
 
-@exercise("row_parallel_linear", "A row-parallel Linear layer from a dense one", answer="row_parallel_from_dense",
-          notebook="03b_row_parallel")
-def check_row_parallel(fn, seed: int, timeout: float) -> str:
-    require_function(fn, "row_parallel_linear", "dense, group", nn.Linear(1, 1), None)
+def _refuse_row_parallel(fn) -> None:
+    """In the sealed rank: Forbidden if the answer uses the library's RowParallelLinear."""
     from .. import tensor_parallel
     refuse_library(fn, "row_parallel_linear", "the row-parallel layer",
                    {"RowParallelLinear": tensor_parallel.RowParallelLinear}, "pplab.tensor_parallel.RowParallelLinear")
+
+
+@exercise("row_parallel_linear", "A row-parallel Linear layer from a dense one", answer="row_parallel_from_dense",
+          notebook="03b_row_parallel", sealed=True,
+          preload=('pplab.tensor_parallel',))
+def check_row_parallel(fn, seed: int, timeout: float) -> str:
+    require_function(fn, "row_parallel_linear", "dense, group", nn.Linear(1, 1), None)
     trials = _trials(seed, (2, 3))
-    for t, results in _run(_row_rank, fn, trials, timeout):
+    for t in trials:
         c_in, c_out, batch, bias = _row_shapes(t[2], t[0])
         torch.manual_seed(t[2])
         dense = nn.Linear(c_in, c_out, bias=bias).double()
         x = _data(t[2] + 1, batch, c_in).requires_grad_()
+        inputs = []
+        for rank in range(t[0]):
+            ranks = _member_ranks(t[1], t[0], rank)
+            a, e = _split(c_in, len(ranks), ranks.index(rank))
+            inputs.append({"members": t[1], "r": ranks.index(rank), "c_in": c_in, "c_out": c_out,
+                           "weight": dense.weight.detach().clone(),
+                           "bias": dense.bias.detach().clone() if bias else None,
+                           "x": x.detach()[:, a:e].clone(), "upstream": _data(t[2] + 2, batch, c_out)})
+        results = _launch(_row_rank, fn, t, inputs, timeout, "row_parallel_linear", probe=_refuse_row_parallel)
         y = dense(x)
         (y * _data(t[2] + 2, batch, c_out)).sum().backward()
 
@@ -336,45 +311,48 @@ def _ce_shapes(seed, big):
     return rng.randint(2, 9), rng.randint(7, 40), (800.0 if big else 0.0)       # tokens, vocab, logit offset
 
 
-def _ce_rank(fn, trial, progress_dir):
-    p, _, seed, big = trial
-    progress(progress_dir, 0)
-    n, vocab, offset = _ce_shapes(seed, big)
-    r = dist.get_rank()
-    a, e = _split(vocab, p, r)
-    logits = _data(seed, n, vocab) * 3 + offset
-    targets = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed + 1))
-    shard = logits[:, a:e].clone().requires_grad_()
-    calls, phase = [], {"now": "forward"}
-    with _record(calls, phase):
-        loss = fn(shard, targets, a, None)
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            return {"error": f"vocab_parallel_ce must return the mean loss as a 1-element tensor, got "
-                             f"{type(loss).__name__} {getattr(loss, 'shape', '')}"}
-        phase["now"] = "backward"
-        if loss.requires_grad:
-            loss.backward()
-    return {"loss": loss.detach().reshape(()), "grad": shard.grad, "calls": calls, "shard": e - a}
+def _ce_rank(fn, trials):
+    """In every sealed rank: the loss of this rank's slice of the logits, then backward."""
+    t = trials[0]
+    sealed.begin(0)
+    shard = t["shard"].requires_grad_()
+    sealed.phase("forward")
+    loss = fn(shard, t["targets"], t["start"], None)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        sealed.observe(0, {"error": f"vocab_parallel_ce must return the mean loss as a 1-element tensor, got "
+                                    f"{type(loss).__name__} {getattr(loss, 'shape', '')}"})
+        return
+    sealed.phase("backward")
+    if loss.requires_grad:
+        loss.backward()
+    sealed.phase("")
+    sealed.observe(0, {"loss": loss.detach().reshape(()), "grad": shard.grad, "shard": shard.shape[1]})
 
 
-@exercise("vocab_parallel_ce", "Vocabulary-parallel cross-entropy that never gathers the logits",
-          answer="vocab_parallel_ce", notebook="03c_vocab_parallel_ce")
-def check_vocab_parallel_ce(fn, seed: int, timeout: float) -> str:
-    require_function(fn, "vocab_parallel_ce", "logits_shard, targets, vocab_start, group",
-                     torch.zeros(1, 1), torch.zeros(1, dtype=torch.long), 0, None)
+def _refuse_vocab_parallel_ce(fn) -> None:
+    """In the sealed rank: Forbidden if the answer uses the library's vocabulary-parallel loss."""
     from ..tensor_parallel import transformer as tpt
     refuse_library(fn, "vocab_parallel_ce", "the vocabulary-parallel loss",
                    {"vocab_parallel_cross_entropy": tpt.vocab_parallel_cross_entropy},
                    "pplab.tensor_parallel.transformer.vocab_parallel_cross_entropy")
+
+
+@exercise("vocab_parallel_ce", "Vocabulary-parallel cross-entropy that never gathers the logits",
+          answer="vocab_parallel_ce", notebook="03c_vocab_parallel_ce", sealed=True,
+          preload=('pplab.tensor_parallel.transformer',))
+def check_vocab_parallel_ce(fn, seed: int, timeout: float) -> str:
+    require_function(fn, "vocab_parallel_ce", "logits_shard, targets, vocab_start, group",
+                     torch.zeros(1, 1), torch.zeros(1, dtype=torch.long), 0, None)
     rng = random.Random(seed)
     trials = [(2, None, rng.randrange(2**31), False), (3, None, rng.randrange(2**31), False),
               (3, None, rng.randrange(2**31), True)]
     for t in trials:
         n, vocab, offset = _ce_shapes(t[2], t[3])
-        results = run_on_ranks(_ce_rank, fn, t, world_size=t[0], timeout=timeout, answer=fn,
-                               describe=lambda world_size, i, t=t: f"world_size={t[0]}")
         logits = (_data(t[2], n, vocab) * 3 + offset).requires_grad_()
         targets = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(t[2] + 1))
+        inputs = [{"shard": logits.detach()[:, a:e].clone(), "targets": targets, "start": a}
+                  for a, e in (_split(vocab, t[0], r) for r in range(t[0]))]
+        results = _launch(_ce_rank, fn, t, inputs, timeout, "vocab_parallel_ce", probe=_refuse_vocab_parallel_ce)
         loss = F.cross_entropy(logits, targets)
         loss.backward()
         for r, res in enumerate(results):
@@ -413,7 +391,7 @@ _STRATEGIES = ("data parallel", "column", "row")
 
 
 def _traffic(strategy, B, c_in, c_out):
-    """Seed 002's table (CMU 15-418, lecture 25), in numbers per step; an all-reduce of N counts 2N."""
+    """The table of CMU 15-418's lecture 25 (model and pipeline parallelism), in numbers per step; an all-reduce of N counts 2N."""
     return {"data parallel": 2 * c_out * c_in, "column": 2 * B * c_in, "row": 2 * B * c_out}[strategy]
 
 
@@ -437,8 +415,8 @@ def _hints_apart(strategy, B, c_in, c_out) -> bool:
     return len(set(wrong)) == len(wrong)
 
 
-@exercise("linear_traffic", "Seed 002's table: what each strategy sends for one Linear layer",
-          answer="linear_traffic", notebook="03d_linear_traffic")
+@exercise("linear_traffic", "The lecture's table: what each strategy sends for one Linear layer",
+          answer="linear_traffic", notebook="03d_linear_traffic", sealed=True)
 def check_linear_traffic(fn, seed: int, timeout: float) -> str:
     require_function(fn, "linear_traffic", "strategy, B, c_in, c_out", "row", 1, 1, 1)
     rng = random.Random(seed)
@@ -448,15 +426,18 @@ def check_linear_traffic(fn, seed: int, timeout: float) -> str:
         if all(_hints_apart(st, *shape) for st in _STRATEGIES):
             shapes.append(shape)
     shapes.append((4096, 64, 48))                             # a big batch: data parallelism wins
-    for B, c_in, c_out in shapes:
-        for strategy in _STRATEGIES:
-            where = f"B={B}, C_in={c_in}, C_out={c_out}, strategy {strategy!r}: "
-            got = call_answer(fn, strategy, B, c_in, c_out, where=where)
-            want = _traffic(strategy, B, c_in, c_out)
-            try:
-                check_number(got, want, what=f"{where}linear_traffic", rel_tol=1e-9, abs_tol=0.5)
-            except Fail as failure:
-                hint = next((h for wrong, h in _TRAFFIC_MISTAKES
-                             if isinstance(got, (int, float)) and got == wrong(strategy, B, c_in, c_out) != want), "")
-                raise Fail(f"{failure} {hint}".rstrip(), seed_matters=failure.seed_matters) from None
-    return f"({len(shapes)} shapes x 3 strategies, each equal to seed 002's table)"
+    cases = [(strategy, B, c_in, c_out) for B, c_in, c_out in shapes for strategy in _STRATEGIES]
+
+    def where_of(strategy, B, c_in, c_out):
+        return f"B={B}, C_in={c_in}, C_out={c_out}, strategy {strategy!r}: "
+    outs = sealed.call_each(fn, cases, where=lambda i: where_of(*cases[i]), timeout=timeout)
+    for (strategy, B, c_in, c_out), got in zip(cases, outs):
+        where = where_of(strategy, B, c_in, c_out)
+        want = _traffic(strategy, B, c_in, c_out)
+        try:
+            check_number(got, want, what=f"{where}linear_traffic", rel_tol=1e-9, abs_tol=0.5)
+        except Fail as failure:
+            hint = next((h for wrong, h in _TRAFFIC_MISTAKES
+                         if isinstance(got, (int, float)) and got == wrong(strategy, B, c_in, c_out) != want), "")
+            raise Fail(f"{failure} {hint}".rstrip(), seed_matters=failure.seed_matters) from None
+    return f"({len(shapes)} shapes x 3 strategies, each equal to the lecture's table (CMU 15-418, lecture 25: model and pipeline parallelism))"

@@ -4,7 +4,7 @@
     zero_bytes       zero_bytes(stage, psi, n, k) -> model-state bytes per rank
     stage3_unit      sharded_linear(x, shard, out_features, in_features) -> y
 
-zero1_step runs on 2 and 3 real ranks: a random flat float64 parameter vector (the same on
+zero1_step runs on 2 and 3 sealed ranks (sealed.py): a random flat float64 parameter vector (the same on
 every rank, length a multiple of the world size), a different random gradient on every rank
 at each of 3 steps. After every step each rank's flat_param must equal single-process AdamW
 on the mean gradient (to 1e-9); the optimizer each rank creates must be given only its shard
@@ -20,8 +20,9 @@ backward holds the gathered full parameters (their storage must be freed or not 
 the input's gradient, and that each rank's shard gradient is its piece of the global batch's
 gradient of [weight, bias] (the mean over ranks), to 1e-9.
 
-A rank job only records: what the answer returned, the optimizer sizes, the collectives it
-called, the bytes kept after forward. Every verdict is reached here, after the ranks return.
+A rank job only records: what the answer returned, the optimizer sizes, the bytes kept after
+forward; the collectives each rank called are the router's record. Every verdict is reached
+here, after the ranks return.
 """
 from __future__ import annotations
 
@@ -31,41 +32,12 @@ import math
 import random
 
 import torch
-import torch.distributed as dist
 
-from .core import Fail, Forbidden, check_number, exercise, first_difference, progress, refuse_library
-from .core import call_answer, require_function, run_on_ranks
+from . import sealed
+from .core import Fail, Forbidden, check_number, exercise, first_difference, refuse_library, require_function
 from .core import _fmt
 
 TOL = 1e-9
-_MISSING = object()
-
-
-@contextlib.contextmanager
-def _record_process_group_calls(names, record):
-    """Inside a rank: call record(name, args) before every ProcessGroup.<name> call (all collectives of
-    torch.distributed and pplab.comm end there, however they were imported). Restored on exit."""
-    saved = []
-    for name in names:
-        original = getattr(dist.ProcessGroup, name, None)
-        if original is None:
-            continue
-        saved.append((name, vars(dist.ProcessGroup).get(name, _MISSING)))
-
-        def wrapper(self, *args, _name=name, _original=original, **kwargs):
-            record(_name, args)
-            return _original(self, *args, **kwargs)
-        setattr(dist.ProcessGroup, name, wrapper)
-    try:
-        yield
-    finally:
-        for name, original in reversed(saved):
-            if original is _MISSING:
-                delattr(dist.ProcessGroup, name)
-            else:
-                setattr(dist.ProcessGroup, name, original)
-
-
 # ----------------------------------------------------------------------------------
 # Exercise "zero1_step"
 
@@ -90,12 +62,11 @@ def _start(trial):
     return torch.randn(trial["n"], generator=g, dtype=torch.float64)
 
 
-def _zero1_rank(fn, trials, steps, progress_dir):
-    rank = dist.get_rank()
-    out = []
+def _zero1_rank(fn, trials):
+    """In every sealed rank: make_zero1 on the trial's flat parameter, then a step per gradient of this rank."""
     for i, trial in enumerate(trials):
-        progress(progress_dir, i)
-        sizes, calls = [], []
+        sealed.begin(i)
+        sizes = []
 
         class AdamWOfThisCheck(torch.optim.AdamW):     # records what each rank asks it to optimize
             def __init__(self, params, *args, **kwargs):
@@ -105,15 +76,49 @@ def _zero1_rank(fn, trials, steps, progress_dir):
                 sizes.append(sum(t.numel() for t in tensors))
                 super().__init__(params, lr=LR, weight_decay=WD)
 
-        flat = _start(trial)
-        history = []
-        with _record_process_group_calls(("allreduce", "allreduce_coalesced"), lambda n, a: calls.append(n)):
-            step = fn(flat, AdamWOfThisCheck)
-            for s in range(steps):
-                step(_grad(trial, s, rank, trial["n"]))
-                history.append(flat.clone())
-        out.append({"history": history, "sizes": sizes, "all_reduces": len(calls)})
-    return out
+        flat, history = trial["flat"], []
+        step = fn(flat, AdamWOfThisCheck)
+        for grad in trial["grads"]:
+            step(grad)
+            history.append(flat.clone())
+        sealed.observe(i, {"history": history, "sizes": sizes})
+
+
+def _check_zero1(trials, steps):
+    """check(p, i, observed, traffic), here: no all-reduce, one shard per optimizer, AdamW's values."""
+    def check(p, i, observed, traffic):
+        trial = trials[i]
+        n = trial["n"]
+        for rank in sorted(observed):
+            if any(c["kind"] == "all_reduce" for c in traffic[rank]["collectives"]):
+                raise Forbidden(f"exercise 'zero1_step' asks for ZeRO stage 1 without an all-reduce: rank "
+                                f"{rank} called one. Reduce-scatter the gradient instead "
+                                f"(comm.reduce_scatter_tensor): each rank receives the sum of its own shard only, "
+                                f"half the bytes of an all-reduce, and all it needs for its step.")
+            if observed[rank]["sizes"] != [n // p]:
+                raise Fail(f"rank {rank} gave its optimizer {observed[rank]['sizes'] or 'nothing'} element(s) "
+                           f"(per optimizer created); ZeRO-1 gives each rank's optimizer only its own shard, "
+                           f"{n // p} = {n}/{p} elements (flat_param[rank*{n // p}:(rank+1)*{n // p}]), so the "
+                           f"optimizer state is split over the ranks.")
+        want = _zero1_reference(trial, p, steps)
+        for rank in sorted(observed):
+            for s, (mine, ref) in enumerate(zip(observed[rank]["history"], want)):
+                diff = first_difference(mine, ref, atol=TOL, rtol=TOL)
+                if diff is None:
+                    continue
+                j, a, b = diff
+                owner = j // (n // p)
+                hint = ""
+                if owner != rank and any(first_difference(observed[q]["history"][s], ref, atol=TOL, rtol=TOL)
+                                         is None for q in observed if q != rank):
+                    hint = (f" Other ranks are right: rank {rank} did not receive the other ranks' updated "
+                            f"shards. All-gather the shards into flat_param on every rank.")
+                elif owner == rank:
+                    hint = (" That is this rank's own shard: step it with the mean of the ranks' gradients "
+                            "(reduce-scatter sums them: divide by the world size).")
+                raise Fail(f"after step {s + 1}, rank {rank}'s flat_param[{j}] (in rank {owner}'s shard) "
+                           f"is {_fmt(a)}, expected {_fmt(b)} (single-process AdamW on the mean gradient).{hint}")
+    return check
 
 
 def _zero1_reference(trial, p, steps):
@@ -129,7 +134,7 @@ def _zero1_reference(trial, p, steps):
 
 
 @exercise("zero1_step", "ZeRO stage 1: reduce-scatter, step my shard, all-gather", answer="make_zero1",
-          notebook="06a_zero1_step")
+          notebook="06a_zero1_step", sealed=True)
 def check_zero1_step(fn, seed: int, timeout: float) -> str:
     """make_zero1(flat_param, optimizer_class) -> step(flat_grad): after each step, flat_param on
     every rank = single-process AdamW on the mean gradient; each optimizer holds one shard."""
@@ -140,41 +145,10 @@ def check_zero1_step(fn, seed: int, timeout: float) -> str:
 
         def describe(world_size, i, trials=trials):
             return f"world_size={world_size}, flat_param of {trials[i]['n']} elements"
-        results = run_on_ranks(_zero1_rank, fn, trials, steps, world_size=p, timeout=timeout, answer=fn,
-                               describe=describe)
-        for i, trial in enumerate(trials):
-            n, where = trial["n"], describe(p, i) + ": "
-            for rank in range(p):
-                got = results[rank][i]
-                if got["all_reduces"]:
-                    raise Forbidden(f"exercise 'zero1_step' asks for ZeRO stage 1 without an all-reduce: rank "
-                                    f"{rank} called one. Reduce-scatter the gradient instead "
-                                    f"(comm.reduce_scatter_tensor): each rank receives the sum of its own shard only, "
-                                    f"half the bytes of an all-reduce, and all it needs for its step.")
-                if got["sizes"] != [n // p]:
-                    raise Fail(f"{where}rank {rank} gave its optimizer {got['sizes'] or 'nothing'} element(s) "
-                               f"(per optimizer created); ZeRO-1 gives each rank's optimizer only its own shard, "
-                               f"{n // p} = {n}/{p} elements (flat_param[rank*{n // p}:(rank+1)*{n // p}]), so the "
-                               f"optimizer state is split over the ranks.")
-            want = _zero1_reference(trial, p, steps)
-            for rank in range(p):
-                for s, (mine, ref) in enumerate(zip(results[rank][i]["history"], want)):
-                    diff = first_difference(mine, ref, atol=TOL, rtol=TOL)
-                    if diff is None:
-                        continue
-                    j, a, b = diff
-                    owner = j // (n // p)
-                    hint = ""
-                    if owner != rank and any(first_difference(results[q][i]["history"][s], ref, atol=TOL,
-                                                              rtol=TOL) is None for q in range(p) if q != rank):
-                        hint = (f" Other ranks are right: rank {rank} did not receive the other ranks' updated "
-                                f"shards. All-gather the shards into flat_param on every rank.")
-                    elif owner == rank:
-                        hint = (" That is this rank's own shard: step it with the mean of the ranks' gradients "
-                                "(reduce-scatter sums them: divide by the world size).")
-                    raise Fail(f"{where}after step {s + 1}, rank {rank}'s flat_param[{j}] (in rank {owner}'s shard) "
-                               f"is {_fmt(a)}, expected {_fmt(b)} (single-process AdamW on the mean gradient)."
-                               f"{hint}")
+        inputs = [[{"flat": _start(t), "grads": [_grad(t, s, r, t["n"]) for s in range(steps)]} for r in range(p)]
+                  for t in trials]
+        sealed.run_sealed(_zero1_rank, fn, inputs, world_size=p, timeout=timeout, exercise=("zero1_step", "ZeRO-1"),
+                          forbidden=(), describe=describe, check=_check_zero1(trials, steps))
     return ("on world sizes 2 and 3 (4 random flat parameters, 3 steps each: flat_param = single-process AdamW on "
             "the mean gradient to 1e-9, each optimizer given only its shard, no all-reduce)")
 
@@ -188,21 +162,27 @@ def _zero_bytes(stage, psi, n, k):
     return 2 * psi / (n if stage >= 3 else 1) + 2 * psi / (n if stage >= 2 else 1) + k * psi / (n if stage >= 1 else 1)
 
 
-@exercise("zero_bytes", "ZeRO's model-state bytes per rank, stage by stage", answer="zero_bytes",
-          notebook="06b_zero_bytes")
-def check_zero_bytes(fn, seed: int, timeout: float) -> str:
-    """zero_bytes(stage, psi, n, k) = bytes of parameters + gradients + optimizer state per rank."""
-    require_function(fn, "zero_bytes", "stage, psi, n, k", 1, 10, 2, 12)
+def _refuse_model_state_bytes(fn) -> None:
+    """In the sealed rank: Forbidden if the answer asks pplab.zero for the bytes."""
     from ..zero import model_state_bytes              # loaded only when this check runs
     refuse_library(fn, "zero_bytes", "the bytes per rank", {"model_state_bytes": model_state_bytes},
                    "pplab.zero.model_state_bytes")
+
+
+@exercise("zero_bytes", "ZeRO's model-state bytes per rank, stage by stage", answer="zero_bytes",
+          notebook="06b_zero_bytes", sealed=True,
+          preload=('pplab.zero',))
+def check_zero_bytes(fn, seed: int, timeout: float) -> str:
+    """zero_bytes(stage, psi, n, k) = bytes of parameters + gradients + optimizer state per rank."""
+    require_function(fn, "zero_bytes", "stage, psi, n, k", 1, 10, 2, 12)
     rng = random.Random(seed)
     cases = [(s, 7.5e9, 64, 12) for s in range(4)]
     cases += [(s, rng.choice([1e6, 3.3e8, 1.75e11]) * rng.randint(1, 9), rng.choice([2, 3, 8, 100, 1024]),
                rng.choice([4, 8, 12, 16])) for s in range(4) for _ in range(3)]
     cases += [(s, rng.randint(10, 1000) * 1e6, 1, 12) for s in range(4)]
-    for stage, psi, n, k in cases:
-        got = call_answer(fn, stage, psi, n, k, where=f"stage={stage}, Ψ={psi:.4g}, N={n}, K={k}: ")
+    outs = sealed.call_each(fn, cases, where=lambda i: "stage={}, Ψ={:.4g}, N={}, K={}: ".format(*cases[i]),
+                            timeout=timeout, probe=_refuse_model_state_bytes)
+    for (stage, psi, n, k), got in zip(cases, outs):
         want = _zero_bytes(stage, psi, n, k)
         try:
             check_number(got, want, what=f"stage={stage}, Ψ={psi:.4g}, N={n}, K={k}: bytes per rank")
@@ -285,24 +265,20 @@ def _saved_by_autograd(y):
     return found
 
 
-def _unit_rank(fn, trials, progress_dir):
-    rank, p = dist.get_rank(), dist.get_world_size()
-    out = []
+def _unit_rank(fn, trials):
+    """In every sealed rank: sharded_linear on this rank's input and shard, then backward; where the
+    all-gathers wrote, and how much of it autograd keeps after forward."""
     for i, trial in enumerate(trials):
-        progress(progress_dir, i)
-        flat, xs = _unit_data(trial, p)
-        size = flat.numel() // p
-        shard = torch.nn.Parameter(flat[rank * size:(rank + 1) * size].clone())
-        x = xs[rank].clone().requires_grad_(True)
+        sealed.begin(i)
+        shard = torch.nn.Parameter(trial["shard"])
+        x = trial["x"].requires_grad_(True)
         gathered = []                                   # (data_ptr, nbytes) of every all-gather's output
 
-        def record(name, args):
-            outs = args[0]
-            tensors = [outs] if isinstance(outs, torch.Tensor) else [t for group in outs for t in
-                                                                       (group if isinstance(group, list) else [group])]
-            gathered.extend((t.data_ptr(), t.numel() * t.element_size()) for t in tensors)
-        names = ("all_gather_single", "_allgather_base", "allgather", "allgather_into_tensor_coalesced")
-        with _record_process_group_calls(names, record):
+        def record(kind, into):
+            if kind in ("all_gather_into_tensor", "all_gather") and into is not None:
+                tensors = into if isinstance(into, list) else [into]
+                gathered.extend((t.data_ptr(), t.numel() * t.element_size()) for t in tensors)
+        with sealed.watch_collectives(record):
             y = fn(x, shard, trial["out"], trial["in"])
             gathers_in_forward = len(gathered)
             gc.collect()
@@ -320,12 +296,11 @@ def _unit_rank(fn, trials, progress_dir):
                 y.sum().backward()                      # this rank's loss; the shard's gradient = the mean over ranks
                 result["x_grad"] = None if x.grad is None else x.grad.clone()
                 result["shard_grad"] = None if shard.grad is None else shard.grad.clone()
-        out.append(result)
-    return out
+        sealed.observe(i, result)
 
 
 @exercise("stage3_unit", "ZeRO stage 3: gather, compute, free one layer; reduce-scatter its gradient",
-          answer="sharded_linear", notebook="06c_stage3_unit")
+          answer="sharded_linear", notebook="06c_stage3_unit", sealed=True)
 def check_stage3_unit(fn, seed: int, timeout: float) -> str:
     """sharded_linear(x, shard, out_features, in_features) -> x @ W.T + b, where [W, b] is gathered
     from every rank's shard for the forward, not kept after it, and gathered again for backward."""
@@ -336,14 +311,22 @@ def check_stage3_unit(fn, seed: int, timeout: float) -> str:
         def describe(world_size, i, trials=trials):
             t = trials[i]
             return f"world_size={world_size}, Linear({t['in']}, {t['out']}), local batch {t['batch']}"
-        results = run_on_ranks(_unit_rank, fn, trials, world_size=p, timeout=timeout, answer=fn, describe=describe)
-        for i, trial in enumerate(trials):
-            _check_unit_trial(fn, trial, p, [results[r][i] for r in range(p)], describe(p, i) + ": ")
+        inputs = []
+        for t in trials:
+            flat, xs = _unit_data(t, p)
+            size = flat.numel() // p
+            inputs.append([{"shard": flat[r * size:(r + 1) * size].clone(), "x": xs[r].clone(), "out": t["out"],
+                            "in": t["in"]} for r in range(p)])
+
+        def check(world_size, i, observed, traffic, trials=trials):
+            _check_unit_trial(fn, trials[i], world_size, observed)
+        sealed.run_sealed(_unit_rank, fn, inputs, world_size=p, timeout=timeout, exercise=("stage3_unit", "ZeRO-3"),
+                          forbidden=(), describe=describe, check=check)
     return ("on world sizes 2 and 3 (4 random Linear layers: output and gradients to 1e-9, the gathered "
             "parameters not kept for backward, each shard's gradient the mean over ranks)")
 
 
-def _check_unit_trial(fn, trial, p, got, where):
+def _check_unit_trial(fn, trial, p, got, where=""):
     flat, xs = _unit_data(trial, p)
     o, i = trial["out"], trial["in"]
     W = flat[:o * i].view(o, i).clone().requires_grad_(True)
@@ -354,7 +337,7 @@ def _check_unit_trial(fn, trial, p, got, where):
     size = flat.numel() // p
     full_grad = torch.zeros_like(flat)
     full_grad[:o * i], full_grad[o * i:o * i + o] = W.grad.flatten() / p, b.grad / p
-    for rank, r in enumerate(got):
+    for rank, r in sorted(got.items()):
         if not isinstance(r["y"], torch.Tensor):
             raise Fail(f"{where}{fn.__name__} must return a tensor (x @ W.T + b), got {r['y']}.", seed_matters=False)
         want_y = Y[rank * trial["batch"]:(rank + 1) * trial["batch"]].detach()
