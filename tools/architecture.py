@@ -142,10 +142,10 @@ def diagram(edges) -> str:
                 tops.setdefault(a, set()).add(b)
         tops.setdefault(top(mod), set())
     lines = ["```mermaid", "graph BT"]
-    for name, members in LAYERS:
+    for floor, (name, members) in enumerate(LAYERS):
         present = [m for m in members if m in tops]
         if present:
-            lines.append(f"  subgraph {name}")
+            lines.append(f'  subgraph floor{floor}["{name}"]')
             lines += [f"    {m}" for m in present]
             lines.append("  end")
     for a in sorted(tops):
