@@ -134,6 +134,16 @@ def test_one_grading_run_survives_every_kind_of_hostile_submission(tmp_path):
     # 9. output without end: a cell that prints 1 MB lines until its timeout
     _write(subs / "floods_output.ipynb", "from pplab import comm", good,
            "import sys\nwhile True:\n    sys.stdout.write('x' * (1 << 20) + '\\n')")
+    # 10. attacks from inside the answer, on the check's own ranks (tests/test_checks_sealed.py):
+    #     the seed through frames and the heap, a forbidden call's record erased, the backend
+    #     object, the functional collectives, a file shared between ranks
+    import inspect
+    import test_checks_sealed as sealed_attacks
+    for attack in (sealed_attacks.steals_from_frames, sealed_attacks.erases_the_record, sealed_attacks.uses_the_backend,
+                   sealed_attacks.uses_functional_collectives, sealed_attacks.shares_a_file):
+        code = inspect.getsource(attack).replace(f"def {attack.__name__}(", "def my_broadcast(", 1)
+        _write(subs / f"rank_{attack.__name__}.ipynb", sealed_attacks.IMPORTS, inspect.getsource(sealed_attacks._token),
+               code)
     _write(subs / "zz_good.ipynb", "from pplab import comm", good,
            markdown=["My written answer: the tree needs ceil(log2 p) rounds."])
 
@@ -163,7 +173,8 @@ def test_one_grading_run_survives_every_kind_of_hostile_submission(tmp_path):
         "no_source": "missing", "deep_nesting": "0", "binary": "missing", "nbformat3": "missing",
         "not_json": "missing", "writes_environment": "0", "daemon": "0", "linked": "missing", "'=1+1": "0",
         "forges_notes": "0", "copies_a_classmate": "0", "imports_checker": "0", "in_a_block": "missing",
-        "floods_output": "1"}, rows
+        "floods_output": "1", "rank_steals_from_frames": "0", "rank_erases_the_record": "0",
+        "rank_uses_the_backend": "0", "rank_uses_functional_collectives": "0", "rank_shares_a_file": "0"}, rows
     notes = {s: r["notes"] for s, r in rows.items()}
     assert "cell 1 is not a well-formed cell (no cell_type or source): skipped" in notes["no_source"]
     assert "cell 2 could not be read by Python's parser (RecursionError)" in notes["huge_expression"]
@@ -174,7 +185,10 @@ def test_one_grading_run_survives_every_kind_of_hostile_submission(tmp_path):
     assert "uses `pplab.checks`" in notes["imports_checker"] and "gets no mark" in notes["imports_checker"]
     assert "my_broadcast is defined inside an `if` block (cell 2, line 2)" in notes["in_a_block"]
     assert "cell 3 timed out after 25 s" in notes["floods_output"]
-    assert "summary: 17 student(s)" in run.stderr
+    assert "a check's ranks have no process group" in notes["rank_uses_the_backend"]
+    assert "torch.distributed._functional_collectives" in notes["rank_uses_functional_collectives"]
+    assert "you called torch.distributed.all_reduce" in notes["rank_erases_the_record"]
+    assert "summary: 22 student(s)" in run.stderr
     assert (tmp_path / "grades_answers" / "zz_good.md").read_text().count("ceil(log2 p)") == 1
     assert time.monotonic() - started < 500
 

@@ -3,7 +3,8 @@
 `isolate()` runs in each rank before any student code: new user, mount, network and PID
 namespaces (the rank is root only inside them, sees no other process, has no network
 and no socket another rank can reach), the root filesystem read-only, private tmpfs on
-/tmp and /dev/shm (the rank's working folder is /tmp/work), then a nested user and mount
+/tmp and /dev/shm (the rank's working folder is /tmp/work; Python, pplab and the folders on
+sys.path stay readable where they lie there), then a nested user and mount
 namespace, which locks those mounts: the rank cannot remount them writable or unmount
 its tmpfs. Ranks therefore share no file and no socket, cannot signal or ptrace each
 other, and (non-dumpable) no process may read their memory.
@@ -67,6 +68,19 @@ def _mounts() -> list:
     return found
 
 
+def _needed_under(hidden) -> list:
+    """Folders the rank must still read that lie in a folder it gets a private copy of (a
+    checkout, or a virtual environment, in /tmp): Python's installation, the folders on
+    sys.path (pplab, the tests), outermost first and none inside another."""
+    import sys
+
+    places = {sys.prefix, sys.base_prefix, os.path.dirname(os.path.dirname(os.path.realpath(sys.executable)))}
+    places |= {p for p in sys.path if p}
+    under = [os.path.realpath(p) for p in places if os.path.isdir(p)
+             and any(os.path.realpath(p).startswith(h + "/") for h in hidden)]     # never all of /tmp
+    return sorted(p for p in set(under) if not any(p != q and p.startswith(q + "/") for q in under))
+
+
 def isolate() -> str:
     """Namespaces for this rank (see the module docstring). Returns what could not be done
     ("" if everything was). Forks once: the caller continues as PID 1 of a new namespace,
@@ -97,11 +111,21 @@ def isolate() -> str:
         except OSError:
             if point == "/":
                 missing.append("read-only root")
+    kept = {path: os.open(path, os.O_PATH | os.O_DIRECTORY) for path in _needed_under(("/tmp", "/dev/shm"))}
     for point in ("/tmp", "/dev/shm"):
         try:
             _mount("tmpfs", point, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=256m,mode=1777")
         except OSError:
             missing.append(f"private {point}")
+    for path, fd in kept.items():                        # Python, pplab, sys.path: back, read-only
+        try:
+            os.makedirs(path, exist_ok=True)
+            _mount(f"/proc/self/fd/{fd}", path, None, _MS_BIND | _MS_REC)
+            _mount(None, path, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
+        except OSError:
+            missing.append(f"{path} (read-only)")
+        finally:
+            os.close(fd)
     try:                                                 # lock the mounts: a namespace below cannot undo them
         _call(_libc().unshare(_CLONE_NEWUSER | _CLONE_NEWNS), "unshare (nested)")
         _map_root(0, 0)
