@@ -84,7 +84,7 @@ MUTANTS = [
     Mutant("pplab/collectives.py", "stay = ranks[1:2 * rem:2] + ranks[2 * rem:]",
            "stay = ranks[0:2 * rem:2] + ranks[2 * rem:]", COLL, "fold to a power of two: the wrong ranks stay"),
     # comm.py: the traced point-to-point layer
-    Mutant("pplab/comm.py", "bytes_sent=n if sending else 0, bytes_recv=0 if sending else n, peer=peer,",
+    Mutant("pplab/runtime/comm.py", "bytes_sent=n if sending else 0, bytes_recv=0 if sending else n, peer=peer,",
            "bytes_sent=n if sending else 0, bytes_recv=n if sending else 0, peer=peer,",
            T("test_collectives", "test_trace"), "trace: a send counted as received bytes"),
     # data_parallel.py
