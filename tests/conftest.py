@@ -1,4 +1,6 @@
+import contextlib
 import os
+import signal
 
 import matplotlib
 import pytest
@@ -62,3 +64,18 @@ def no_leftover_processes():
 # Notebooks under fixtures/ are inputs of the grading tests (attacks among them), not
 # notebooks to run under nbval.
 collect_ignore = ["fixtures"]
+
+
+@contextlib.contextmanager
+def interrupt_after(seconds):
+    """Raise KeyboardInterrupt in this process after `seconds`, as Ctrl-C (or Jupyter's stop) would."""
+    def raise_interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, raise_interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)

@@ -6,7 +6,9 @@ backend's collective run on a copy of the same data. Tolerances (the additions h
 in a different order): float32 rtol=atol=1e-5, float64 rtol=atol=1e-12, int64 exact.
 """
 import math
+import queue
 import re
+import threading
 from pathlib import Path
 
 import pytest
@@ -23,6 +25,195 @@ ALGOS = C.ALL_REDUCE_ALGORITHMS
 TOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.int64: 0}
 REF_OP = {"sum": dist.ReduceOp.SUM, "product": dist.ReduceOp.PRODUCT,
           "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+# ----------------------------------------------------------------------------------
+# Who talks to whom, in seconds. On gloo a send waits for its receive, so an algorithm that
+# receives from the wrong peer at p >= 3 deadlocks (at p = 2 the only peer is the right one):
+# a launch sees that only when its timeout expires. Here the ranks' algorithms run as threads
+# of this process over mailboxes, one queue per (sender, receiver): a receive that waits more
+# than WAIT seconds fails with the pair named, and the data (different for every sender and
+# receiver, uneven sizes) is compared with values written by hand. The group's global ranks
+# are not 0..p-1, so a local index used as a global rank shows too. These come first in the
+# file: a run stopped at the first failure names the wrong peer before a launch hangs on it.
+
+WAIT = 2.0
+
+
+class _Mailboxes:
+    """Stands in for pplab.comm inside pplab.collectives: send, recv, isend, irecv over queues."""
+
+    class _Done:
+        def __init__(self, finish=None):
+            self._finish = finish
+
+        def wait(self):
+            if self._finish:
+                self._finish()
+
+    def __init__(self):
+        self.boxes, self.me = {}, threading.local()
+        self.lock = threading.Lock()
+
+    def _box(self, src, dst):
+        with self.lock:
+            return self.boxes.setdefault((src, dst), queue.Queue())
+
+    def send(self, tensor, dst, group=None, tag=0):
+        assert dst != self.me.rank, f"rank {dst} sends to itself"
+        self._box(self.me.rank, dst).put(tensor.detach().clone())
+
+    def recv(self, tensor, src, group=None, tag=0):
+        me = self.me.rank
+        try:
+            got = self._box(src, me).get(timeout=WAIT)
+        except queue.Empty:
+            raise AssertionError(f"rank {me} waited {WAIT} s for a message from rank {src}, which never sent "
+                                 f"it one: a receive from the wrong peer (on gloo: a deadlock)") from None
+        assert got.shape == tensor.shape, f"rank {me} expected {tuple(tensor.shape)} from {src}, got {tuple(got.shape)}"
+        tensor.copy_(got)
+
+    def isend(self, tensor, dst, group=None, tag=0):
+        self.send(tensor, dst, group, tag)
+        return self._Done()
+
+    def irecv(self, tensor, src, group=None, tag=0):
+        return self._Done(lambda: self.recv(tensor, src, group, tag))     # waited on by the same rank
+
+
+def _run_ranks(monkeypatch, ranks, body, boxes=None):
+    """body(me) on a thread per rank of the group (me = index in ranks); their results, in order."""
+    boxes = boxes or _Mailboxes()
+    monkeypatch.setattr(C, "comm", boxes)
+    results, errors = [None] * len(ranks), [None] * len(ranks)
+
+    def run(me):
+        boxes.me.rank = ranks[me]
+        try:
+            results[me] = body(me)
+        except BaseException as exc:                   # noqa: BLE001 (reported below, by rank)
+            errors[me] = exc
+
+    threads = [threading.Thread(target=run, args=(me,), daemon=True) for me in range(len(ranks))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT * 4 * len(ranks))
+    assert not any(t.is_alive() for t in threads), "a rank never finished"
+    for me, exc in enumerate(errors):
+        if exc is not None:
+            raise AssertionError(f"rank {ranks[me]} (index {me}): {exc}") from exc
+    leftover = {k: q.qsize() for k, q in boxes.boxes.items() if q.qsize()}
+    assert not leftover, f"messages sent but never received (sender, receiver): {leftover}"
+    return results
+
+
+GROUPS = [[4, 0, 2], [1, 5, 3, 6], [0, 1, 2, 3, 4]]         # p = 3, 4, 5; not in order, not 0..p-1
+
+
+def _rows(p):
+    """rows[i][j]: rows the i-th rank sends the j-th; 0 to 3, differing per pair (some 0)."""
+    return [[(2 * i + 3 * j + i * j) % 4 for j in range(p)] for i in range(p)]
+
+
+@pytest.mark.parametrize("ranks", GROUPS, ids=lambda r: f"p{len(r)}")
+def test_pairwise_all_to_all_takes_each_piece_from_its_sender(monkeypatch, ranks):
+    p, rows = len(ranks), _rows(len(ranks))
+
+    def body(me):                                  # my piece for the j-th rank: rows of 100·me + j
+        ins = [torch.full((rows[me][j], 2), 100.0 * me + j) for j in range(p)]
+        outs = [torch.full((rows[i][me], 2), -1.0) for i in range(p)]
+        C._pairwise_all_to_all(outs, ins, ranks, me, None)
+        return outs
+
+    for me, outs in enumerate(_run_ranks(monkeypatch, ranks, body)):
+        for i, piece in enumerate(outs):          # from the i-th rank: its piece for me
+            assert piece.tolist() == [[100.0 * i + me] * 2] * rows[i][me], (me, i, piece)
+
+
+@pytest.mark.parametrize("ranks", GROUPS, ids=lambda r: f"p{len(r)}")
+def test_ring_all_gather_and_reduce_scatter_by_hand(monkeypatch, ranks):
+    p = len(ranks)
+    sizes = [len(c) for c in torch.arange(2 * p + 1).tensor_split(p)]     # uneven: the first chunks larger
+
+    def gather(me):                                # I hold my chunk (10·me + k); the others are unknown
+        chunks = [torch.full((n,), -1.0) for n in sizes]
+        chunks[me].copy_(10.0 * me + torch.arange(sizes[me]))
+        C._ring_all_gather(chunks, ranks, me, None)
+        return chunks
+
+    for me, chunks in enumerate(_run_ranks(monkeypatch, ranks, gather)):
+        for i, c in enumerate(chunks):
+            assert c.tolist() == (10.0 * i + torch.arange(sizes[i])).tolist(), (me, i)
+
+    def scatter(me):                               # my part of chunk i: 1000·(me+1) + i, summed over ranks
+        chunks = [torch.full((n,), 1000.0 * (me + 1) + i) for i, n in enumerate(sizes)]
+        C._ring_reduce_scatter(chunks, ranks, me, None, "sum")
+        return chunks[me]
+
+    total = 1000.0 * p * (p + 1) / 2
+    for me, mine in enumerate(_run_ranks(monkeypatch, ranks, scatter)):
+        assert mine.tolist() == [total + p * me] * sizes[me], me
+
+
+@pytest.mark.parametrize("ranks", GROUPS, ids=lambda r: f"p{len(r)}")
+def test_scatter_and_gather_by_hand_with_one_element_pieces(monkeypatch, ranks):
+    """The root's pieces have one element each (the smallest that must still travel): the
+    i-th rank ends with piece i, and gather brings each rank's piece back into slot i."""
+    p, root = len(ranks), ranks[1]
+    boxes = _Mailboxes()
+    boxes.rank = lambda group=None: boxes.me.rank
+    boxes.group_ranks = lambda group=None: tuple(ranks)
+    monkeypatch.setattr(C, "_setup", lambda kind, group, tensor, problems=(), **call: (list(ranks),
+                                                                                       ranks.index(boxes.me.rank)))
+
+    def scatter_then_gather(me):
+        mine = torch.full((1,), -1.0)
+        pieces = [torch.full((1,), 10.0 + j) for j in range(p)] if ranks[me] == root else None
+        C.scatter(mine, pieces, src=root)
+        back = [torch.full((1,), -1.0) for _ in range(p)] if ranks[me] == root else None
+        C.gather(mine * 2, back, dst=root)
+        return mine.item(), back
+
+    for me, (mine, back) in enumerate(_run_ranks(monkeypatch, ranks, scatter_then_gather, boxes)):
+        assert mine == 10.0 + me, (me, mine)
+        if ranks[me] == root:
+            assert [t.item() for t in back] == [2 * (10.0 + j) for j in range(p)]
+
+
+@pytest.mark.parametrize("ranks", GROUPS, ids=lambda r: f"p{len(r)}")
+def test_trees_and_every_all_reduce_by_hand(monkeypatch, ranks):
+    p = len(ranks)
+
+    def mine(me):                                  # 5 elements: p does not divide them (p = 3, 4)
+        return torch.arange(5, dtype=torch.float64) * (me + 1) + 7 * me
+
+    want = sum(mine(me) for me in range(p)).tolist()
+    for root in range(p):
+        def bcast(me):
+            x = mine(me)
+            C._tree_broadcast(x, ranks, root, me, None)
+            return x
+        assert all(x.tolist() == mine(root).tolist() for x in _run_ranks(monkeypatch, ranks, bcast)), root
+
+        def red(me):
+            x = mine(me)
+            C._tree_reduce(x, ranks, root, me, None, "sum")
+            return x
+        assert _run_ranks(monkeypatch, ranks, red)[root].tolist() == want, root
+
+    def folded(algorithm):                         # as all_reduce runs them: extra ranks folded in first
+        return lambda *args: C._fold_to_power_of_two(algorithm, *args)
+    algorithms = {"naive": C._naive_all_reduce, "tree": C._tree_all_reduce, "ring": C._ring_all_reduce,
+                  "recursive_doubling": folded(C._recursive_doubling),
+                  "halving_doubling": folded(C._halving_doubling)}
+    for name, run in algorithms.items():
+        def allred(me):
+            x = mine(me)
+            run(x, ranks, me, None, "sum")
+            return x
+        for me, x in enumerate(_run_ranks(monkeypatch, ranks, allred)):
+            assert x.tolist() == pytest.approx(want, abs=1e-12), (name, me)
 
 
 def _cases(p):
@@ -510,172 +701,6 @@ def test_uneven_all_to_all_refuses_sizes_that_do_not_match():
         assert "disagree" in errors["row shape"] and "float32[0, 3]" in errors["row shape"]
 
 
-# ----------------------------------------------------------------------------------
-# Who talks to whom, in seconds. On gloo a send waits for its receive, so an algorithm that
-# receives from the wrong peer at p >= 3 deadlocks (at p = 2 the only peer is the right one):
-# a launch sees that only when its timeout expires. Here the ranks' algorithms run as threads
-# of this process over mailboxes, one queue per (sender, receiver): a receive that waits more
-# than WAIT seconds fails with the pair named, and the data (different for every sender and
-# receiver, uneven sizes) is compared with values written by hand. The group's global ranks
-# are not 0..p-1, so a local index used as a global rank shows too.
-
-import queue
-import threading
-
-WAIT = 2.0
-
-
-class _Mailboxes:
-    """Stands in for pplab.comm inside pplab.collectives: send, recv, isend, irecv over queues."""
-
-    class _Done:
-        def __init__(self, finish=None):
-            self._finish = finish
-
-        def wait(self):
-            if self._finish:
-                self._finish()
-
-    def __init__(self):
-        self.boxes, self.me = {}, threading.local()
-        self.lock = threading.Lock()
-
-    def _box(self, src, dst):
-        with self.lock:
-            return self.boxes.setdefault((src, dst), queue.Queue())
-
-    def send(self, tensor, dst, group=None, tag=0):
-        assert dst != self.me.rank, f"rank {dst} sends to itself"
-        self._box(self.me.rank, dst).put(tensor.detach().clone())
-
-    def recv(self, tensor, src, group=None, tag=0):
-        me = self.me.rank
-        try:
-            got = self._box(src, me).get(timeout=WAIT)
-        except queue.Empty:
-            raise AssertionError(f"rank {me} waited {WAIT} s for a message from rank {src}, which never sent "
-                                 f"it one: a receive from the wrong peer (on gloo: a deadlock)") from None
-        assert got.shape == tensor.shape, f"rank {me} expected {tuple(tensor.shape)} from {src}, got {tuple(got.shape)}"
-        tensor.copy_(got)
-
-    def isend(self, tensor, dst, group=None, tag=0):
-        self.send(tensor, dst, group, tag)
-        return self._Done()
-
-    def irecv(self, tensor, src, group=None, tag=0):
-        return self._Done(lambda: self.recv(tensor, src, group, tag))     # waited on by the same rank
-
-
-def _run_ranks(monkeypatch, ranks, body):
-    """body(me) on a thread per rank of the group (me = index in ranks); their results, in order."""
-    boxes = _Mailboxes()
-    monkeypatch.setattr(C, "comm", boxes)
-    results, errors = [None] * len(ranks), [None] * len(ranks)
-
-    def run(me):
-        boxes.me.rank = ranks[me]
-        try:
-            results[me] = body(me)
-        except BaseException as exc:                   # noqa: BLE001 (reported below, by rank)
-            errors[me] = exc
-
-    threads = [threading.Thread(target=run, args=(me,), daemon=True) for me in range(len(ranks))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(WAIT * 4 * len(ranks))
-    assert not any(t.is_alive() for t in threads), "a rank never finished"
-    for me, exc in enumerate(errors):
-        if exc is not None:
-            raise AssertionError(f"rank {ranks[me]} (index {me}): {exc}") from exc
-    leftover = {k: q.qsize() for k, q in boxes.boxes.items() if q.qsize()}
-    assert not leftover, f"messages sent but never received (sender, receiver): {leftover}"
-    return results
-
-
-GROUPS = [[4, 0, 2], [1, 5, 3, 6], [0, 1, 2, 3, 4]]         # p = 3, 4, 5; not in order, not 0..p-1
-
-
-def _rows(p):
-    """rows[i][j]: rows the i-th rank sends the j-th; 0 to 3, differing per pair (some 0)."""
-    return [[(2 * i + 3 * j + i * j) % 4 for j in range(p)] for i in range(p)]
-
-
-@pytest.mark.parametrize("ranks", GROUPS, ids=lambda r: f"p{len(r)}")
-def test_pairwise_all_to_all_takes_each_piece_from_its_sender(monkeypatch, ranks):
-    p, rows = len(ranks), _rows(len(ranks))
-
-    def body(me):                                  # my piece for the j-th rank: rows of 100·me + j
-        ins = [torch.full((rows[me][j], 2), 100.0 * me + j) for j in range(p)]
-        outs = [torch.full((rows[i][me], 2), -1.0) for i in range(p)]
-        C._pairwise_all_to_all(outs, ins, ranks, me, None)
-        return outs
-
-    for me, outs in enumerate(_run_ranks(monkeypatch, ranks, body)):
-        for i, piece in enumerate(outs):          # from the i-th rank: its piece for me
-            assert piece.tolist() == [[100.0 * i + me] * 2] * rows[i][me], (me, i, piece)
-
-
-@pytest.mark.parametrize("ranks", GROUPS, ids=lambda r: f"p{len(r)}")
-def test_ring_all_gather_and_reduce_scatter_by_hand(monkeypatch, ranks):
-    p = len(ranks)
-    sizes = [len(c) for c in torch.arange(2 * p + 1).tensor_split(p)]     # uneven: the first chunks larger
-
-    def gather(me):                                # I hold my chunk (10·me + k); the others are unknown
-        chunks = [torch.full((n,), -1.0) for n in sizes]
-        chunks[me].copy_(10.0 * me + torch.arange(sizes[me]))
-        C._ring_all_gather(chunks, ranks, me, None)
-        return chunks
-
-    for me, chunks in enumerate(_run_ranks(monkeypatch, ranks, gather)):
-        for i, c in enumerate(chunks):
-            assert c.tolist() == (10.0 * i + torch.arange(sizes[i])).tolist(), (me, i)
-
-    def scatter(me):                               # my part of chunk i: 1000·(me+1) + i, summed over ranks
-        chunks = [torch.full((n,), 1000.0 * (me + 1) + i) for i, n in enumerate(sizes)]
-        C._ring_reduce_scatter(chunks, ranks, me, None, "sum")
-        return chunks[me]
-
-    total = 1000.0 * p * (p + 1) / 2
-    for me, mine in enumerate(_run_ranks(monkeypatch, ranks, scatter)):
-        assert mine.tolist() == [total + p * me] * sizes[me], me
-
-
-@pytest.mark.parametrize("ranks", GROUPS, ids=lambda r: f"p{len(r)}")
-def test_trees_and_every_all_reduce_by_hand(monkeypatch, ranks):
-    p = len(ranks)
-
-    def mine(me):                                  # 5 elements: p does not divide them (p = 3, 4)
-        return torch.arange(5, dtype=torch.float64) * (me + 1) + 7 * me
-
-    want = sum(mine(me) for me in range(p)).tolist()
-    for root in range(p):
-        def bcast(me):
-            x = mine(me)
-            C._tree_broadcast(x, ranks, root, me, None)
-            return x
-        assert all(x.tolist() == mine(root).tolist() for x in _run_ranks(monkeypatch, ranks, bcast)), root
-
-        def red(me):
-            x = mine(me)
-            C._tree_reduce(x, ranks, root, me, None, "sum")
-            return x
-        assert _run_ranks(monkeypatch, ranks, red)[root].tolist() == want, root
-
-    def folded(algorithm):                         # as all_reduce runs them: extra ranks folded in first
-        return lambda *args: C._fold_to_power_of_two(algorithm, *args)
-    algorithms = {"naive": C._naive_all_reduce, "tree": C._tree_all_reduce, "ring": C._ring_all_reduce,
-                  "recursive_doubling": folded(C._recursive_doubling),
-                  "halving_doubling": folded(C._halving_doubling)}
-    for name, run in algorithms.items():
-        def allred(me):
-            x = mine(me)
-            run(x, ranks, me, None, "sum")
-            return x
-        for me, x in enumerate(_run_ranks(monkeypatch, ranks, allred)):
-            assert x.tolist() == pytest.approx(want, abs=1e-12), (name, me)
-
-
 def _all_to_all_by_hand():
     """Rank r's piece for rank j holds 100·r + j: equal pieces (2 elements each), then rows of
     2 elements in the per-pair sizes of _rows (some empty)."""
@@ -699,8 +724,8 @@ def test_all_to_all_on_real_ranks_by_hand(p):
 
 
 # Last in the file: a wrong peer or a lost message makes this whole-collective run hang until its
-# timeout, while the tests above (each rank a thread, every receive bounded) fail by assertion
-# in seconds, so a run stopped at the first failure names the bug, not a hang.
+# timeout, while the by-hand tests at the top (each rank a thread, every receive bounded) fail
+# by assertion in seconds.
 @pytest.mark.parametrize("p", [1, 2, 3, 4, 8])
 def test_equal_to_torch_with_exact_bytes(p):
     res = pplab.launch(_compare_with_torch, world_size=p, timeout=120)   # a hang fails, slowly

@@ -143,7 +143,7 @@ def test_one_grading_run_survives_every_kind_of_hostile_submission(tmp_path):
                    sealed_attacks.uses_functional_collectives, sealed_attacks.shares_a_file):
         code = inspect.getsource(attack).replace(f"def {attack.__name__}(", "def my_broadcast(", 1)
         _write(subs / f"rank_{attack.__name__}.ipynb", sealed_attacks.IMPORTS, inspect.getsource(sealed_attacks._token),
-               code)
+               inspect.getsource(sealed_attacks._plain_broadcast), code)
     _write(subs / "zz_good.ipynb", "from pplab import comm", good,
            markdown=["My written answer: the tree needs ceil(log2 p) rounds."])
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import pplab
-from conftest import alive, descendants
+from conftest import alive, descendants, interrupt_after
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
@@ -158,17 +158,8 @@ def test_rank_that_dies_without_answering():
 
 
 def test_interrupt_in_process_ends_every_rank():
-    def raise_interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    old = signal.signal(signal.SIGALRM, raise_interrupt)
-    try:
-        signal.setitimer(signal.ITIMER_REAL, 1.0)
-        with pytest.raises(KeyboardInterrupt):
-            pplab.launch(time.sleep, 60, world_size=3, timeout=120)
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
+    with interrupt_after(1.0), pytest.raises(KeyboardInterrupt):
+        pplab.launch(time.sleep, 60, world_size=3, timeout=120)
     assert not descendants()
     assert pplab.launch(lambda: 1, world_size=2) == [1, 1]
 

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
 import pplab
-from conftest import alive, descendants
+from conftest import alive, descendants, interrupt_after
 from pplab.runtime import watch
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
@@ -210,6 +210,16 @@ def _note_worker(mark, folder, worker_id):
 _KEEP = []
 
 
+def _end(ending):
+    """How a rank's fn ends, once every rank is ready: it returns, raises, or outlives the timeout."""
+    dist.barrier()
+    if ending == "raises":
+        raise RuntimeError("on purpose")
+    if ending == "times out":
+        time.sleep(600)
+    return "ok"
+
+
 def _workers_left_running(mark, folder, ending):
     loader = DataLoader(TensorDataset(torch.arange(8.0)), batch_size=2, num_workers=2, persistent_workers=True,
                         worker_init_fn=functools.partial(_note_worker, mark, folder))
@@ -219,12 +229,7 @@ def _workers_left_running(mark, folder, ending):
     while len(glob.glob(os.path.join(folder, f"worker.{dist.get_rank()}.*"))) < 2:      # both are up
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    dist.barrier()                              # every rank's workers are up before any rank ends
-    if ending == "raises":
-        raise RuntimeError("on purpose")
-    if ending == "times out":
-        time.sleep(600)
-    return "ok"
+    return _end(ending)                         # once every rank's workers are up
 
 
 @pytest.mark.parametrize("ending", ["returns", "raises", "times out"])
@@ -258,12 +263,7 @@ def _start_and_end(mark, folder, how, ending):
             os._exit(0)
         os.waitpid(pid, 0)
     _wait_for(ready)
-    dist.barrier()                              # every rank's process is up before any rank ends
-    if ending == "raises":
-        raise RuntimeError("on purpose")
-    if ending == "times out":
-        time.sleep(600)
-    return "ok"
+    return _end(ending)                         # once every rank's process is up
 
 
 @pytest.mark.parametrize("ending", ["returns", "raises", "times out"])
@@ -346,17 +346,8 @@ def test_an_infinite_timeout_means_no_limit(monkeypatch):
 
 
 def test_a_launch_without_a_limit_still_ends_when_interrupted():
-    def raise_interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    old = signal.signal(signal.SIGALRM, raise_interrupt)
-    try:
-        signal.setitimer(signal.ITIMER_REAL, 2.0)
-        with pytest.raises(KeyboardInterrupt):
-            pplab.launch(time.sleep, 600, world_size=2, timeout=math.inf)
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
+    with interrupt_after(2.0), pytest.raises(KeyboardInterrupt):
+        pplab.launch(time.sleep, 600, world_size=2, timeout=math.inf)
     assert not descendants()
 
 
