@@ -596,12 +596,15 @@ def test_every_solution_passes_as_a_function_and_as_source(exercise_id):
 
 
 def _stops_in_trial_1_job(fn, inputs):
-    """Rank 2 raises in trial 1 before recording it; ranks 0 and 1 record trials 0, 1 and 2."""
+    """Rank 2 raises in trial 1 before recording it; ranks 0 and 1 record trials 0, 1 and 2
+    (all of them before rank 2 raises: the barrier waits for them, so no timing decides it)."""
     for i in range(3):
         sealed.begin(i)
         if dist.get_rank() == 2 and i == 1:
+            dist.barrier()
             raise ValueError("rank 2 stops here")
         sealed.observe(i, {"rank": dist.get_rank()})
+    dist.barrier()
 
 
 def test_after_a_failed_launch_trials_are_judged_up_to_the_first_one_a_rank_never_recorded():
