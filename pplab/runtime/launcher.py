@@ -57,10 +57,9 @@ import torch.distributed as dist
 from . import callboard
 from .. import trace
 from .rank_main import rank_main as _rank_main
-from .rank_main import spawned_main as _spawned_main  # noqa: F401 - old import path
 from .rank_main import _to_cpu, check_result, this_rank
 from .watch import EVENT, EXITED, NOT_STARTED, STARTED  # what the host tells the caller
-from .watch import LaunchError, Rank, collect, ranks_text  # noqa: F401 - LaunchError is public here
+from .watch import LaunchError, Rank, collect  # noqa: F401 - LaunchError is public here
 
 __all__ = ["launch", "LaunchError", "LaunchResult", "device"]
 
