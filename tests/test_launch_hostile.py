@@ -232,15 +232,19 @@ def _workers_left_running(mark, folder, ending):
     return _end(ending)                         # once every rank's workers are up
 
 
-@pytest.mark.parametrize("ending", ["returns", "raises", "times out"])
-def test_dataloader_workers_end_with_the_launch(ending, mark, tmp_path):
-    launch = functools.partial(pplab.launch, _workers_left_running, mark, str(tmp_path), ending, world_size=2,
-                               timeout=10 if ending == "times out" else 120)
+def _launch_and_end(ending, fn, *args):
+    """Launch fn on 2 ranks that end as `ending` says: returned, raised, or stopped at the timeout."""
+    launch = functools.partial(pplab.launch, fn, *args, world_size=2, timeout=10 if ending == "times out" else 120)
     if ending == "returns":
         assert launch() == ["ok", "ok"]
     else:
         with pytest.raises(pplab.LaunchError):
             launch()
+
+
+@pytest.mark.parametrize("ending", ["returns", "raises", "times out"])
+def test_dataloader_workers_end_with_the_launch(ending, mark, tmp_path):
+    _launch_and_end(ending, _workers_left_running, mark, str(tmp_path), ending)
     workers = [int(p.name.split(".")[2]) for p in tmp_path.glob("worker.*")]
     assert len(workers) == 4 and not any(alive(pid) for pid in workers)
 
@@ -269,13 +273,7 @@ def _start_and_end(mark, folder, how, ending):
 @pytest.mark.parametrize("ending", ["returns", "raises", "times out"])
 @pytest.mark.parametrize("how", ["new session", "daemon"])
 def test_nothing_a_rank_starts_outlives_the_launch(how, ending, mark, tmp_path):
-    launch = functools.partial(pplab.launch, _start_and_end, mark, str(tmp_path), how, ending, world_size=2,
-                               timeout=10 if ending == "times out" else 120)
-    if ending == "returns":
-        assert launch() == ["ok", "ok"]
-    else:
-        with pytest.raises(pplab.LaunchError):
-            launch()
+    _launch_and_end(ending, _start_and_end, mark, str(tmp_path), how, ending)
     assert len(list(tmp_path.glob("ready.*"))) == 2         # each rank did start one
     # the `mark` fixture checks that none of them is alive
 
