@@ -190,10 +190,52 @@ def test_solution_notebook_checks_its_own_exercise(exercise_id):
     assert any("### BEGIN SOLUTION" in s and re.search(rf"^def {ex.answer}\(", s, re.M) for s in sources)
 
 
-def test_compare_prediction_says_how_far_off(capsys):
+def test_compare_prediction_says_how_far_off(capsys, monkeypatch):
+    monkeypatch.delenv("PPLAB_PREDICTIONS_MUST_MATCH")     # a learner's miss only prints
     assert checks.compare_prediction("bytes", 100, 104, rel_tol=0.05)
     assert "3.8% off" in capsys.readouterr().out
     result = checks.compare_prediction("bytes", 100, 150)
     assert not result and "33.3% off" in result.message and "more than 10%" in result.message
-    assert "write your prediction" in checks.compare_prediction("bytes", ..., 1.0).message
+    empty = checks.compare_prediction("bytes", None, 12345.0)
+    assert not empty and "replace None" in empty.message and "12345" not in capsys.readouterr().out
     assert "is a number" in checks.compare_prediction("bytes", "many", 1.0).message
+
+
+def test_compare_prediction_explains_a_miss_only(capsys, monkeypatch):
+    monkeypatch.delenv("PPLAB_PREDICTIONS_MUST_MATCH")
+    checks.compare_prediction("bytes", 100, 101, explain="because of the ring")
+    assert "why:" not in capsys.readouterr().out
+    checks.compare_prediction("bytes", 100, 150, explain="because of the ring")
+    assert "why: because of the ring" in capsys.readouterr().out
+    checks.compare_prediction("bytes", None, 150, explain="because of the ring")
+    assert "why:" not in capsys.readouterr().out          # nothing to explain before a guess
+
+
+def test_compare_choice(capsys, monkeypatch):
+    monkeypatch.delenv("PPLAB_PREDICTIONS_MUST_MATCH")
+    assert checks.compare_choice("idlest rank", 3, 3, choices=range(4))
+    wrong = checks.compare_choice("idlest rank", 0, 3, choices=range(4))
+    assert not wrong and "but it is 3" in wrong.message
+    assert "one of [0, 1, 2, 3]" in checks.compare_choice("idlest rank", 7, 3, choices=range(4)).message
+    assert "replace None" in checks.compare_choice("idlest rank", None, 3).message
+
+
+def test_worked_predictions_must_match_under_the_tests(monkeypatch):
+    monkeypatch.setenv("PPLAB_PREDICTIONS_MUST_MATCH", "1")
+    assert checks.compare_prediction("bytes", 100, 100)
+    with pytest.raises(AssertionError, match="does not match"):
+        checks.compare_prediction("bytes", 100, 150)
+    with pytest.raises(AssertionError, match="replace None"):
+        checks.compare_prediction("bytes", None, 150)
+    with pytest.raises(AssertionError, match="but it is"):
+        checks.compare_choice("rank", 1, 2)
+    assert not checks.compare_prediction("wait", 1.0, 2.0, timed=True)     # a clock's miss: printed only
+    with pytest.raises(AssertionError, match="replace None"):
+        checks.compare_prediction("wait", None, 2.0, timed=True)
+
+
+def test_predictions_in_reads_only_prediction_lines():
+    from pplab.checks.predictions import predictions_in
+    src = ("p = 4\nmy_bubble = None   # your prediction: the bubble\n"
+           "my_peak = (p - 1) * 2  # your prediction\nother = 3  # a comment\n")
+    assert predictions_in(src) == {"my_bubble": "None", "my_peak": "(p - 1) * 2"}

@@ -314,3 +314,22 @@ def test_every_solution_passes_when_graded_from_its_source(exercise_id):
     assert found.notes == []
     result = checks.run_check(exercise_id, found.answers[ex.answer])
     assert result, result.message
+
+
+def test_the_predictions_a_student_filled_in_go_with_the_written_answers():
+    cells = [(1, "code", "my_bubble = 3 / 8   # your prediction: the bubble\nmy_peak = None  # your prediction: peak"),
+             (2, "code", "x = 1   # not a prediction"),
+             (3, "markdown", "I think the last rank idles most.")]
+    assert grading._written_answers(cells, set()) == [
+        (1, "predictions: `my_bubble = 3 / 8`"), (3, "I think the last rank idles most.")]
+
+
+def test_solution_lines_count_the_code_between_the_markers():
+    nb = new_notebook(cells=[
+        new_code_cell("import torch\n### BEGIN SOLUTION\nx = 1\n\n# a comment\ny = 2  # trailing\n### END SOLUTION\nz = 3"),
+        new_markdown_cell("### BEGIN SOLUTION\nprose is not code\n### END SOLUTION"),
+        new_code_cell("def f():\n    ### BEGIN SOLUTION\n    return 1\n    ### END SOLUTION")])
+    assert exercises.solution_lines(nb) == 3
+    table = exercises.exercises_table({"02c_ddp_from_scratch.ipynb": nb, "09z_unknown.ipynb": nb})
+    assert "| `02c_ddp_from_scratch` | 2 | DDP from scratch" in table and "| 3 | 1 |" in table
+    assert "| `09z_unknown` | 9 | (no check) | 3 | - |" in table and "6 lines of solution code" in table

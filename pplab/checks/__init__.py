@@ -8,7 +8,8 @@ a failure is worded), `answers` (the student's answer and the plain data that ma
 back from it), `forbidden` (what an answer may not call), `router` and `isolation`, then
 `sealed_rank` (a rank's life), `zygote` (what ranks are forked from) and `sealed` (a
 launch, seen from the checker), and `core`: the registry (`@exercise`), `check`/
-`run_check` and the helpers every checker uses (core's docstring has the contract). Each
+`run_check` and the helpers every checker uses (core's docstring has the contract);
+`predictions` compares a chapter's 'predict, then run' answers with what was measured. Each
 other module of this package holds one chapter's checkers and imports from `core` and
 `sealed`. Every module here is imported when the package is, so a new chapter adds one
 file and touches nothing else.
@@ -16,12 +17,13 @@ file and touches nothing else.
 import importlib
 import pkgutil
 
-from .core import (EXERCISES, CheckResult, compare_prediction, Exercise, Fail, Forbidden, SourceAnswer, check, check_number, exercise,
+from .core import (EXERCISES, CheckResult, Exercise, Fail, Forbidden, SourceAnswer, check, check_number, exercise,
                    first_difference, get_exercise, run_check)
+from .predictions import compare_choice, compare_prediction
 
-__all__ = ["EXERCISES", "CheckResult", "compare_prediction", "Exercise", "Fail", "Forbidden", "SourceAnswer", "check", "check_number",
+__all__ = ["EXERCISES", "CheckResult", "compare_choice", "compare_prediction", "Exercise", "Fail", "Forbidden", "SourceAnswer", "check", "check_number",
            "exercise", "first_difference", "get_exercise", "run_check"]
 
 for _module in pkgutil.iter_modules(__path__):
-    if _module.name not in ("core", "answers", "failures", "forbidden"):
+    if _module.name not in ("core", "answers", "failures", "forbidden", "predictions"):
         importlib.import_module(f"{__name__}.{_module.name}")

@@ -201,31 +201,6 @@ def check(exercise_id: str, answer, *, seed: int | None = None, timeout: float =
     return result
 
 
-def compare_prediction(what: str, predicted, measured: float, *, rel_tol: float = 0.1, unit: str = "") -> CheckResult:
-    """A "predict, then run" question: compare the number the learner wrote with what was measured.
-
-        my_bytes = 3 * 2**20                       # the learner's prediction, written before running
-        measured = ...                              # the next cell measures it (trace, tensors held, timer)
-        pplab.checks.compare_prediction("bytes rank 1 sends", my_bytes, measured)
-        ✔ bytes rank 1 sends: you predicted 3.146e+06, measured 3.146e+06 (0.0% off; within 10%)
-
-    Prints ✔ or ✘ and returns a CheckResult (truthy if within rel_tol of the measurement).
-    """
-    if predicted is None or predicted is Ellipsis:
-        result = CheckResult(what, False, "write your prediction in the cell above first, then run this one", 0)
-    elif isinstance(predicted, bool) or not isinstance(predicted, (int, float)):
-        result = CheckResult(what, False, f"a prediction is a number, got {type(predicted).__name__} {predicted!r}", 0)
-    else:
-        unit = f" {unit}" if unit else ""
-        off = abs(predicted - measured) / abs(measured) if measured else abs(predicted)
-        ok = off <= rel_tol
-        message = (f"you predicted {predicted:.4g}{unit}, measured {measured:.4g}{unit} ({off:.1%} off; "
-                   f"{'within' if ok else 'more than'} {rel_tol:.0%})")
-        result = CheckResult(what, ok, message, 0)
-    print(result, flush=True)
-    return result
-
-
 # ----------------------------------------------------------------------------------
 # Helpers for checkers
 

@@ -61,6 +61,42 @@ def notebook_text(nb: nbformat.NotebookNode) -> str:
     return text if text.endswith("\n") else text + "\n"
 
 
+def solution_lines(solution: nbformat.NotebookNode) -> int:
+    """Lines of code a student writes: inside the solution markers of code cells, blank lines
+    and comments left out."""
+    count, inside = 0, False
+    for cell in solution.cells:
+        if cell.cell_type != "code":
+            continue
+        for line in cell.source.split("\n"):
+            marker = line.strip()
+            if marker.startswith(BEGIN) or marker.startswith(END):
+                inside = marker.startswith(BEGIN)
+            elif inside and marker and not marker.startswith("#"):
+                count += 1
+    return count
+
+
+def exercises_table(solutions: dict[str, nbformat.NotebookNode]) -> str:
+    """exercises/README.md: each exercise, its chapter, what the student builds, the lines of
+    code the solution takes and the points the grader gives (from the checks' registry)."""
+    from ..checks import EXERCISES
+    by_notebook = {ex.notebook: ex for ex in EXERCISES.values()}
+    rows, total = [], 0
+    for name, nb in solutions.items():
+        stem = Path(name).stem
+        ex = by_notebook.get(stem)
+        lines = solution_lines(nb)
+        total += lines
+        points = getattr(ex, "points", 1) if ex else "-"
+        rows.append(f"| `{stem}` | {int(stem[:2])} | {ex.title if ex else '(no check)'} | {lines} | {points} |")
+    return ("# Exercises\n\n"
+            "Written by `pplab exercises` from `solutions/` (do not edit by hand). Lines: the code a\n"
+            "solution writes between its markers, comments and blank lines left out.\n\n"
+            "| exercise | chapter | what you build | lines | points |\n|---|---|---|---|---|\n"
+            + "\n".join(rows) + f"\n\n{len(rows)} exercises, {total} lines of solution code in all.\n")
+
+
 def sync_exercises(solutions: str | Path, exercises: str | Path, check: bool = False) -> list[str]:
     """Write exercises/X.ipynb for every solutions/X.ipynb; return what was (or, with
     check=True, would be) out of date: "X.ipynb (stale)", "(missing)" or "(no solution)"."""
@@ -68,10 +104,9 @@ def sync_exercises(solutions: str | Path, exercises: str | Path, check: bool = F
     if not solutions.is_dir():
         raise FileNotFoundError(f"no solutions folder at {solutions}: run from the course repository "
                                 f"or pass --solutions DIR")
-    wanted = {}
-    for path in sorted(solutions.glob("*.ipynb")):
-        nb = nbformat.read(path, as_version=4)
-        wanted[path.name] = notebook_text(exercise_notebook(nb, path.name))
+    read = {path.name: nbformat.read(path, as_version=4) for path in sorted(solutions.glob("*.ipynb"))}
+    wanted = {name: notebook_text(exercise_notebook(nb, name)) for name, nb in read.items()}
+    wanted["README.md"] = exercises_table(read)
     problems = []
     for name, text in wanted.items():
         target = exercises / name

@@ -28,7 +28,8 @@
    tried and failed, "missing" where no notebook of the student defines the answer or
    it is still the exercise's stub), the total, and the notes. Values a spreadsheet
    would read as a formula (=, +, -, @ first) are quoted with a leading '. Written
-   answers (markdown cells the student added or changed) go to ANSWERS/<student>.md.
+   answers (markdown cells the student added or changed, and the predictions they filled in)
+   go to ANSWERS/<student>.md.
 """
 from __future__ import annotations
 
@@ -325,8 +326,21 @@ def _written_answers(cells, exercise_notebooks) -> list[tuple[int, str]]:
             file = Path(__file__).resolve().parents[2] / folder / f"{name}.ipynb"
             with contextlib.suppress(OSError, ValueError):
                 given |= {src.strip() for _, kind, src in read_cells(file)[0] if kind == "markdown"}
-    return [(n, src) for n, kind, src in cells if kind == "markdown" and src.strip()
-            and src.strip() not in given and src.strip() != MARKDOWN_STUB]
+    written = [(n, src) for n, kind, src in cells if kind == "markdown" and src.strip()
+               and src.strip() not in given and src.strip() != MARKDOWN_STUB]
+    return sorted(written + _predictions(cells))
+
+
+def _predictions(cells) -> list[tuple[int, str]]:
+    """The chapters' 'predict, then run' answers the student filled in, read from the source
+    (`my_x = 3 * n  # your prediction: ...`), so the instructor sees what they guessed."""
+    from ..checks.predictions import predictions_in
+    found = []
+    for n, kind, src in cells:
+        guessed = {k: v for k, v in predictions_in(src).items() if v != "None"} if kind == "code" else {}
+        if guessed:
+            found.append((n, "predictions: " + "; ".join(f"`{k} = {v}`" for k, v in guessed.items())))
+    return found
 
 
 # -- running the notebook, for its notes only ----------------------------------------
