@@ -137,7 +137,7 @@ def parallel_layers(layers, group=None, sequence_parallel: bool = False) -> list
 
 def gpt_loss(logits, targets, group=None, vocab: int | None = None):
     """Mean next-token cross-entropy. With a tp group, logits are this rank's vocabulary slice and
-    the loss is chapter 3's vocab-parallel cross-entropy (three small all-reduces, no gather)."""
+    the loss is chapter 3's vocab-parallel cross-entropy (two small all-reduces, no gather)."""
     if group is None:
         return F.cross_entropy(logits.flatten(0, -2), targets.flatten())
     return vocab_parallel_cross_entropy(logits, targets, group, vocab_size=vocab)
