@@ -1,4 +1,5 @@
-"""pplab.tensor_parallel.transformer: MLP, attention, block, vocabulary and a tiny GPT on 1-4 ranks
+"""pplab.tensor_parallel.transformer: MLP, attention, block, vocabulary (and the course's tiny GPT
+built from them, pplab.models) on 1-4 ranks
 against the same dense modules on one process.
 
 float64 throughout; "equal" means max |difference| <= TOL = 1e-10. Gradients are compared
@@ -10,8 +11,10 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import pplab
+from pplab.models import GPTConfig, gpt_layers, gpt_loss, parallel_layers
 from pplab.tensor_parallel import transformer as tpt
 
 TOL = 1e-10
@@ -127,14 +130,17 @@ def test_vocab_parallel_embedding_and_cross_entropy_never_gather_the_logits(p):
 
 
 # ----------------------------------------------------------------------------------
-# Training: a tiny GPT, step by step
+# Training: the course's tiny GPT (pplab.models), tensor parallel, step by step
+
+CFG = GPTConfig(vocab=VOCAB, seq=S, hidden=H, heads=HEADS, ffn=FFN, layers=2)
 
 
-def train(model, steps, ids, targets):
+def train(layers, steps, ids, targets, group=None):
+    model = nn.Sequential(*layers)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     losses = []
     for _ in range(steps):
-        loss = model.loss(ids, targets)
+        loss = gpt_loss(model(ids), targets, group=group, vocab=CFG.vocab)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -142,21 +148,19 @@ def train(model, steps, ids, targets):
     return losses
 
 
-def tiny_gpt(seed=0):
-    torch.manual_seed(seed)
-    return tpt.TinyGPT(VOCAB, H, HEADS, FFN, layers=2).double()
-
-
 def tokens():
     g = torch.Generator().manual_seed(9)
-    return torch.randint(0, VOCAB, (S, B), generator=g), torch.randint(0, VOCAB, (S, B), generator=g)
+    return torch.randint(0, VOCAB, (B, S), generator=g), torch.randint(0, VOCAB, (B, S), generator=g)
 
 
 def train_job(steps, trained_dense):
-    model = tpt.ParallelTinyGPT.from_dense(tiny_gpt())
-    losses = train(model, steps, *tokens())
-    expect = tpt.ParallelTinyGPT.from_dense(trained_dense)  # one process's trained weights, split as ours
-    return losses, max((a - b).abs().max().item() for a, b in zip(model.parameters(), expect.parameters()))
+    world = torch.distributed.group.WORLD
+    mine = parallel_layers(gpt_layers(CFG), group=world)
+    losses = train(mine, steps, *tokens(), group=world)
+    expect = parallel_layers(trained_dense, group=world)   # one process's trained weights, split as ours
+    got = [p for layer in mine for p in layer.parameters()]
+    want = [p for layer in expect for p in layer.parameters()]
+    return losses, max((a - b).abs().max().item() for a, b in zip(got, want))
 
 
 @pytest.mark.parametrize("p", [1, 2, 3, 4])
@@ -164,7 +168,7 @@ def test_training_a_tiny_gpt_matches_one_process_step_by_step(p):
     """Adam, 4 steps: losses within 1e-10, every parameter shard within 1e-8 (Adam's division by
     sqrt(v) amplifies the summation-order differences of small gradients)."""
     steps = 4
-    dense = tiny_gpt()
+    dense = gpt_layers(CFG)
     ref_losses = train(dense, steps, *tokens())
     assert ref_losses[-1] < ref_losses[0]                   # it does learn
     for losses, param_diff in pplab.launch(train_job, steps, dense, world_size=p):

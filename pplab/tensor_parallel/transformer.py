@@ -3,9 +3,10 @@
     block = ParallelTransformerBlock.from_dense(dense_block)   # rank r: its heads, its ffn slice
     y = block(x)                                               # x, y: [s, b, h] on every rank
 
-Each dense module here (`MLP`, `SelfAttention`, `TransformerBlock`, `TinyGPT`) has a parallel
-twin built from it with `from_dense`, so a test or a notebook runs the very same model on one
-process and on p ranks and compares outputs and gradients.
+Each dense module here (`MLP`, `SelfAttention`, `TransformerBlock`) has a parallel twin built
+from it with `from_dense`, so a test or a notebook runs the very same model on one process and on
+p ranks and compares outputs and gradients. The course's tiny GPT is built from these layers
+in `pplab.models`.
 
 * MLP: h -> ffn (column) -> GeLU -> ffn -> h (row). GeLU is applied to each rank's own slice of
   the ffn features, which is why W1 is split by columns: no communication in between.
@@ -218,44 +219,3 @@ def vocab_parallel_cross_entropy(logits_shard, targets, group=None, vocab_size=N
         start = my_range(vocab_size, group)[0] if vocab_size is not None else 0
     loss = _VocabParallelCrossEntropy.apply(logits_shard, targets, start, group)
     return loss.mean() if reduction == "mean" else loss
-
-
-# ----------------------------------------------------------------------------------
-# A tiny GPT (tokens [s, b] -> logits [s, b, V]) and its split twin, for training tests
-
-
-class TinyGPT(nn.Module):
-    def __init__(self, vocab, hidden, heads, ffn, layers=1):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, hidden)
-        self.blocks = nn.ModuleList(TransformerBlock(hidden, heads, ffn) for _ in range(layers))
-        self.ln = nn.LayerNorm(hidden)
-        self.head = nn.Linear(hidden, vocab, bias=False)
-
-    def forward(self, ids):
-        x = self.embed(ids)
-        for b in self.blocks:
-            x = b(x)
-        return self.head(self.ln(x))
-
-    def loss(self, ids, targets):
-        return F.cross_entropy(self(ids).flatten(0, -2), targets.flatten())
-
-
-class ParallelTinyGPT(TinyGPT):
-    """forward gives this rank's vocabulary slice of the logits; loss never gathers them."""
-
-    def __init__(self, model: TinyGPT, group=None):             # built from the dense model
-        nn.Module.__init__(self)
-        self.group, self.vocab = group, model.embed.num_embeddings
-        self.embed = VocabParallelEmbedding.from_dense(model.embed, group)
-        self.blocks = nn.ModuleList(ParallelTransformerBlock.from_dense(b, group) for b in model.blocks)
-        self.ln = copy.deepcopy(model.ln)
-        self.head = ColumnParallelLinear.from_dense(model.head, group=group)
-
-    @classmethod
-    def from_dense(cls, model: TinyGPT, group=None):
-        return cls(model, group)
-
-    def loss(self, ids, targets):
-        return vocab_parallel_cross_entropy(self(ids), targets, self.group, vocab_size=self.vocab)
