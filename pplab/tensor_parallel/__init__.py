@@ -5,7 +5,8 @@ layers.py       Megatron's 1D layers: the conjugate operators f and g (and the s
                 RowParallelLinear, split_sizes.
 transformer.py  a split MLP and attention (heads over ranks), a transformer block, the
                 vocabulary-parallel embedding and cross-entropy, a tiny GPT.
-summa.py        2D tensor parallelism: SUMMA's Linear2D on a q x q grid.
+summa.py        2D tensor parallelism: SUMMA's Linear2D on a q x q grid; traced_collectives(), under
+                which a trace counts the bytes each rank sends (for 1D layers too).
 cnn.py          convolutions with filters split over ranks; data-parallel convolutions with
                 tensor-parallel fully connected layers.
 

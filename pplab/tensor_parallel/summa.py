@@ -22,15 +22,22 @@ twice, with reduces instead of some broadcasts:
 
 The bias b_j lives on every rank of column j; its gradient is summed down the column (f).
 Every size must divide by q (the blocks of a broadcast must have one shape).
+
+What a rank hands to its collectives (the payload) is not what it sends: in a binomial-tree
+broadcast every rank but the root receives the block once, so q ranks send q-1 copies in all.
+`traced_collectives()` runs the broadcasts and reduces as chapter 1's trees built from traced
+sends, so the trace counts the bytes each rank puts on the wire.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import collectives
 from ..runtime import comm
 from .layers import copy_to_parallel
 
@@ -61,6 +68,40 @@ def _check(n, q, what):
     if n % q:
         raise ValueError(f"{what} {n} does not split into {q} equal blocks for a {q}x{q} grid: "
                          f"use a multiple of {q}")
+
+
+@contextlib.contextmanager
+def traced_collectives():
+    """Inside this block, pplab.comm's broadcast and reduce run as pplab.collectives' binomial trees
+    and its all-reduce as pplab.collectives' ring, all built from traced sends.
+
+    gloo hides its own algorithms, so a plain run's trace holds only each collective's payload;
+    in here it holds every message, and summing `bytes_sent` gives what each rank put on the wire.
+    These are the collectives of Linear2D (and of the 1D layers' f and g), all called blocking.
+    """
+    def blocking(name, async_op):
+        if async_op:
+            raise ValueError(f"inside traced_collectives() {name} runs as blocking sends: call it with async_op=False")
+
+    def broadcast(tensor, src, group=None, async_op=False):
+        blocking("broadcast", async_op)
+        collectives.broadcast(tensor, src, group=group)
+
+    def reduce(tensor, dst, op="sum", group=None, async_op=False):
+        blocking("reduce", async_op)
+        collectives.reduce(tensor, dst, op, group=group)
+
+    def all_reduce(tensor, op="sum", group=None, async_op=False):
+        blocking("all_reduce", async_op)
+        collectives.all_reduce(tensor, op, group=group)
+
+    saved = {"broadcast": comm.broadcast, "reduce": comm.reduce, "all_reduce": comm.all_reduce}
+    comm.broadcast, comm.reduce, comm.all_reduce = broadcast, reduce, all_reduce
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(comm, name, fn)
 
 
 def split_2d(x, grid: Grid2D):

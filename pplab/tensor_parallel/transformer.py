@@ -16,8 +16,8 @@ in `pplab.models`.
   backward, and nothing else: LayerNorm and the residuals run replicated on every rank.
 * Vocabulary: the embedding table is split by rows (token ids), and so is the output layer, whose
   logits are never gathered: `vocab_parallel_cross_entropy` needs only a max, a sum of exps and the
-  target's logit from every rank, i.e. three all-reduces of one number per token instead of an
-  all-gather of [tokens, vocab]. Vocabularies that do not divide (1000 over 3) work.
+  target's logit from every rank, in two all-reduces (the max, one number per token; then the two
+  sums stacked, two numbers per token) instead of an all-gather of [tokens, vocab]. Vocabularies that do not divide (1000 over 3) work.
 """
 from __future__ import annotations
 
