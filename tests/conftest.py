@@ -61,19 +61,6 @@ def no_leftover_processes():
     assert not leftover, f"processes left behind: {sorted(leftover)}"
 
 
-# The chapters' prediction cells are empty (`my_x = None  # your prediction`); under the tests
-# each gets its worked answer (tests/prediction_answers.py) and must match what the notebook
-# measures (the kernels nbval starts inherit this variable).
-os.environ["PPLAB_PREDICTIONS_MUST_MATCH"] = "1"
-
-
-def pytest_collection_modifyitems(items):
-    from prediction_answers import fill_in
-    for item in items:
-        if type(item).__name__ == "IPyNbCell" and item.cell.cell_type == "code":
-            item.cell.source = fill_in(item.path.stem, item.cell.source)
-
-
 # Notebooks under fixtures/ are inputs of the grading tests (attacks among them), not
 # notebooks to run under nbval.
 collect_ignore = ["fixtures"]
