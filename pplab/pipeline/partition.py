@@ -39,23 +39,36 @@ def _as_layers(layers) -> list[nn.Module]:
 def layer_times(layers, sample, repeats: int = 3) -> list[float]:
     """Seconds of forward + backward of each layer on `sample` (the best of `repeats`).
 
-    Layer i runs on the output of layer i-1, as in the model. Gradients are taken with
-    autograd.grad, so no .grad is left behind on the parameters.
+    On the CPU these are CPU seconds of this process (`time.process_time`): what the layer costs,
+    whatever else shares the cores, as wall-clock time is not on a loaded machine. On a GPU they
+    are wall-clock seconds, the device synchronised before each reading.
+    Layer i runs on the output of layer i-1, as in the model. One round through all the layers
+    warms up first (the first call of a layer allocates, and the first backward loads code), then
+    `repeats` rounds. Gradients are taken with autograd.grad, so no .grad is left behind on the
+    parameters.
     """
-    times, x = [], sample
-    for layer in _as_layers(layers):
-        best = math.inf
-        for _ in range(repeats):
+    layers = _as_layers(layers)
+    on_gpu = sample.is_cuda
+
+    def now():
+        if on_gpu:
+            torch.cuda.synchronize()
+            return time.perf_counter()
+        return time.process_time()
+    best = [math.inf] * len(layers)
+    for rnd in range(repeats + 1):                     # round 0 warms up and is not counted
+        x = sample
+        for i, layer in enumerate(layers):
             xin = x.detach().requires_grad_(x.is_floating_point())
-            start = time.perf_counter()
+            start = now()
             y = layer(xin)
             wrt = [t for t in [xin, *layer.parameters()] if t.requires_grad]
             if y.requires_grad and wrt:
                 torch.autograd.grad(y, wrt, torch.ones_like(y), allow_unused=True)
-            best = min(best, time.perf_counter() - start)
-        times.append(best)
-        x = y.detach()
-    return times
+            if rnd:
+                best[i] = min(best[i], now() - start)
+            x = y.detach()
+    return best
 
 
 def _balanced_split(costs: list[float], k: int) -> list[int]:
