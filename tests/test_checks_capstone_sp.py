@@ -20,7 +20,8 @@ pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
 
 def test_the_capstone_registers_with_its_wrong_answers():
-    ids = [i for i, ex in checks.EXERCISES.items() if ex.checker.__module__ == "pplab.checks.sequence_parallel_capstone"]
+    ids = [i for i, ex in checks.EXERCISES.items()
+           if ex.checker.__module__ == "pplab.checks.sequence_parallel_capstone"]
     assert ids == ["megatron_sp_block"] and set(WRONG) == set(ids)
     assert checks.get_exercise("megatron_sp_block").notebook == "05d_megatron_sp_block"
     assert any("rank 0 only" in (fn.__doc__ or "") for fn, _, _ in WRONG["megatron_sp_block"])
@@ -141,3 +142,50 @@ def test_another_correct_answer_passes_with_every_part():
     result = checks.run_check("megatron_sp_block", sp_block_with_lists_and_hooks)
     assert result, result.message
     assert "Parts: forward ✔ · input grad ✔ · parameter grads ✔ · traffic ✔ (4 of 4)" in result.message
+
+
+# -- each traffic mistake gets its own words (the record made by hand: no ranks needed) ----------
+
+def _record(forward, backward):
+    return [("forward", k, n) for k, n in forward] + [("backward", k, n) for k, n in backward]
+
+
+@pytest.mark.parametrize("change, words", [
+    (None, None),
+    ("gradients one by one", None),                            # 6 all-reduces of h, not one of 6h: as good
+    ("backward re-gathers", r"^in backward this rank sent [\d,]+ bytes .*: 4 all-gathers: the column layers' inputs "
+                            r"were gathered again in backward"),
+    ("forward extra gather", r"^in forward this rank sent [\d,]+ bytes .*: 3 all-gathers where g makes 2"),
+    ("backward all-reduces", r"^in backward this rank sent [\d,]+ bytes .*: no reduce-scatter"),
+    ("backward all-reduces and scatters", r"an all-reduce of the sequence's gradient where g's backward makes a "
+                                          r"reduce-scatter"),
+    ("small all-reduce short", r"all-reduces of 16 parameter-gradient elements; .* 6 vectors of h = 4: .* 24 "
+                               r"elements"),
+    ("broadcast", r"^forward made a broadcast: Megatron SP needs only all-gathers and reduce-scatters"),
+    ("point to point", r"^backward sent 64 bytes point to point: use the collectives"),
+])
+def test_traffic_mistakes_are_named(change, words):
+    import re
+    from pplab.checks.sequence_parallel_capstone import _traffic_problem
+    t, shape = 2, {"s": 8, "b": 1, "h": 4}
+    A = 4 * 8 * 1 * 4                                          # bytes of one whole float32 activation
+    ag, rs = ("all_gather", A // t), ("reduce_scatter", A)
+    forward, backward, sends = [ag, rs, ag, rs], [ag, rs, ("all_reduce", 4 * 6 * 4), ag, rs], {}
+    if change == "gradients one by one":
+        backward = [ag, rs] + [("all_reduce", 4 * 4)] * 6 + [ag, rs]
+    elif change == "backward re-gathers":
+        backward = [ag, ag, rs, ("all_reduce", 4 * 6 * 4), ag, ag, rs]
+    elif change == "forward extra gather":
+        forward = [ag] + forward
+    elif change == "backward all-reduces":
+        backward = [ag, ("all_reduce", A), ("all_reduce", 4 * 6 * 4), ag, ("all_reduce", A)]
+    elif change == "backward all-reduces and scatters":
+        backward = backward + [("all_reduce", A)]
+    elif change == "small all-reduce short":
+        backward = [ag, rs, ("all_reduce", 4 * 4 * 4), ag, rs]
+    elif change == "broadcast":
+        forward = forward + [("broadcast", 4)]
+    elif change == "point to point":
+        sends = {"backward": [(1, 64)]}
+    problem = _traffic_problem(_record(forward, backward), sends, t, shape)
+    assert (problem is None) if words is None else re.search(words, problem), problem
