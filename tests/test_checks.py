@@ -18,9 +18,10 @@ from wrong_solutions_tensor_parallel import WRONG as WRONG_TENSOR_PARALLEL
 from wrong_solutions_zero import WRONG as WRONG_ZERO
 from wrong_solutions_experts import WRONG as WRONG_EXPERTS
 from wrong_solutions_planner import WRONG as WRONG_PLANNER
+from wrong_solutions_capstone_sp import WRONG as WRONG_CAPSTONE_SP
 
 WRONG_CHAPTERS = {**WRONG_CHAPTERS, **WRONG_TENSOR_PARALLEL, **WRONG_ZERO, **WRONG_SEQUENCE_PARALLEL, **WRONG_HARD,
-                  **WRONG_HYBRID, **WRONG_EXPERTS, **WRONG_PLANNER}
+                  **WRONG_HYBRID, **WRONG_EXPERTS, **WRONG_PLANNER, **WRONG_CAPSTONE_SP}
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
