@@ -11,6 +11,24 @@ import re
 from pplab.checks.predictions import PREDICTION_LINE
 
 ANSWERS = {
+    "03_tensor_parallel": {
+        "my_block_bytes": "4 * 2 * (p - 1) / p * (s * b * h) * 4",
+        "my_weight_bytes": "4 * ((4 * h * h + 2 * h * ffn + 3 * h + ffn) / p + 6 * h)",
+    },
+    "04_pipeline": {
+        "my_gpipe_peak": "m",
+        "my_1f1b_peak": "p - 1",
+        "my_bubble": "(p - 1) / m",
+    },
+    "06_zero": {
+        "my_stage2_bytes": "4 * BIG + (4 + 8) * BIG / N",
+        "my_stage3_sent": "3 * (N - 1) / N * model_bytes",
+        "my_peak": "layer_bytes * 6 / 3 + 2 * layer_bytes",
+    },
+    "07_hybrid": {
+        "my_tp_all_reduces": "12",
+        "my_send_bytes": "16 * 1 * 32 * 8",
+    },
 }
 
 

@@ -240,3 +240,41 @@ def test_predictions_in_reads_only_prediction_lines():
     src = ("p = 4\nmy_bubble = None   # your prediction: the bubble\n"
            "my_peak = (p - 1) * 2  # your prediction\nother = 3  # a comment\n")
     assert predictions_in(src) == {"my_bubble": "None", "my_peak": "(p - 1) * 2"}
+
+
+@pytest.fixture
+def scored_exercises():
+    """Two throwaway exercises worth 4 points: one checked in parts, one scored on quality."""
+    @checks.exercise("_parts", "parts", answer="f", points=4)
+    def _parts(answer, seed, timeout):
+        right = answer()
+        if right < 4:
+            raise checks.Fail(f"{right} of 4 parts right", earned=right)
+        return "all parts"
+
+    @checks.exercise("_quality", "quality", answer="f", points=3)
+    def _quality(answer, seed, timeout):
+        return checks.Scored("bubble against the target", earned=answer())
+    yield
+    del checks.EXERCISES["_parts"], checks.EXERCISES["_quality"]
+
+
+def test_a_capstone_right_in_some_parts_earns_those_points(scored_exercises):
+    part = checks.run_check("_parts", lambda: 3, seed=1)
+    assert not part and part.score == 3 and part.points == 4 and "[3 of 4 points]" in part.message
+    whole = checks.run_check("_parts", lambda: 4, seed=1)
+    assert whole and whole.score == 4
+    assert checks.run_check("_parts", lambda: 9, seed=1).score == 4          # a pass: all, never more
+
+
+def test_an_answer_scored_on_quality_earns_what_it_is_worth(scored_exercises):
+    some = checks.run_check("_quality", lambda: 2, seed=1)
+    assert not some and some.score == 2 and "passed bubble against the target [2 of 3 points]" in some.message
+    assert checks.run_check("_quality", lambda: 3, seed=1)
+    assert checks.run_check("_quality", lambda: 7, seed=1).score == 3      # clamped to the exercise's points
+    assert checks.run_check("_quality", lambda: -1, seed=1).score == 0
+
+
+def test_a_one_point_exercise_reads_as_before():
+    result = checks.run_check("bubble_fraction", 0.5, seed=1)
+    assert result.points == 1 and result.score in (0, 1) and "points]" not in result.message

@@ -196,7 +196,7 @@ def sp_broadcasts_the_weights(block, group=None):
 
 
 WHERE = r"^t=[23]( \(sub-groups \[\[0, 2\], \[1, 3\]\] of 4 ranks\))?, s=\d+, b=\d, h=\d+, \d heads, ffn=\d+, rank \d"
-RIGHT_VALUES = r"Parts: forward ✔ · input grad ✔ · parameter grads ✔ · traffic ✘ \(3 of 4\)"
+RIGHT_VALUES = r"Parts: forward ✔ · input grad ✔ · parameter grads ✔ · traffic ✘ \(3 of 4\)\. .*\[3 of 4 points\]$"
 
 WRONG = {
     "megatron_sp_block": [
@@ -207,7 +207,7 @@ WRONG = {
         (sp_layernorm_grads_not_summed,
          [WHERE + r": ln1\.weight\.grad differs from its share of the single-process gradient",
           r"It is the sum over this rank's tokens only", r"all-reduce its gradient over the group",
-          r"Parts: forward ✔ · input grad ✔ · parameter grads ✘ · traffic ✘ \(2 of 4\)"], None),
+          r"Parts: forward ✔ · input grad ✔ · parameter grads ✘ · traffic ✘ \(2 of 4\)\. .*\[2 of 4 points\]$"], None),
         (sp_g_backward_keeps_its_slice,
          [WHERE + r": x\.grad differs from the single-process gradient", r"Your backward made no reduce-scatter",
           r"g's backward must sum them over the ranks", r"Parts: forward ✔ · input grad ✘"], None),

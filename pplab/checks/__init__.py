@@ -17,11 +17,11 @@ file and touches nothing else.
 import importlib
 import pkgutil
 
-from .core import (EXERCISES, CheckResult, Exercise, Fail, Forbidden, SourceAnswer, check, check_number, exercise,
+from .core import (EXERCISES, CheckResult, Exercise, Fail, Forbidden, Scored, SourceAnswer, check, check_number, exercise,
                    first_difference, get_exercise, run_check)
 from .predictions import compare_choice, compare_prediction
 
-__all__ = ["EXERCISES", "CheckResult", "compare_choice", "compare_prediction", "Exercise", "Fail", "Forbidden", "SourceAnswer", "check", "check_number",
+__all__ = ["EXERCISES", "CheckResult", "compare_choice", "compare_prediction", "Exercise", "Fail", "Forbidden", "Scored", "SourceAnswer", "check", "check_number",
            "exercise", "first_difference", "get_exercise", "run_check"]
 
 for _module in pkgutil.iter_modules(__path__):

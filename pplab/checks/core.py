@@ -99,7 +99,7 @@ import torch
 
 from ..runtime import comm  # noqa: F401 - chapters' checkers import comm from here (tensor_parallel)
 from .answers import SourceAnswer, allow_type, decode, encode  # noqa: F401 - what checkers use, in one place
-from .failures import Fail, Forbidden
+from .failures import Fail, Forbidden, Scored  # noqa: F401 - Scored: what a graded-on-quality checker returns
 from .forbidden import forbidden_references, refuse_library  # noqa: F401
 from .sealed import call_answer, zygote  # noqa: F401 - run_check enters zygote() before the seed exists
 
@@ -116,17 +116,21 @@ class Exercise:
     notebook: str = ""                   # where the exercise lives, for messages and the grader
     sealed: bool = False                 # the checker uses run_sealed: run_check starts a zygote first
     preload: tuple = ()                  # modules the ranks use (imported before the zygote forks, once)
+    points: int = 1                      # what a whole answer earns in the grader's CSV
 
 
 EXERCISES: dict[str, Exercise] = {}
 
 
-def exercise(id: str, title: str, answer: str, notebook: str = "", sealed: bool = False, preload: tuple = ()):
+def exercise(id: str, title: str, answer: str, notebook: str = "", sealed: bool = False, preload: tuple = (),
+             points: int = 1):
     """Register the decorated function as the checker of exercise `id` (sealed=True: it
     launches ranks with run_sealed, see sealed.py; preload: modules its ranks import, such as
-    the library a probe refuses, imported here once rather than in every rank)."""
+    the library a probe refuses, imported here once rather than in every rank; points: what a
+    whole answer earns, of which a checker may give part: `Fail(..., earned=k)` for an answer
+    right in some of its parts, `Scored(summary, earned=k)` for one graded on how good it is)."""
     def register(checker):
-        EXERCISES[id] = Exercise(id, title, answer, checker, notebook, sealed, tuple(preload))
+        EXERCISES[id] = Exercise(id, title, answer, checker, notebook, sealed, tuple(preload), points)
         return checker
     return register
 
@@ -139,6 +143,8 @@ class CheckResult:
     passed: bool
     message: str
     seed: int
+    score: float = 0.0                   # points earned (the grader's CSV); a pass earns them all
+    points: int = 1
 
     def __bool__(self) -> bool:
         return self.passed
@@ -183,8 +189,18 @@ def _run_check(ex: Exercise, answer, seed, timeout) -> CheckResult:
         summary = ex.checker(answer, seed, timeout)
     except Fail as failure:
         hint = f" Re-run with seed={seed} to reproduce." if failure.seed_matters else ""
-        return CheckResult(ex.id, False, f"{failure}{hint}", seed)
-    return CheckResult(ex.id, True, f"passed {summary}", seed)
+        earned = _clamp(failure.earned or 0, ex.points - 1)        # a Fail never earns every point
+        return CheckResult(ex.id, False, f"{failure}{hint}{_of(earned, ex.points)}", seed, earned, ex.points)
+    earned = _clamp(getattr(summary, "earned", ex.points), ex.points)
+    return CheckResult(ex.id, earned == ex.points, f"passed {summary}{_of(earned, ex.points)}", seed, earned, ex.points)
+
+
+def _clamp(earned, most) -> float:
+    return min(max(float(earned), 0.0), float(most))
+
+
+def _of(earned, points) -> str:
+    return f" [{earned:g} of {points} points]" if points > 1 else ""
 
 
 def check(exercise_id: str, answer, *, seed: int | None = None, timeout: float = 30.0) -> CheckResult:

@@ -13,11 +13,26 @@ class Fail(Exception):
 
     seed_matters=False for failures that no other input would change (nothing written
     yet, a forbidden call): their message does not offer the seed.
+    earned: for an exercise worth several points (a capstone checked in parts), the points
+    the parts that were right earn; None: nothing.
     """
 
-    def __init__(self, message: str, seed_matters: bool = True):
+    def __init__(self, message: str, seed_matters: bool = True, earned: float | None = None):
         super().__init__(message)
-        self.seed_matters = seed_matters
+        self.seed_matters, self.earned = seed_matters, earned
+
+
+class Scored(str):
+    """What a checker returns for an answer graded on how good it is (a schedule's bubble, a
+    layout's throughput): its summary, and the points it earned (of the exercise's `points`).
+
+        return Scored(f"bubble 0.21 against a target of 0.25", earned=2)
+    """
+
+    def __new__(cls, summary: str, earned: float):
+        text = super().__new__(cls, summary)
+        text.earned = float(earned)
+        return text
 
 
 class Forbidden(Fail):

@@ -461,7 +461,7 @@ def _describe(t, members, shape):
 
 
 @exercise("megatron_sp_block", "A Megatron transformer block with sequence parallelism", answer="megatron_sp_block",
-          notebook="05d_megatron_sp_block", sealed=True,
+          notebook="05d_megatron_sp_block", sealed=True, points=len(PARTS),
           preload=("pplab.tensor_parallel.transformer", "pplab.sequence_parallel.megatron"))
 def check_megatron_sp_block(fn, seed: int, timeout: float) -> str:
     require_function(fn, "megatron_sp_block", "block, group", nn.Linear(1, 1), None)
@@ -497,7 +497,7 @@ def check_megatron_sp_block(fn, seed: int, timeout: float) -> str:
     passed = sum(not v for v in verdicts.values())
     first = next((verdicts[p] for p in PARTS if verdicts[p]), None)
     if first:
-        raise Fail(f"{first} Parts: {marks} ({passed} of {len(PARTS)}).")
+        raise Fail(f"{first} Parts: {marks} ({passed} of {len(PARTS)}).", earned=passed)
     return (f"on t = 2, t = 3 and two groups of 2 among 4 ranks (output, input gradient and all 12 parameter "
             f"gradients within float32 tolerance of the dense block; per rank, forward 2 all-gathers + 2 "
             f"reduce-scatters and backward their mirror + all-reduces of 6h gradients, as the formula says). "

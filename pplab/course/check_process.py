@@ -1,6 +1,6 @@
 """The grader's check of one answer, in a fresh process where no student code runs.
 
-    passed, message = run_check_process("broadcast", answer, sources, check_timeout=30)
+    passed, message, score = run_check_process("broadcast", answer, sources, check_timeout=30)
 
 `answer` is a SourceAnswer: the student's definitions as source text (submission.py). The
 check process is `python -I` (no current folder, no PYTHONPATH, no user site) serving pplab
@@ -109,8 +109,8 @@ class _Tail:
 
 
 def run_check_process(exercise_id: str, answer, sources: dict, check_timeout: float,
-                      notes: list | None = None, *, hidden=(), sandboxed: bool = True) -> tuple[bool, str]:
-    """(passed, message) of one exercise's check of `answer` (a SourceAnswer), run in a fresh
+                      notes: list | None = None, *, hidden=(), sandboxed: bool = True) -> tuple[bool, str, float]:
+    """(passed, message, points earned) of one exercise's check of `answer` (a SourceAnswer), run in a fresh
     process where no student code runs (in the sandbox if `sandboxed` and the machine has
     one; `hidden`: folders it must not see, e.g. the other submissions).
 
@@ -177,15 +177,16 @@ def run_check_process(exercise_id: str, answer, sources: dict, check_timeout: fl
         notes.append(f"{exercise_id}: ignored {forged} forged verdict(s) (from processes other than the check "
                      f"itself)")
     if timed_out and not verdicts:
-        return False, f"the check did not finish within {limit:g} s (the grader's limit for one check)"
+        return False, f"the check did not finish within {limit:g} s (the grader's limit for one check)", 0.0
     try:
         verdict = json.loads(verdicts[0])
-        return verdict["passed"] is True, str(verdict["message"])
+        score = float(verdict["score"])
+        return verdict["passed"] is True, str(verdict["message"]), score if score == score else 0.0   # NaN: 0
     except (IndexError, ValueError, KeyError, TypeError):
         if proc.returncode == sandbox.SETUP_FAILED:
-            return False, f"grader error: the sandbox could not be set up ({text[-1][:200] if text else ''})"
+            return False, f"grader error: the sandbox could not be set up ({text[-1][:200] if text else ''})", 0.0
         tail = text[-1][:200] if text else "no output"
-        return False, f"the check process gave no verdict (exit code {proc.returncode}): {tail}"
+        return False, f"the check process gave no verdict (exit code {proc.returncode}): {tail}", 0.0
 
 
 def _is_the_check(pid: int, started: int, sandboxed: bool, psutil) -> bool:
@@ -215,9 +216,9 @@ def _check_main(job: dict) -> None:
         answer = SourceAnswer(job["name"], tuple(tuple(s) for s in job["statements"]),
                               None if job["params"] is None else tuple(tuple(p) for p in job["params"]))
         result = run_check(job["exercise"], answer, timeout=float(job["timeout"]))
-        verdict = {"passed": result.passed, "message": result.message}
+        verdict = {"passed": result.passed, "message": result.message, "score": result.score}
     except BaseException as exc:  # noqa: BLE001 - a bug of ours must still give a verdict
-        verdict = {"passed": False, "message": f"the check raised {type(exc).__name__}: {exc}"}
+        verdict = {"passed": False, "message": f"the check raised {type(exc).__name__}: {exc}", "score": 0.0}
     verdict["seconds"] = round(time.monotonic() - started, 2)
     _kill_children()
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as channel:

@@ -24,8 +24,9 @@
    Whatever one submission holds (not a notebook, a symbolic link, huge or deeply nested
    code, output without end), it gets its own row with a note and the others are graded.
 
-2. The CSV: one row per student, one column per exercise in chapter order (1 passed, 0
-   tried and failed, "missing" where no notebook of the student defines the answer or
+2. The CSV: one row per student, one column per exercise in chapter order (the points
+   earned: 1 passed, 0 tried and failed for most; part of a capstone's points for the parts
+   that were right, "missing" where no notebook of the student defines the answer or
    it is still the exercise's stub), the total, and the notes. Values a spreadsheet
    would read as a formula (=, +, -, @ first) are quoted with a leading '. Written
    answers (markdown cells the student added or changed, and the predictions they filled in)
@@ -65,6 +66,7 @@ MISSING = "missing"                 # the CSV's mark for an answer nobody wrote
 @dataclass
 class NotebookGrade:
     passed: dict = field(default_factory=dict)      # exercise id -> True/False, for answers it defines
+    scores: dict = field(default_factory=dict)      # exercise id -> points earned (all of them when passed)
     messages: dict = field(default_factory=dict)    # exercise id -> the check's message
     notes: list = field(default_factory=list)       # "cell 4 raised ValueError: ...", "ignored cell 2, line 1: ..."
     written: list = field(default_factory=list)     # markdown the student wrote: (cell number, text)
@@ -129,9 +131,10 @@ def grade(submissions: str | Path, out: str | Path, *, timeout: float = 600.0, c
       written answers (default: next to `out`, named after it); sandboxed: run student code
       in the sandbox where the machine has one (sandbox.py).
 
-    Columns: student, one per exercise in chapter order (1 passed, 0 failed, "missing"),
-    total, notes. An exercise found in several notebooks of a student counts if any
-    passed. Notes number cells from 1, markdown included. `log` gets one line per student
+    Columns: student, one per exercise in chapter order (the points earned: 1 passed, 0
+    failed for a one-point exercise; part of its points for a capstone right in some parts or
+    an answer scored on how good it is; "missing"), total, notes. An exercise found in several
+    notebooks of a student counts its best. Notes number cells from 1, markdown included. `log` gets one line per student
     and a summary at the end.
     """
     from ..checks import EXERCISES
@@ -161,20 +164,20 @@ def grade(submissions: str | Path, out: str | Path, *, timeout: float = 600.0, c
         notebooks = students.get(student, [])
         row, notes = {"student": student}, list(refused.get(student, []))
         for ex in ids:
-            tried = [grades[(student, nb)].passed[ex] for nb in notebooks if ex in grades[(student, nb)].passed]
-            row[ex] = MISSING if not tried else int(any(tried))
+            tried = [grades[(student, nb)].scores[ex] for nb in notebooks if ex in grades[(student, nb)].scores]
+            row[ex] = MISSING if not tried else _points(max(tried))
         for nb in notebooks:
             g = grades[(student, nb)]
             prefix = f"{nb.name}: " if len(notebooks) > 1 else ""
             notes += [prefix + n for n in g.notes]
             notes += [f"{prefix}{ex}: {_short(g.messages[ex])}" for ex, ok in g.passed.items()
-                      if ex in ids and not ok and row[ex] == 0 and g.messages[ex]]
+                      if ex in ids and not ok and row[ex] != EXERCISES[ex].points and g.messages[ex]]
             written[student] = written.get(student, []) + [(nb.name, n, text) for n, text in g.written]
-        row["total"] = sum(row[ex] for ex in ids if row[ex] != MISSING)
+        row["total"] = _points(sum(row[ex] for ex in ids if row[ex] != MISSING))
         row["notes"] = "; ".join(notes)
         rows.append(row)
         if log:
-            log(f"{student}: {row['total']}/{len(ids)}" + (f" ({row['notes'][:300]})" if row["notes"] else ""))
+            log(f"{student}: {row['total']}/{_points(sum(EXERCISES[ex].points for ex in ids))}" + (f" ({row['notes'][:300]})" if row["notes"] else ""))
     with open(out, "w", newline="") as f:
         writer = csv.DictWriter(f, ["student", *ids, "total", "notes"])
         writer.writeheader()
@@ -197,6 +200,11 @@ def _hidden_from_students(submissions, out, answers) -> list[str]:
     course = Path(__file__).resolve().parents[2]
     hidden += [course / "solutions"]
     return [str(p) for p in hidden if p.is_dir() and p != Path("/") and p != course]
+
+
+def _points(x: float):
+    """1 and 0 stay whole numbers in the CSV; a part of a point keeps two decimals."""
+    return int(x) if float(x).is_integer() else round(x, 2)
 
 
 def _csv_safe(value):
@@ -308,12 +316,14 @@ def grade_notebook(path: str | Path, *, timeout: float = 600.0, cell_timeout: fl
     for ex in wanted:
         if ex.answer in found.refused:
             grade.passed[ex.id], grade.messages[ex.id] = False, found.refused[ex.answer]
+            grade.scores[ex.id] = 0.0
         elif ex.answer in found.answers:
-            passed, message = run_check_process(ex.id, found.answers[ex.answer], sources, check_timeout,
+            passed, message, score = run_check_process(ex.id, found.answers[ex.answer], sources, check_timeout,
                                                 grade.notes, hidden=hidden, sandboxed=sandboxed)
             if not passed and "is not implemented yet" in message:
                 continue                                 # the exercise's stub, untouched: missing, not 0
             grade.passed[ex.id], grade.messages[ex.id] = passed, message
+            grade.scores[ex.id] = ex.points if passed else min(max(score, 0.0), ex.points)
     return grade
 
 
