@@ -3,6 +3,8 @@
     gpipe_order      gpipe_order(num_stages, num_microbatches) -> actions per rank
     1f1b_order       one_f_one_b_order(num_stages, num_microbatches) -> actions per rank
     bubble_fraction  bubble_fraction(p, m, v) -> idle time / useful time
+    zero_bubble      zero_bubble_order(num_stages, num_microbatches) -> actions per rank,
+                     scored on how short its step is (0 to 3 points)
 
 A schedule is a list with one list per rank (stage r lives on rank r) of what that rank
 computes, in order: ("F", i) or ("B", i) for micro-batch i, the strings "F3" / "B3", or
@@ -19,7 +21,7 @@ import random
 import re
 
 from . import sealed
-from .core import Fail, allow_type, check_number, exercise, refuse_library, require_function
+from .core import Fail, Scored, allow_type, check_number, exercise, refuse_library, require_function
 
 # pplab.pipeline is imported inside the checks: it loads its executor (torch.fx, sympy),
 # which would make every `import pplab.checks` slow and every process it forks bigger.
@@ -35,17 +37,18 @@ def _cases(seed: int) -> list[tuple[int, int]]:
             (p[3], rng.randint(1, p[3] - 2)), (p[2], rng.randint(1, 10))]
 
 
-def _action(a, rank: int, where: str):
+def _action(a, rank: int, where: str, kinds: str = "FB"):
     from ..pipeline import Action
-    if isinstance(a, Action):
+    if isinstance(a, Action) and a.kind in kinds:
         return a
-    if isinstance(a, str) and (found := re.fullmatch(r"([FB])(\d+)", a.strip())):
+    if isinstance(a, str) and (found := re.fullmatch(rf"([{kinds}])(\d+)", a.strip())):
         return Action(found[1], int(found[2]), rank)
-    if isinstance(a, (tuple, list)) and len(a) == 2 and a[0] in ("F", "B") and isinstance(a[1], int) \
+    if isinstance(a, (tuple, list)) and len(a) == 2 and a[0] in kinds and isinstance(a[1], int) \
             and not isinstance(a[1], bool):
         return Action(a[0], a[1], rank)
-    raise Fail(f"{where}{a!r} is not an action: write ('F', i) or ('B', i) for the forward or backward of "
-               f"micro-batch i (or the string 'F3', or pplab.pipeline.Action).", seed_matters=False)
+    named = " or ".join(f"('{k}', i)" for k in kinds)
+    raise Fail(f"{where}{a!r} is not an action: write {named} for micro-batch i (or the string "
+               f"'{kinds[0]}3', or pplab.pipeline.Action).", seed_matters=False)
 
 
 def _actions_come_back(fn) -> None:
@@ -54,7 +57,7 @@ def _actions_come_back(fn) -> None:
     allow_type(Action)
 
 
-def _schedule(fn, out, p: int, m: int, where: str):
+def _schedule(fn, out, p: int, m: int, where: str, kinds: str = "FB"):
     """Check what the student's generator returned with pplab.pipeline.validate."""
     from ..pipeline import Action, Schedule, ScheduleError, validate
     allow_type(Action)                                   # comes back from the sealed rank
@@ -62,7 +65,7 @@ def _schedule(fn, out, p: int, m: int, where: str):
         got = f"{len(out)} items" if isinstance(out, (list, tuple)) else type(out).__name__
         raise Fail(f"{where}{fn.__name__} must return one list of actions per rank ({p} lists, rank r's list at "
                    f"index r), got {got}.")
-    actions = [[_action(a, r, f"{where}rank {r}, step {k}: ") for k, a in enumerate(acts)]
+    actions = [[_action(a, r, f"{where}rank {r}, step {k}: ", kinds) for k, a in enumerate(acts)]
                for r, acts in enumerate(out)]
     schedule = Schedule(fn.__name__, p, m, 1, actions, list(range(p)))
     try:
@@ -174,3 +177,62 @@ def check_bubble_fraction(fn, seed: int, timeout: float) -> str:
                 " The fill and the drain cost (p-1)(t_f+t_b)/v; the work is m(t_f+t_b)."
             raise Fail(f"{where}{failure}{hint}") from None
     return f"on {len(cases)} seeded (p, m, v), v = 1 to 8, m >= p when v > 1 (relative tolerance 1e-9)"
+
+
+# ----------------------------------------------------------------------------------
+# Exercise "zero_bubble": scored on how short the step is, within 1F1B's memory
+#
+# Times: t_f = t_i = t_w = 1 (a fused B = I + W takes 2). With one stage per rank, the last
+# rank cannot start before the first p - 1 forwards have passed, and then has 3m units of
+# work: no schedule's step is shorter than 3m + p - 1 (ZB-H1 reaches it when m >= p).
+
+ZB_POINTS = 3
+
+
+def _zb_cases(seed: int) -> list[tuple[int, int]]:
+    rng = random.Random(seed)
+    p = rng.randint(2, 6)
+    return [(4, 8), (3, 3), (5, rng.randint(5, 9)), (p, rng.randint(p, 2 * p + 3))]
+
+
+def _refuse_zero_bubble(fn) -> None:
+    """In the sealed rank: Forbidden if the answer calls the library's schedules."""
+    from ..pipeline import Action, make_schedule, schedules
+    allow_type(Action)
+    refuse_library(fn, "zero_bubble", "a zero-bubble schedule",
+                   {"make_schedule": make_schedule, "zb_h1": schedules.zb_h1, "zb_v": schedules.zb_v},
+                   "pplab.pipeline's schedules")
+
+
+@exercise("zero_bubble", "A zero-bubble schedule: as short as the pipeline allows, in 1F1B's memory",
+          answer="zero_bubble_order", notebook="04e_zero_bubble", sealed=True, points=ZB_POINTS,
+          preload=('pplab.pipeline',))
+def check_zero_bubble(fn, seed: int, timeout: float):
+    """Valid, at most p micro-batches held on every rank (else 0 points); then 1 point for a
+    step no longer than 1F1B's 3(m + p - 1), 2 for at most half of 1F1B's bubble, 3 for the
+    bound 3m + p - 1, on every (p, m) tried (m >= p): the score is the worst case's."""
+    from ..pipeline import simulate
+    require_function(fn, "zero_bubble", "num_stages, num_microbatches", 2, 2)
+    cases = _zb_cases(seed)
+    outs = sealed.call_each(fn, cases, where=lambda i: _where(*cases[i]), timeout=timeout, probe=_refuse_zero_bubble)
+    results = []
+    for (p, m), out in zip(cases, outs):
+        where = _where(p, m)
+        mine = simulate(_schedule(fn, out, p, m, where, kinds="FBIW"), t_f=1.0, t_b=2.0, t_w=1.0)
+        for r, peak in enumerate(mine.peak_activations):
+            if peak > p:
+                raise Fail(f"{where}rank {r} holds {peak:g} micro-batches' activations at its peak, more than the "
+                           f"p = {p} that 1F1B's busiest rank holds: start backwards sooner (a micro-batch's "
+                           f"activations are held from its F until its W, or its B).")
+        one_f_one_b, bound = 3 * (m + p - 1), 3 * m + p - 1
+        earned = (3 if mine.makespan <= bound else 2 if mine.makespan - 3 * m <= (p - 1) * 3 / 2
+                  else 1 if mine.makespan <= one_f_one_b else 0)
+        results.append((earned, p, m, mine.makespan, one_f_one_b, bound))
+    earned, p, m, took, one_f_one_b, bound = min(results)
+    hint = {3: "", 0: " Slower than 1F1B: some rank waits while an action it could run is ready.",
+            1: " A rank's weight gradient W needs nothing from any other rank: split each B into I (which "
+               "the previous stage waits for) and W, and put Ws off into the slots where the rank would idle.",
+            2: " Closer: which ranks still idle at the end of the step? Each can defer more of its Ws."}[earned]
+    return Scored(f"on (p, m) = {', '.join(f'({p}, {m})' for _, p, m, *_ in results)}: valid and within 1F1B's "
+                  f"memory; the worst case, p={p}, m={m}: {took:g} time units (t_f = t_i = "
+                  f"t_w = 1) against 1F1B's {one_f_one_b} and the bound 3m + p - 1 = {bound}.{hint}", earned)
