@@ -20,6 +20,7 @@ nothing beyond the storage it looks into.
 """
 from __future__ import annotations
 
+import threading
 import weakref
 from dataclasses import dataclass
 
@@ -156,7 +157,8 @@ class PeakMemory(TorchDispatchMode):
     that existed before the block (inputs, parameters), an op's own scratch that it frees before
     returning (the peak is between ops), memory a library takes outside torch's operators (a
     communication backend's buffers), and work on other threads than the caller's and
-    autograd's. `peak` is updated inside the block only; `live` keeps falling as storages made
+    autograd's. A storage freed on another thread (a backend's, done with a message) is
+    subtracted when it is. `peak` is updated inside the block only; `live` keeps falling as storages made
     inside are freed after it.
     """
 
@@ -168,6 +170,7 @@ class PeakMemory(TorchDispatchMode):
         self.count = count
         self.live = self.peak = 0
         self._sizes = {}                                   # storage's id -> its bytes, while alive
+        self._lock = threading.RLock()                     # a storage may be freed on another thread
         self._inside = False
 
     def __enter__(self):
@@ -179,7 +182,8 @@ class PeakMemory(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def _freed(self, key):
-        self.live -= self._sizes.pop(key)
+        with self._lock:
+            self.live -= self._sizes.pop(key)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -191,12 +195,15 @@ class PeakMemory(TorchDispatchMode):
                 continue
             storage = t.untyped_storage()
             key, size = _storage_key(t), storage.nbytes()
-            if size == 0 or key in inputs or key in self._sizes or (self.count and not self.count(t)):
+            if size == 0 or key in inputs or (self.count and not self.count(t)):
                 continue
-            self._sizes[key] = size
-            self.live += size
-            self.peak = max(self.peak, self.live)
-            weakref.finalize(storage, self._freed, key)
+            with self._lock:
+                if key in self._sizes:
+                    continue
+                self._sizes[key] = size
+                self.live += size
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(storage, self._freed, key)
         return out
 
 
