@@ -330,12 +330,10 @@ class _GatheredKV(torch.autograd.Function):
                              f"{[_length(r) for r in runs]} tokens. Use a sequence length "
                              f"divisible by {p if layout == 'contiguous' else 2 * p}, or ring_attention.")
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        kv = torch.stack([k, v])                            # one all-gather for both
-        full = kv.new_empty((p * 2,) + kv.shape[1:])       # (rank, K or V, ...), flattened for the backend
+        full = k.new_empty((p, 2) + k.shape)               # (rank, K or V, ...): one all-gather for both
+        full[me, 0], full[me, 1] = k, v                     # my slot, sent from where it lies: no extra copy
         trace.hold([k, v, full], "K/V")
-        comm.all_gather_into_tensor(full, kv, group=group)
-        del kv                                              # sent: the gathered copy has it
-        full = full.unflatten(0, (p, 2))
+        comm.all_gather_into_tensor(full.flatten(0, 1), full[me], group=group)
         pos = [torch.cat([torch.arange(a, b, dtype=torch.long) for a, b in r]) for r in runs]
         mask = (pos[me][:, None] < torch.cat(pos)[None, :]).to(q.device) if causal else None   # hidden keys
         qa = q.to(_acc_dtype(q.dtype))
