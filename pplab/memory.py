@@ -152,14 +152,15 @@ class PeakMemory(TorchDispatchMode):
     and that is new (not one of the operation's inputs', not one already counted), from the op
     that creates it until the storage is freed (a weakref finalizer), whether that is inside the
     block or later. Each storage counts once, whole; a view costs nothing. `count`, if given,
-    picks which new tensors to follow (e.g. `lambda t: t.dtype == torch.bfloat16`: only the
-    16-bit ones); the others are left out of `live` and `peak`. Not counted: tensors
-    that existed before the block (inputs, parameters), an op's own scratch that it frees before
-    returning (the peak is between ops), memory a library takes outside torch's operators (a
-    communication backend's buffers), and work on other threads than the caller's and
-    autograd's. A storage freed on another thread (a backend's, done with a message) is
-    subtracted when it is. `peak` is updated inside the block only; `live` keeps falling as storages made
-    inside are freed after it.
+    picks which new tensors to follow (`lambda t: t.dtype == torch.bfloat16`: the 16-bit ones);
+    the others are left out of `live` and `peak`.
+
+    Not counted: tensors that existed before the block (inputs, parameters), an op's own scratch
+    that it frees before returning (the peak is between ops), memory a library takes outside
+    torch's operators (a communication backend's buffers), and ops run on threads other than the
+    caller's and autograd's. A storage freed on another thread (a backend letting go of a message)
+    is subtracted when it is freed. `peak` moves inside the block only; `live` keeps falling after
+    it, as the storages made inside are freed.
     """
 
     def __init__(self, count=None):
@@ -171,15 +172,6 @@ class PeakMemory(TorchDispatchMode):
         self.live = self.peak = 0
         self._sizes = {}                                   # storage's id -> its bytes, while alive
         self._lock = threading.RLock()                     # a storage may be freed on another thread
-        self._inside = False
-
-    def __enter__(self):
-        self._inside = True
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        self._inside = False
-        return super().__exit__(*exc)
 
     def _freed(self, key):
         with self._lock:
@@ -187,8 +179,6 @@ class PeakMemory(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if not self._inside:
-            return out
         inputs = {_storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for t in tree_leaves(out):
             if not isinstance(t, torch.Tensor) or t.is_sparse or t.device.type == "meta":
