@@ -148,7 +148,7 @@ def test_activations_scale_with_micro_batch_and_schedule():
 
 
 def test_measured_saved_activations_are_what_the_model_saves():
-    from pplab.sequence_parallel import saved_activations
+    from pplab.memory import saved_activations
     times = planner.measure(CFG, repeats=1)
     model = nn.Sequential(*gpt_layers(CFG, 0, torch.float64))
     x, y = data.batch(4, CFG.seq, 0, 0)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 import pplab
 from pplab import trace
+from pplab.memory import PeakMemory
 from pplab.sequence_parallel.ring_attention import gathered_kv_attention, merge, pieces, ring_attention, shard_sequence, \
     unshard_sequence
 from pplab.sequence_parallel import MegatronBlock, activation_bytes_formula, heads_to_seq, ring_collectives, \
@@ -253,6 +254,46 @@ def test_peak_kv_memory_per_rank(p):
         assert ring[r] == (min(3, p) * block, 0)
         # all-gather: its own block plus all p blocks gathered
         assert gathered[r] == ((p + 1) * block, 0)
+
+
+def bf16_run(fn, seq, layout):
+    """bf16 shards in: the output and gradients (as float64), and the peak of the 16-bit tensors
+    forward and backward make (pplab.memory.PeakMemory): K/V blocks received, the output and the
+    gradients; the arithmetic is float32."""
+    Q, K, V, dO = (t.to(torch.bfloat16) for t in inputs(seq))
+    q, k, v, do = (shard_sequence(t, None, layout).requires_grad_() for t in (Q, K, V, dO))
+    with PeakMemory(count=lambda t: t.dtype == torch.bfloat16) as held:
+        out = fn(q, k, v, causal=True, layout=layout)
+    with PeakMemory(count=lambda t: t.dtype == torch.bfloat16) as held_backward:
+        out.backward(do)
+    assert {t.dtype for t in (out, q.grad, k.grad, v.grad)} == {torch.bfloat16}
+    return [t.double() for t in (out.detach(), q.grad, k.grad, v.grad)], held.peak, held_backward.peak
+
+
+@pytest.mark.parametrize("p", [3])
+def test_bf16_inputs_measured_kv_memory_and_results(p):
+    """Both methods in bf16 equal float64 attention on bf16-rounded inputs to bf16's precision, and
+    the 16-bit storages each rank's forward makes peak at (block: one rank's K or V, in bytes):
+    ring, the block being computed with and the one arriving, 2·min(2, p-1) blocks (its own are its
+    inputs); all-gather, everyone's K and V (2p), its own put in place, and the output (1), made
+    while they are kept for backward."""
+    seq, layout = 12 * p, "zigzag"
+    block = B * H * (seq // p) * D * 2
+    Q, K, V, dO = (t.to(torch.bfloat16).double().requires_grad_(i < 3) for i, t in enumerate(inputs(seq)))
+    out = reference(Q, K, V, True)
+    out.backward(dO)
+    want = [out.detach(), Q.grad, K.grad, V.grad]
+    for fn, kv_blocks in ((ring_attention, 2 * min(2, p - 1)), (gathered_kv_attention, 2 * p + 1)):
+        res = pplab.launch(bf16_run, fn, seq, layout, world_size=p)
+        for r, (got, peak, peak_backward) in enumerate(res):
+            assert peak == kv_blocks * block, (fn.__name__, r, peak / block)
+            # backward: the ring's K/V visitors again (the last freed before the gradients are made),
+            # then dq, dk, dv in bf16; the all-gather's K/V are its saved ones: only the 3 gradients
+            want_backward = max(kv_blocks, 3) if fn is ring_attention else 3
+            assert peak_backward == want_backward * block, (fn.__name__, r, peak_backward / block)
+        for i in range(4):
+            err = (unshard_sequence([got[i] for got, _, _ in res], layout) - want[i]).abs().max().item()
+            assert err < 0.05 * want[i].abs().max().item(), (fn.__name__, i, err)
 
 
 # ----------------------------------------------------------------------------------

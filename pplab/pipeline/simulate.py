@@ -203,7 +203,9 @@ def validate(schedule: Schedule) -> Schedule:
 # Activations held. A rank holds a micro-batch for a stage from the start of its F to the
 # end of its B, or of its W when the backward is split: W reads the same stored inputs.
 # (The zero-bubble paper frees most of it at I already; we count whole micro-batches.)
-# One chunk counts 1/v: the unit is one micro-batch through a rank's whole share.
+# One chunk counts 1/v: the unit is one micro-batch through a rank's whole share. The schedule
+# knows only this count; bytes per micro-batch come from pplab.memory (saved_activations
+# measures them, activation_bytes_formula predicts them), as the planner multiplies them.
 _HOLD = {"F": +1, "B": -1, "I": 0, "W": -1}
 
 

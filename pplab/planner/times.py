@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..models.gpt import GPTConfig, gpt_layers, gpt_loss
-from ..sequence_parallel import activation_bytes_formula, saved_activations
+from ..memory import activation_bytes_formula, saved_activations
 from ..tensor_parallel import split_sizes
 
 

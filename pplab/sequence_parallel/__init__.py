@@ -17,8 +17,8 @@ Three ways, all taking `group=` (None = every rank) so they can sit inside a lar
 Each file's docstring has its algorithm's traffic and memory.
 """
 
-from .megatron import (MegatronBlock, activation_bytes_formula, ring_collectives, saved_activations,
-                       sequence_parallel_layer_norm)
+from ..memory import activation_bytes_formula, saved_activations     # their home is pplab.memory
+from .megatron import MegatronBlock, ring_collectives, sequence_parallel_layer_norm
 from .ring_attention import gathered_kv_attention, merge, pieces, ring_attention, shard_sequence, unshard_sequence
 from .ulysses import heads_to_seq, seq_to_heads, ulysses_attention
 

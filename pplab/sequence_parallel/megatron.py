@@ -4,8 +4,8 @@ dropout, residual adds) run on a sequence shard, and TP's all-reduce splits into
 halves: an all-gather of the sequence before the column-parallel layer, a reduce-scatter after
 the row-parallel one.
 
-Its memory is Korthikanti et al.'s s·b·h·(34 + 5·a·s/h)/t bytes per layer
-(`activation_bytes_formula`; `saved_activations` measures what autograd really keeps). Its
+Its memory is Korthikanti et al.'s s·b·h·(34 + 5·a·s/h)/t bytes per layer (pplab.memory's
+`activation_bytes_formula`; its `saved_activations` measures what autograd really keeps). Its
 forward sends what TP's two all-reduces send (all-gather + reduce-scatter = all-reduce);
 backward adds one all-gather per column layer, which re-gathers the input it did not keep.
 """
@@ -24,8 +24,7 @@ from .. import trace
 from ..tensor_parallel.layers import _all_gather, _reduce_scatter, copy_to_parallel
 from ..tensor_parallel.transformer import ParallelMLP, ParallelSelfAttention, TransformerBlock
 
-__all__ = ["MegatronBlock", "sequence_parallel_layer_norm", "activation_bytes_formula", "saved_activations",
-           "ring_collectives"]
+__all__ = ["MegatronBlock", "sequence_parallel_layer_norm", "ring_collectives"]
 
 
 # ----------------------------------------------------------------------------------
@@ -142,45 +141,6 @@ class MegatronBlock(nn.Module):
         x = x + _dropout(a, self.dropout, self.training)
         m = self.mlp.fc2(F.gelu(self._column(self.mlp.fc1, self._norm(self.ln2, x))))
         return x + _dropout(m, self.dropout, self.training)
-
-
-def activation_bytes_formula(s, b, h, a, t=1, sequence_parallel=True):
-    """Korthikanti et al.'s activation bytes of one layer (16-bit activations, 1-byte dropout masks).
-
-    No parallelism: s·b·h·(34 + 5·a·s/h). Tensor parallel over t: s·b·h·(10 + 24/t + 5·a·s/(h·t)).
-    Tensor + sequence parallel: s·b·h·(34 + 5·a·s/h)/t."""
-    if sequence_parallel or t == 1:
-        return s * b * h * (34 + 5 * a * s / h) / t
-    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
-
-
-class saved_activations:
-    """Count the bytes autograd keeps for backward inside the block: each storage once,
-    `exclude`d tensors (the parameters) left out.
-
-        with saved_activations(model.parameters()) as saved:
-            loss = model(x).sum()
-        saved.bytes
-    """
-
-    def __init__(self, exclude=()):
-        self.skip = {t.untyped_storage().data_ptr() for t in exclude}
-        self.storages, self.bytes = set(), 0
-
-    def _pack(self, t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in self.skip and ptr not in self.storages:
-            self.storages.add(ptr)
-            self.bytes += t.untyped_storage().nbytes()
-        return t
-
-    def __enter__(self):
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._hooks.__exit__(*exc)
 
 
 @contextlib.contextmanager

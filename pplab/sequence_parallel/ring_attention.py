@@ -240,6 +240,7 @@ class _RingAttention(torch.autograd.Function):
                 trace.release([k_cur, v_cur], "K/V")
             if nxt is not None:
                 k_cur, v_cur = nxt
+        del k_cur, v_cur, nxt, handles                      # the last visitor, before the output is made
         trace.release([k, v], "K/V")
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.info = (group, ranks, me, runs, causal, scale)
@@ -278,9 +279,16 @@ class _RingAttention(torch.autograd.Function):
                         dq[..., qs, :] += (ds @ kb) * scale
                         dk[..., ks, :] += (ds.transpose(-1, -2) @ qb) * scale
             _wait(dkv_handles)                              # the partial sums for block j are here
+            dkv_handles = []                                # (and the ones we sent have left: free them)
             if arriving is not None:
                 dk += arriving[0]
                 dv += arriving[1]
+                arriving = None
+            _wait(handles)                                  # block j computed with and sent on: free it
+            handles, k_cur, v_cur = [], None, None          # before the buffers below are made
+            if nxt is not None:
+                k_cur, v_cur = nxt
+                nxt = None
             if p > 1:                                       # on to the right; take block j-1's from the left
                 n_in = _length(runs[(j - 1) % p])
                 arriving = (torch.empty(k.shape[:-2] + (n_in, k.shape[-1]), dtype=acc, device=k.device),
@@ -288,9 +296,7 @@ class _RingAttention(torch.autograd.Function):
                 dkv_handles = _post([dk, dv], arriving, right, left, group)
             else:
                 arriving = (dk, dv)
-            _wait(handles)
-            if nxt is not None:
-                k_cur, v_cur = nxt
+            dk = dv = None
         _wait(dkv_handles)                                  # after p hops: our own block's dK, dV
         dk, dv = arriving
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
@@ -312,7 +318,8 @@ def ring_attention(q, k, v, group=None, causal: bool = False, layout: str = "con
 
 
 class _GatheredKV(torch.autograd.Function):
-    """The same arithmetic as one ring step, but over every rank's K/V at once."""
+    """The same arithmetic as one ring step, but over every rank's K/V at once (half or bfloat16
+    inputs computed in float32, as the ring does)."""
 
     @staticmethod
     def forward(ctx, q, k, v, group, causal, layout, scale, will_backward):
@@ -323,45 +330,49 @@ class _GatheredKV(torch.autograd.Function):
                              f"{[_length(r) for r in runs]} tokens. Use a sequence length "
                              f"divisible by {p if layout == 'contiguous' else 2 * p}, or ring_attention.")
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        kv = torch.stack([k, v])                            # one all-gather for both
-        full = kv.new_empty((p * 2,) + kv.shape[1:])       # (rank, K or V, ...), flattened for the backend
+        full = k.new_empty((p, 2) + k.shape)               # (rank, K or V, ...): one all-gather for both
+        full[me, 0], full[me, 1] = k, v                     # my slot, sent from where it lies: no extra copy
         trace.hold([k, v, full], "K/V")
-        comm.all_gather_into_tensor(full, kv, group=group)
-        full = full.unflatten(0, (p, 2))
+        comm.all_gather_into_tensor(full.flatten(0, 1), full[me], group=group)
         pos = [torch.cat([torch.arange(a, b, dtype=torch.long) for a, b in r]) for r in runs]
         mask = (pos[me][:, None] < torch.cat(pos)[None, :]).to(q.device) if causal else None   # hidden keys
-        prob, lse = _gathered_softmax(q, full, mask, scale)
-        out = sum(prob[..., i, :, :] @ full[i, 1] for i in range(p))
+        qa = q.to(_acc_dtype(q.dtype))
+        prob, lse = _gathered_softmax(qa, full, mask, scale)
+        out = sum(prob[..., i, :, :] @ full[i, 1].to(qa.dtype) for i in range(p))
+        held = sum(t.nbytes for t in (k, v, full))
         if will_backward:                                   # the gathered K/V stay until backward
             ctx.save_for_backward(q, full, out, lse)
-            ctx.info = (group, mask, scale)
+            ctx.info = (group, mask, scale, held)
         else:
-            trace.release([k, v, full], "K/V")
-        return out
+            trace.release(held, "K/V")
+        return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, full, out, lse = ctx.saved_tensors
-        group, mask, scale = ctx.info
-        prob, _ = _gathered_softmax(q, full, mask, scale, lse)
-        delta = (dout * out).sum(-1, keepdim=True)
-        dq, dfull = torch.zeros_like(q), torch.empty_like(full)
+        group, mask, scale, held = ctx.info
+        acc = out.dtype
+        qa, do = q.to(acc), dout.to(acc)
+        prob, _ = _gathered_softmax(qa, full, mask, scale, lse)
+        delta = (do * out).sum(-1, keepdim=True)
+        dq, dfull = torch.zeros_like(qa), torch.empty(full.shape, dtype=acc, device=full.device)
         for i in range(full.shape[0]):                      # the same rules as ring attention's backward
-            k_i, v_i, p_i = full[i, 0], full[i, 1], prob[..., i, :, :]
-            dfull[i, 1] = p_i.transpose(-1, -2) @ dout
-            ds = p_i * (dout @ v_i.transpose(-1, -2) - delta)
+            k_i, v_i, p_i = full[i, 0].to(acc), full[i, 1].to(acc), prob[..., i, :, :]
+            dfull[i, 1] = p_i.transpose(-1, -2) @ do
+            ds = p_i * (do @ v_i.transpose(-1, -2) - delta)
             dq += (ds @ k_i) * scale
-            dfull[i, 0] = (ds.transpose(-1, -2) @ q) * scale
+            dfull[i, 0] = (ds.transpose(-1, -2) @ qa) * scale
         # each rank's dK/dV is the sum over every rank's queries: reduce-scatter
         mine = dfull.new_empty(dfull.shape[1:])
         comm.reduce_scatter_tensor(mine, dfull.flatten(0, 1), group=group)
-        trace.release([full, mine[0], mine[1]], "K/V")    # = k, v, full: the holdings of forward
-        return dq, mine[0], mine[1], None, None, None, None, None
+        trace.release(held, "K/V")                          # k, v and full: the holdings of forward
+        return dq.to(q.dtype), mine[0].to(q.dtype), mine[1].to(q.dtype), None, None, None, None, None
 
 
 def _gathered_softmax(q, full, mask, scale, lse=None):
-    """Softmax over all S keys as (..., p, n_q, n_k) probabilities (block i = rank i's keys), and lse."""
-    s = torch.stack([q @ full[i, 0].transpose(-1, -2) for i in range(full.shape[0])], -3) * scale
+    """Softmax over all S keys as (..., p, n_q, n_k) probabilities (block i = rank i's keys), and lse;
+    in q's dtype."""
+    s = torch.stack([q @ full[i, 0].to(q.dtype).transpose(-1, -2) for i in range(full.shape[0])], -3) * scale
     if mask is not None:
         s = s.masked_fill(mask.view(mask.shape[0], full.shape[0], -1).transpose(0, 1), -math.inf)
     if lse is None:
