@@ -62,7 +62,7 @@ from .runtime.launcher import device, launch
 SIZES = tuple(4 ** k * 1024 for k in range(9))    # 1 KB, 4 KB, ..., 64 MB
 FRESH_FROM = 32 * 2 ** 20                          # glibc's malloc takes buffers this large from the OS each time
 STEPS = ("one-way", "swap", "ring")
-BACK_TO_BACK = 8                                   # ping-pongs per timed try up to 256 KB
+BACK_TO_BACK = 8                                   # ping-pongs per timed try up to 256 KB (the first not counted)
 
 
 # ----------------------------------------------------------------------------------
@@ -318,10 +318,15 @@ def _measure_on_ranks(sizes, repeats, all_reduces=()):
     def back_to_back(n):                           # several per try where they are short, so that the
         return BACK_TO_BACK if n <= 2 ** 18 else 1  # start (δ, measured apart) is not counted as α
 
+    round_trips = {n: [] for n in sizes}           # on rank 0's clock, each round trip of each try
+
     def ping_pong(n):                              # 0 → 1, then 1 → 0
-        for _ in range(back_to_back(n)):
+        for k in range(back_to_back(n)):
+            start = time.perf_counter()
             (comm.send, comm.recv)[rank](bufs[n][0], 1 - rank)
             (comm.recv, comm.send)[rank](bufs[n][0], 1 - rank)
+            if k or back_to_back(n) == 1:          # the first of several waited for the partner to start
+                round_trips[n].append(time.perf_counter() - start)
 
     def swap(n):                                   # 0 → 1 and 1 → 0 at once, one per try: inside a
         # collective the partners reach each step a little apart (each has just sliced or added),
@@ -344,6 +349,8 @@ def _measure_on_ranks(sizes, repeats, all_reduces=()):
     with trace.paused(), collectives.unchecked():
         for run, n in tries:                       # a warm-up
             run(n)
+        for kept in round_trips.values():
+            kept.clear()
         # a new order each round (the same on every rank): a burst of load falls on all sizes,
         # and no size always follows the 64 MB ones while the kernel is still freeing them
         order = [key for r in range(repeats) for key in random.Random(r).sample(tries, len(tries))]
@@ -351,7 +358,9 @@ def _measure_on_ranks(sizes, repeats, all_reduces=()):
         times = {key: [] for key in tries}
         for key, t in zip(order, _slowest(mine)):
             times[key].append(t)
-        one_way = [_quick(times[ping_pong, n]) / (2 * back_to_back(n)) for n in sizes]
+        # one message: half a round trip. Each is timed alone: one held up by a wait for a core
+        # is then one slow round trip among quick ones, not a slow try of eight
+        one_way = [_quick(round_trips[n]) / 2 for n in sizes]
         exchange = [_quick(times[swap, n]) for n in sizes]
         start = _quick(times[lone_call, 4]) - exchange[0]
         timed = {key: times[all_reduce, tuple(key)] for key in all_reduces}
