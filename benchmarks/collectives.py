@@ -23,8 +23,14 @@ changes from second to second, so a median swings 2-3x between runs) and the mea
 tenth left out, beyond (where waiting for a core is part of every try, and means add up). Goal: within 1.5x where p <= cores, within 2x beyond. Run it at normal
 priority; the load average printed with it says how busy the machine was.
 
+Last, what a learner's cell shows: the median of the tries, at p = 2, 1 to 16 MB, against the
+model's predicted median (Fit.predict_median: a delay per step drawn from the spread of the fit's
+own single exchanges). costfit.fit_and_time times these all-reduces in the fit's own shuffled
+rounds, 60 tries each, so a change of load falls on the prediction and the clock alike. Goal:
+median / predicted median within 1.5x.
+
     python benchmarks/collectives.py [--ranks 2 4] [--max-size-mb 64] [--repeats 9]
-                                     [--model-ranks 2 4 8] [--only-model]
+                                     [--model-ranks 2 4 8] [--only-model] [--only-median]
 """
 import argparse
 import os

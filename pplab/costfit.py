@@ -41,6 +41,13 @@ at once at full speed.
 64 MB, an add, a write to fresh memory, tiny steps of each kind on 2c ranks) then
 `fit_timings()` (pure arithmetic on those timings, testable without ranks). Neither looks
 at a collective's own time: that is what the predictions are for.
+
+`Fit.predict` is a try that nothing holds up (the parameters count the quick quarter of their
+tries). A cell that times a collective shows its median, or one try: `Fit.predict_spread` and
+`Fit.predict_median` add, step by step, delays drawn from the spread of the fit's own single
+exchanges. `fit_and_time()` times pplab's all-reduces in the fit's own rounds, so that both are
+measured under the same load. Appendix A (notebooks/appendix_a_fitting_the_cost_model.ipynb)
+shows each measurement.
 """
 from __future__ import annotations
 
