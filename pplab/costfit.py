@@ -138,6 +138,7 @@ class Fit:
     exchange_times: list = field(default_factory=list)   # the exchange time of each size
     delta: float = 0.0           # seconds, once per collective: waiting for the last rank to start
     delays: dict = field(default_factory=dict)   # {size: seconds each single exchange took beyond the quick quarter}
+    round_trip_delays: dict = field(default_factory=dict)   # {size: the same for each ping-pong round trip}
 
     def __post_init__(self):                      # Fit(α, β, γ, ...) alone is the classic model
         self.alpha2 = self.alpha if self.alpha2 is None else self.alpha2
@@ -190,23 +191,28 @@ class Fit:
         `predict` is a try that nothing holds up. Where every rank has a core, a try is that,
         plus, at each of its A steps, a delay: a wait for a core (a scheduler tick, now and
         then), another program's burst. The fit keeps, for each size, how much longer than its
-        quick quarter every single exchange took (`delays`); here each step draws one delay
-        from those of the size nearest its own, and the quantiles of 4001 such tries (a fixed
-        seed: the same answer every call) are added to `predict`. A median of a collective is
-        not the sum of its steps' medians: if a step waits one time in three, a try of two
-        steps waits more often than not. Where ranks outnumber cores, `predict` is already a
-        mean that prices the waiting (s, σ'), and is returned for every q."""
+        quick quarter every single exchange took (`delays`), and every ping-pong round trip
+        (`round_trip_delays`). Each step that sends and receives at once draws one exchange's
+        delay, of the size nearest its own; one-way steps (a tree's), which wake one rank, not
+        two, draw a round trip's delay for every two steps. The quantiles of 4001 such tries
+        (a fixed seed: the same answer every call) are added to `predict`. A median of a
+        collective is not the sum of its steps' medians: if a step waits one time in three, a
+        try of two steps waits more often than not. Where ranks outnumber cores, `predict` is
+        already a mean that prices the waiting (s, σ'), and is returned for every q."""
         if not all(isinstance(q, (int, float)) and 0 <= q <= 1 for q in quantiles):
             raise ValueError(f"quantiles are shares of the tries, between 0 and 1: got {quantiles!r}")
         quick = self.predict(collective, algorithm, p, n_bytes, ranks_busy)
         c = cost(collective, algorithm, p, n_bytes)
         busy = max(busy_ranks(collective, algorithm, p), ranks_busy or 0)
-        if not self.delays or not c.latency_rounds or (self.cores and busy > self.cores):
+        delays, draws = self.delays, c.latency_rounds
+        if step(collective, algorithm) == "one-way" and self.round_trip_delays:
+            delays, draws = self.round_trip_delays, (c.latency_rounds + 1) // 2
+        if not delays or not c.latency_rounds or (self.cores and busy > self.cores):
             return [quick for _ in quantiles]
-        step = max(1.0, c.bytes / c.latency_rounds)            # bytes a step, on average
-        nearest = min(self.delays, key=lambda n: (abs(math.log2(n / step)), -n))   # ties: the larger
-        sample, rng = self.delays[nearest], random.Random(0)
-        tries = sorted(sum(rng.choice(sample) for _ in range(c.latency_rounds)) for _ in range(4001))
+        size = max(1.0, c.bytes / c.latency_rounds)            # bytes a step, on average
+        nearest = min(delays, key=lambda n: (abs(math.log2(n / size)), -n))   # ties: the larger
+        sample, rng = delays[nearest], random.Random(0)
+        tries = sorted(sum(rng.choice(sample) for _ in range(draws)) for _ in range(4001))
         return [quick + tries[round(q * (len(tries) - 1))] for q in quantiles]
 
     def __str__(self):
@@ -236,6 +242,7 @@ class Timings:
     tiny_steps: dict             # {kind of step: seconds per tiny step on tiny_ranks}
     start: float = 0.0           # δ: a 4-byte all-gather on 2 ranks (one swap), less exchange[0]
     exchange_tries: list = field(default_factory=list)   # per size, every single exchange's time (seconds)
+    round_trips: list = field(default_factory=list)      # per size, every counted round trip of the ping-pong
 
 
 def _fit_line(sizes, times):
@@ -263,8 +270,9 @@ def fit_timings(t: Timings) -> Fit:
         sigma = {kind: max(0.0, (seconds - delta / steps - s * (alpha if kind == "one-way" else alpha2)) / w)
                  for kind, seconds in t.tiny_steps.items()}
     delays = {n: sorted(x - quick for x in tries) for n, quick, tries in zip(t.sizes, t.exchange, t.exchange_tries)}
+    round_trip_delays = {n: sorted(x - 2 * half for x in tries) for n, half, tries in zip(t.sizes, t.one_way, t.round_trips)}
     return Fit(alpha, beta, t.add_per_byte, list(t.sizes), list(t.one_way), alpha2, beta2, sigma,
-               max(0.0, t.fresh_per_byte), t.cores, list(t.exchange), delta, delays)
+               max(0.0, t.fresh_per_byte), t.cores, list(t.exchange), delta, delays, round_trip_delays)
 
 
 # ----------------------------------------------------------------------------------
@@ -348,9 +356,9 @@ def _measure_on_ranks(sizes, repeats, all_reduces=()):
     def all_reduce(key):
         collectives.all_reduce(xs[key[1]], algorithm=key[0])
     bufs[4] = [torch.zeros(4, dtype=torch.uint8, device=device()), torch.zeros(8, dtype=torch.uint8, device=device())]
-    # 4 tries a round of what is cheap: small ping-pongs, and the exchanges and all-reduces up to
-    # 16 MB, whose medians and spread count (predict_median), not only their quick quarter
-    tries = [(ping_pong, n) for n in sizes for _ in range(4 if n <= 2 ** 18 else 1)]
+    # 4 tries a round of what is cheap: the ping-pongs, exchanges and all-reduces up to 16 MB,
+    # whose medians and spread count (predict_median), not only their quick quarter
+    tries = [(ping_pong, n) for n in sizes for _ in range(4 if n <= 2 ** 24 else 1)]
     tries += [(swap, n) for n in sizes for _ in range(4 if n <= 2 ** 24 else 1)] + [(lone_call, 4)] * 8
     tries += [(all_reduce, tuple(key)) for key in all_reduces for _ in range(4 if key[1] <= 2 ** 24 else 1)]
     with trace.paused(), collectives.unchecked():
@@ -382,7 +390,7 @@ def _measure_on_ranks(sizes, repeats, all_reduces=()):
     old = min(_timed(lambda: old.fill_(1.0)) for _ in range(3))
     exchange_tries = [times[swap, n] for n in sizes]
     return one_way, exchange, add / (4 * a.numel()), (new - old) / (4 * n), start, device().type, \
-        exchange_tries, timed
+        exchange_tries, [round_trips[n] for n in sizes], timed
 
 
 def _tiny_steps_on_ranks(repeats):
@@ -438,7 +446,7 @@ def _measure(sizes, repeats, world_size, timeout, all_reduces=()):
         world_size = 2 * cores if cores <= 8 else 2
     # the pairs run on 2 ranks only: more processes would share the cores and slow every step,
     # which is the σ term's business, measured apart by the tiny steps on 2c ranks
-    one_way, exchange, add, fresh, start, where, exchange_tries, timed = launch(
+    one_way, exchange, add, fresh, start, where, exchange_tries, round_trips, timed = launch(
         _measure_on_ranks, sizes, repeats, list(all_reduces), world_size=2, timeout=timeout)[0]
     tiny_steps = {}
     if where == "cuda":                           # NCCL, one process per GPU: no core is shared
@@ -446,7 +454,7 @@ def _measure(sizes, repeats, world_size, timeout, all_reduces=()):
     elif world_size > 2:
         tiny_steps = launch(_tiny_steps_on_ranks, repeats, world_size=world_size, timeout=timeout)[0]
     return Timings(cores, list(sizes), one_way, exchange, add, fresh, world_size if tiny_steps else 0, tiny_steps,
-                   start, exchange_tries), timed
+                   start, exchange_tries, round_trips), timed
 
 
 def _time_on_ranks(sizes, algorithms, repeats):

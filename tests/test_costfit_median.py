@@ -91,4 +91,31 @@ def test_fit_and_time_times_each_all_reduce_in_the_fits_rounds():
     assert [len(f.delays[n]) for n in f.sizes] == [8, 8, 2]          # 32 MB: one exchange a round
     for n in f.sizes:
         assert f.delays[n][(len(f.delays[n]) - 1) // 4] == 0.0       # the quick quarter is the 0 of its delays
+        assert f.round_trip_delays[n][(len(f.round_trip_delays[n]) - 1) // 4] == 0.0
+    # up to 256 KB, 8 round trips a try, the first not counted: 7 x 4 a round; above, one a try
+    assert [len(f.round_trip_delays[n]) for n in f.sizes] == [7 * 8, 8, 2]
     assert f.predict_median("all_reduce", "ring", 2, 2 * MB) >= f.predict_spread("all_reduce", "ring", 2, 2 * MB, (0.25,))[0]
+
+
+def test_one_way_steps_draw_a_round_trips_delay_for_every_two_steps():
+    """A tree all-reduce on 2 ranks is a reduce and a broadcast: one message each way, a ping-pong's
+    round trip. With round trips that wait one time in three, its single draw waits one time in
+    three: the median does not wait (the ring, two exchange draws from the same sample, does). On
+    4 ranks (4 one-way steps, 2 draws) the median waits once."""
+    f = _fit({MB: [0.0, 0.0, 4e-3]})
+    f.round_trip_delays = {MB: [0.0, 0.0, 4e-3]}
+    assert f.predict_median("all_reduce", "tree", 2, MB) == pytest.approx(f.predict("all_reduce", "tree", 2, MB))
+    assert f.predict_median("all_reduce", "ring", 2, MB) == pytest.approx(f.predict("all_reduce", "ring", 2, MB) + 4e-3)
+    f.cores = 8
+    assert f.predict_median("all_reduce", "tree", 4, MB) == pytest.approx(f.predict("all_reduce", "tree", 4, MB) + 4e-3)
+    f.round_trip_delays = {}                       # none measured: the exchanges' delays, one a step
+    assert f.predict_median("all_reduce", "tree", 2, MB) == pytest.approx(f.predict("all_reduce", "tree", 2, MB) + 4e-3)
+
+
+def test_the_fit_keeps_each_round_trip_beyond_its_quick_quarter():
+    t = costfit.Timings(cores=2, sizes=[1024, MB], one_way=[1e-4, 5e-4], exchange=[2e-4, 1e-3],
+                        add_per_byte=1e-11, fresh_per_byte=0.0, tiny_ranks=0, tiny_steps={},
+                        exchange_tries=[[2e-4], [1e-3]], round_trips=[[2e-4, 9e-3, 1.8e-4], [1e-3, 3e-3]])
+    f = costfit.fit_timings(t)
+    assert f.round_trip_delays[1024] == pytest.approx([-0.2e-4, 0.0, 8.8e-3])
+    assert f.round_trip_delays[MB] == pytest.approx([0.0, 2e-3])
