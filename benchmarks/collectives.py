@@ -23,8 +23,14 @@ changes from second to second, so a median swings 2-3x between runs) and the mea
 tenth left out, beyond (where waiting for a core is part of every try, and means add up). Goal: within 1.5x where p <= cores, within 2x beyond. Run it at normal
 priority; the load average printed with it says how busy the machine was.
 
+Last, what a learner's cell shows: the median of the tries, at p = 2, 1 to 16 MB, against the
+model's predicted median (Fit.predict_median: a delay per step drawn from the spread of the fit's
+own single exchanges). costfit.fit_and_time times these all-reduces in the fit's own shuffled
+rounds, 60 tries each, so a change of load falls on the prediction and the clock alike. Goal:
+median / predicted median within 1.5x.
+
     python benchmarks/collectives.py [--ranks 2 4] [--max-size-mb 64] [--repeats 9]
-                                     [--model-ranks 2 4 8] [--only-model]
+                                     [--model-ranks 2 4 8] [--only-model] [--only-median]
 """
 import argparse
 import os
@@ -89,6 +95,32 @@ def model_against_clock(ranks, sizes, repeats):
     print(f"{inside} of {total} within the goal (! marks the others); times in ms")
 
 
+def median_against_model(sizes, repeats):
+    """What a learner's cell shows: the median of the tries at p = 2, against the model's predicted
+    median (predict_median: the quick model plus a delay per step drawn from the exchanges'
+    spread). fit_and_time times the all-reduces in the same rounds as the fit's own pairs."""
+    start = time.perf_counter()
+    load = os.getloadavg()[0]
+    fit, tries = costfit.fit_and_time(sizes, MODEL_ALGORITHMS, repeats=repeats)
+    print(f"\nmedian at p = 2 (fit and all-reduces in the same rounds, {time.perf_counter() - start:.1f} s, "
+          f"{len(next(iter(tries.values())))} tries each; load average {load:.2f} before, "
+          f"{os.getloadavg()[0]:.2f} after); goal: median / predicted median within 1.5x")
+    print(f"{'size':>6} | " + " | ".join(f"{a:^34}" for a in MODEL_ALGORITHMS))
+    print(f"{'':>6} | " + " | ".join(f"{'median':>8} {'predicted':>9} {'ratio':>6} {'quick':>7}" for _ in MODEL_ALGORITHMS))
+    ratios = []
+    for n in sizes:
+        cells = []
+        for a in MODEL_ALGORITHMS:
+            median, predicted = statistics.median(tries[a, n]), fit.predict_median("all_reduce", a, 2, n)
+            ratios.append(median / predicted)
+            cells.append(f"{median * 1e3:>8.2f} {predicted * 1e3:>9.2f} {ratios[-1]:>5.2f}{' ' if 1 / 1.5 <= ratios[-1] <= 1.5 else '!'}"
+                         f" {median / fit.predict('all_reduce', a, 2, n):>6.2f}x")
+        print(f"{human(n):>6} | " + " | ".join(cells))
+    inside = sum(1 / 1.5 <= r <= 1.5 for r in ratios)
+    print(f"median / predicted median at p = 2: {min(ratios):.2f}-{max(ratios):.2f}, {inside} of {len(ratios)} within 1.5x "
+          f"(quick: median / the quick model's prediction); times in ms")
+
+
 def human(n):
     return f"{n // 2 ** 20} MB" if n >= 2 ** 20 else f"{n // 1024} KB"
 
@@ -100,14 +132,17 @@ def main():
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--model-ranks", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--only-model", action="store_true", help="skip the ring against gloo")
+    ap.add_argument("--only-median", action="store_true", help="only the median at p = 2 against the model")
     args = ap.parse_args()
     sizes = [1024 * 4 ** k for k in range(20) if 1024 * 4 ** k <= args.max_size_mb * 2 ** 20]
 
     print(f"torch {torch.__version__}, gloo, {len(os.sched_getaffinity(0))} cores, one process per rank "
           f"(1 thread each); load average {os.getloadavg()[0]:.2f}")
-    if not args.only_model:
+    if not (args.only_model or args.only_median):
         ring_against_gloo(args.ranks, sizes, args.repeats)
-    model_against_clock(args.model_ranks, sizes[::2], args.repeats)
+    if not args.only_median:
+        model_against_clock(args.model_ranks, sizes[::2], args.repeats)
+    median_against_model([n for n in (2 ** 20, 2 ** 22, 2 ** 24) if n in sizes], 15)
 
 
 def ring_against_gloo(ranks, sizes, repeats):

@@ -41,9 +41,17 @@ at once at full speed.
 64 MB, an add, a write to fresh memory, tiny steps of each kind on 2c ranks) then
 `fit_timings()` (pure arithmetic on those timings, testable without ranks). Neither looks
 at a collective's own time: that is what the predictions are for.
+
+`Fit.predict` is a try that nothing holds up (the parameters count the quick quarter of their
+tries). A cell that times a collective shows its median, or one try: `Fit.predict_spread` and
+`Fit.predict_median` add, step by step, delays drawn from the spread of the fit's own single
+exchanges. `fit_and_time()` times pplab's all-reduces in the fit's own rounds, so that both are
+measured under the same load. Appendix A (notebooks/appendix_a_fitting_the_cost_model.ipynb)
+shows each measurement.
 """
 from __future__ import annotations
 
+import math
 import os
 import random
 import statistics
@@ -61,7 +69,7 @@ from .runtime.launcher import device, launch
 SIZES = tuple(4 ** k * 1024 for k in range(9))    # 1 KB, 4 KB, ..., 64 MB
 FRESH_FROM = 32 * 2 ** 20                          # glibc's malloc takes buffers this large from the OS each time
 STEPS = ("one-way", "swap", "ring")
-BACK_TO_BACK = 8                                   # ping-pongs per timed try up to 256 KB
+BACK_TO_BACK = 8                                   # ping-pongs per timed try up to 256 KB (the first not counted)
 
 
 # ----------------------------------------------------------------------------------
@@ -129,6 +137,8 @@ class Fit:
     cores: int | None = None     # c: the cores the ranks share (None: one core per rank, as on GPUs)
     exchange_times: list = field(default_factory=list)   # the exchange time of each size
     delta: float = 0.0           # seconds, once per collective: waiting for the last rank to start
+    delays: dict = field(default_factory=dict)   # {size: seconds each single exchange took beyond the quick quarter}
+    round_trip_delays: dict = field(default_factory=dict)   # {size: the same for each ping-pong round trip}
 
     def __post_init__(self):                      # Fit(α, β, γ, ...) alone is the classic model
         self.alpha2 = self.alpha if self.alpha2 is None else self.alpha2
@@ -168,6 +178,43 @@ class Fit:
         ranks_busy ranks at work on the machine meanwhile (default: its own)."""
         return sum(self.terms(collective, algorithm, p, n_bytes, ranks_busy).values())
 
+    def predict_median(self, collective: str, algorithm: str | None, p: int, n_bytes: float,
+                       ranks_busy: float | None = None) -> float:
+        """The median time over many tries: what one run of a cell most often shows (see
+        `predict_spread`)."""
+        return self.predict_spread(collective, algorithm, p, n_bytes, (0.5,), ranks_busy)[0]
+
+    def predict_spread(self, collective: str, algorithm: str | None, p: int, n_bytes: float,
+                       quantiles=(0.25, 0.5, 0.75), ranks_busy: float | None = None) -> list:
+        """Seconds below which a share q of the tries should fall, for each q in quantiles.
+
+        `predict` is a try that nothing holds up. Where every rank has a core, a try is that,
+        plus, at each of its A steps, a delay: a wait for a core (a scheduler tick, now and
+        then), another program's burst. The fit keeps, for each size, how much longer than its
+        quick quarter every single exchange took (`delays`), and every ping-pong round trip
+        (`round_trip_delays`). Each step that sends and receives at once draws one exchange's
+        delay, of the size nearest its own; one-way steps (a tree's), which wake one rank, not
+        two, draw a round trip's delay for every two steps. The quantiles of 4001 such tries
+        (a fixed seed: the same answer every call) are added to `predict`. A median of a
+        collective is not the sum of its steps' medians: if a step waits one time in three, a
+        try of two steps waits more often than not. Where ranks outnumber cores, `predict` is
+        already a mean that prices the waiting (s, σ'), and is returned for every q."""
+        if not all(isinstance(q, (int, float)) and 0 <= q <= 1 for q in quantiles):
+            raise ValueError(f"quantiles are shares of the tries, between 0 and 1: got {quantiles!r}")
+        quick = self.predict(collective, algorithm, p, n_bytes, ranks_busy)
+        c = cost(collective, algorithm, p, n_bytes)
+        busy = max(busy_ranks(collective, algorithm, p), ranks_busy or 0)
+        delays, draws = self.delays, c.latency_rounds
+        if step(collective, algorithm) == "one-way" and self.round_trip_delays:
+            delays, draws = self.round_trip_delays, (c.latency_rounds + 1) // 2
+        if not delays or not c.latency_rounds or (self.cores and busy > self.cores):
+            return [quick for _ in quantiles]
+        size = max(1.0, c.bytes / c.latency_rounds)            # bytes a step, on average
+        nearest = min(delays, key=lambda n: (abs(math.log2(n / size)), -n))   # ties: the larger
+        sample, rng = delays[nearest], random.Random(0)
+        tries = sorted(sum(rng.choice(sample) for _ in range(draws)) for _ in range(4001))
+        return [quick + tries[round(q * (len(tries) - 1))] for q in quantiles]
+
     def __str__(self):
         sigma = ", ".join(f"{self.sigma.get(k, 0) * 1e6:.0f} µs ({k})" for k in STEPS)
         return (f"α = {self.alpha * 1e6:.1f} µs, β = {self.beta * 1e9:.3f} ns/B ({self.bandwidth:.2f} GB/s) one way; "
@@ -194,6 +241,8 @@ class Timings:
     tiny_ranks: int              # ranks of the tiny steps below (2c), 0 if not measured
     tiny_steps: dict             # {kind of step: seconds per tiny step on tiny_ranks}
     start: float = 0.0           # δ: a 4-byte all-gather on 2 ranks (one swap), less exchange[0]
+    exchange_tries: list = field(default_factory=list)   # per size, every single exchange's time (seconds)
+    round_trips: list = field(default_factory=list)      # per size, every counted round trip of the ping-pong
 
 
 def _fit_line(sizes, times):
@@ -220,8 +269,10 @@ def fit_timings(t: Timings) -> Fit:
         s, w, steps = t.tiny_ranks / t.cores, 1 - t.cores / t.tiny_ranks, 2 * (t.tiny_ranks - 1)
         sigma = {kind: max(0.0, (seconds - delta / steps - s * (alpha if kind == "one-way" else alpha2)) / w)
                  for kind, seconds in t.tiny_steps.items()}
+    delays = {n: sorted(x - quick for x in tries) for n, quick, tries in zip(t.sizes, t.exchange, t.exchange_tries)}
+    round_trip_delays = {n: sorted(x - 2 * half for x in tries) for n, half, tries in zip(t.sizes, t.one_way, t.round_trips)}
     return Fit(alpha, beta, t.add_per_byte, list(t.sizes), list(t.one_way), alpha2, beta2, sigma,
-               max(0.0, t.fresh_per_byte), t.cores, list(t.exchange), delta)
+               max(0.0, t.fresh_per_byte), t.cores, list(t.exchange), delta, delays, round_trip_delays)
 
 
 # ----------------------------------------------------------------------------------
@@ -271,19 +322,26 @@ def _quick(times):
     return sorted(times)[(len(times) - 1) // 4]
 
 
-def _measure_on_ranks(sizes, repeats):
+def _measure_on_ranks(sizes, repeats, all_reduces=()):
     """On 2 ranks, alone on the machine as a 2-rank collective is: ping-pong and exchange,
-    then an add and a write to fresh memory (rank 0). pplab.comm's own calls, as pplab.collectives makes them."""
+    then an add and a write to fresh memory (rank 0). pplab.comm's own calls, as pplab.collectives
+    makes them. all_reduces: (algorithm, bytes) of pplab all-reduces to time in the same rounds,
+    for a comparison that a change of load between the fit and the clock cannot spoil."""
     rank = dist.get_rank()
     bufs = {n: [torch.zeros(n, dtype=torch.uint8, device=device()) for _ in range(2)] for n in sizes}
 
     def back_to_back(n):                           # several per try where they are short, so that the
         return BACK_TO_BACK if n <= 2 ** 18 else 1  # start (δ, measured apart) is not counted as α
 
+    round_trips = {n: [] for n in sizes}           # on rank 0's clock, each round trip of each try
+
     def ping_pong(n):                              # 0 → 1, then 1 → 0
-        for _ in range(back_to_back(n)):
+        for k in range(back_to_back(n)):
+            start = time.perf_counter()
             (comm.send, comm.recv)[rank](bufs[n][0], 1 - rank)
             (comm.recv, comm.send)[rank](bufs[n][0], 1 - rank)
+            if k or back_to_back(n) == 1:          # the first of several waited for the partner to start
+                round_trips[n].append(time.perf_counter() - start)
 
     def swap(n):                                   # 0 → 1 and 1 → 0 at once, one per try: inside a
         # collective the partners reach each step a little apart (each has just sliced or added),
@@ -292,20 +350,35 @@ def _measure_on_ranks(sizes, repeats):
 
     def lone_call(n):                              # δ: the smallest collective, one swap (all-gather on 2)
         collectives.all_gather_into_tensor(bufs[n][1], bufs[n][0])
+
+    xs = {n: torch.ones(n // 4, device=device()) for _, n in all_reduces}
+
+    def all_reduce(key):
+        collectives.all_reduce(xs[key[1]], algorithm=key[0])
     bufs[4] = [torch.zeros(4, dtype=torch.uint8, device=device()), torch.zeros(8, dtype=torch.uint8, device=device())]
-    tries = [(run, n) for n in sizes for run in (ping_pong, swap) for _ in range(4 if n <= 2 ** 18 else 1)]
-    tries += [(lone_call, 4)] * 8
+    # 4 tries a round of what is cheap: the ping-pongs, exchanges and all-reduces up to 16 MB,
+    # whose medians and spread count (predict_median), not only their quick quarter
+    tries = [(ping_pong, n) for n in sizes for _ in range(4 if n <= 2 ** 24 else 1)]
+    tries += [(swap, n) for n in sizes for _ in range(4 if n <= 2 ** 24 else 1)] + [(lone_call, 4)] * 8
+    tries += [(all_reduce, tuple(key)) for key in all_reduces for _ in range(4 if key[1] <= 2 ** 24 else 1)]
     with trace.paused(), collectives.unchecked():
         for run, n in tries:                       # a warm-up
             run(n)
-        mine = [t for _ in range(repeats) for run, n in tries for t in _tries(lambda: run(n), 1)]
-        slowest = _slowest(mine)                   # the sizes take turns, so a burst of load falls on all;
-        times = {key: [] for key in tries}         # small ones are cheap: 4 tries a round
-        for key, t in zip(tries * repeats, slowest):
+        for kept in round_trips.values():
+            kept.clear()
+        # a new order each round (the same on every rank): a burst of load falls on all sizes,
+        # and no size always follows the 64 MB ones while the kernel is still freeing them
+        order = [key for r in range(repeats) for key in random.Random(r).sample(tries, len(tries))]
+        mine = [t for run, n in order for t in _tries(lambda: run(n), 1)]
+        times = {key: [] for key in tries}
+        for key, t in zip(order, _slowest(mine)):
             times[key].append(t)
-        one_way = [_quick(times[ping_pong, n]) / (2 * back_to_back(n)) for n in sizes]
+        # one message: half a round trip. Each is timed alone: one held up by a wait for a core
+        # is then one slow round trip among quick ones, not a slow try of eight
+        one_way = [_quick(round_trips[n]) / 2 for n in sizes]
         exchange = [_quick(times[swap, n]) for n in sizes]
         start = _quick(times[lone_call, 4]) - exchange[0]
+        timed = {key: times[all_reduce, tuple(key)] for key in all_reduces}
     if rank:
         return None
     n = max(sizes) // 4                           # γ: a float32 add of the largest size, in place
@@ -315,7 +388,9 @@ def _measure_on_ranks(sizes, repeats):
     old = torch.ones(n, device=device())
     new = min(_timed(lambda: torch.empty(n, device=device()).fill_(1.0)) for _ in range(3))
     old = min(_timed(lambda: old.fill_(1.0)) for _ in range(3))
-    return one_way, exchange, add / (4 * a.numel()), (new - old) / (4 * n), start, device().type
+    exchange_tries = [times[swap, n] for n in sizes]
+    return one_way, exchange, add / (4 * a.numel()), (new - old) / (4 * n), start, device().type, \
+        exchange_tries, [round_trips[n] for n in sizes], timed
 
 
 def _tiny_steps_on_ranks(repeats):
@@ -361,20 +436,25 @@ def measure(sizes=SIZES, repeats: int = 15, world_size: int | None = None, timeo
     a write to fresh memory, and tiny steps of each kind (one-way, swap, ring) on 2c ranks
     (c = the cores we may use; skipped above 8 cores, where 2c processes would take longer
     than the rest together, and under NCCL, where each rank has a GPU of its own)."""
+    return _measure(sizes, repeats, world_size, timeout)[0]
+
+
+def _measure(sizes, repeats, world_size, timeout, all_reduces=()):
+    """measure(), and the tries of all_reduces timed on the 2 ranks of the pairs, in their rounds."""
     cores = len(os.sched_getaffinity(0))
     if world_size is None:
         world_size = 2 * cores if cores <= 8 else 2
     # the pairs run on 2 ranks only: more processes would share the cores and slow every step,
     # which is the σ term's business, measured apart by the tiny steps on 2c ranks
-    one_way, exchange, add, fresh, start, where = launch(_measure_on_ranks, sizes, repeats, world_size=2,
-                                                  timeout=timeout)[0]
+    one_way, exchange, add, fresh, start, where, exchange_tries, round_trips, timed = launch(
+        _measure_on_ranks, sizes, repeats, list(all_reduces), world_size=2, timeout=timeout)[0]
     tiny_steps = {}
     if where == "cuda":                           # NCCL, one process per GPU: no core is shared
         cores = None
     elif world_size > 2:
         tiny_steps = launch(_tiny_steps_on_ranks, repeats, world_size=world_size, timeout=timeout)[0]
     return Timings(cores, list(sizes), one_way, exchange, add, fresh, world_size if tiny_steps else 0, tiny_steps,
-                   start)
+                   start, exchange_tries, round_trips), timed
 
 
 def _time_on_ranks(sizes, algorithms, repeats):
@@ -412,6 +492,30 @@ def fit(world_size: int | None = None, sizes=SIZES, repeats: int = 15, timeout: 
     world_size: the ranks launched (default 2c, for the tiny ring that measures σ);
     sizes: the message sizes (bytes) of the ping-pong and the exchange; repeats: timed
     tries of each (their lower quartile counts; the tiny steps' mean)."""
+    sizes = _checked(world_size, sizes, repeats)
+    return fit_timings(measure(sizes, repeats, world_size, timeout))
+
+
+def fit_and_time(n_bytes=(2 ** 20, 2 ** 22, 2 ** 24), algorithms=("ring",), world_size: int | None = None,
+                 sizes=SIZES, repeats: int = 15, timeout: float = 300.0) -> tuple[Fit, dict]:
+    """fit(), and pplab's all-reduces of float32 tensors of n_bytes on 2 ranks timed in the same
+    rounds as the pairs the fit is made of, each try in a shuffled turn with theirs: a change of
+    load on a shared machine then falls on both, not on the prediction only or the clock only.
+    The fit never looks at these times. Returns (the fit, {(algorithm, n): every try's time,
+    seconds, as long as its slowest rank}); checks and tracing off."""
+    sizes = _checked(world_size, sizes, repeats)
+    bad = [n for n in n_bytes if isinstance(n, bool) or not isinstance(n, int) or n < 8 or n % 8]
+    if bad or not n_bytes:
+        raise ValueError(f"n_bytes must be sizes of float32 tensors that 2 ranks split evenly (multiples of 8 bytes): got {bad or n_bytes}")
+    for a in algorithms:
+        cost("all_reduce", a, 2, 8)                # an unknown algorithm says which there are
+    keys = [(a, n) for n in n_bytes for a in algorithms]
+    timings, timed = _measure(sizes, repeats, world_size, timeout, keys)
+    return fit_timings(timings), timed
+
+
+def _checked(world_size, sizes, repeats):
+    """The sizes, sorted, or a ValueError saying what to change."""
     sizes = sorted(int(n) for n in sizes)
     if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int)
                                    or world_size < 2):
@@ -422,4 +526,4 @@ def fit(world_size: int | None = None, sizes=SIZES, repeats: int = 15, timeout: 
         raise ValueError(f"fit needs at least two different message sizes of 4 bytes or more, got {sizes}")
     if not (isinstance(repeats, int) and repeats >= 1):
         raise ValueError(f"repeats must be a whole number >= 1, got {repeats!r}")
-    return fit_timings(measure(sizes, repeats, world_size, timeout))
+    return sizes
