@@ -8,6 +8,7 @@ parameter_server.py  the older design: workers push gradients to a server (synch
                      asynchronous with stale gradients).
 overlap.py           how much of DDP's all-reduce hid under backward, read from the trace.
 compression.py       top-k, signSGD and PowerSGD, with or without error feedback.
+noise_scale.py       the gradient noise scale B_simple = tr(Σ)/|G|²: up to which batch more ranks save steps.
 
 `pplab.data_parallel.DDP` and the other names of ddp.py are here too.
 """
