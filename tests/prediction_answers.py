@@ -11,6 +11,18 @@ import re
 from pplab.checks.predictions import PREDICTION_LINE
 
 ANSWERS = {
+    "00_start_here": {
+        "my_broadcast_bytes": "(p - 1) * n * 4",
+        "my_wait": "3 * unit",
+    },
+    "01_collectives": {
+        "my_prediction": "2 * (p - 1) * (4 * n) // p",
+        "my_fastest_for_resnet": "'halving_doubling'",
+    },
+    "02_data_parallel": {
+        "my_ring_bytes_sent": "2 * (3 - 1) / 3 * 12_000 * 8",
+        "my_buckets": "8",
+    },
     "03_tensor_parallel": {
         "my_block_bytes": "4 * 2 * (p - 1) / p * (s * b * h) * 4",
         "my_weight_bytes": "4 * ((4 * h * h + 2 * h * ffn + 3 * h + ffn) / p + 6 * h)",
@@ -20,6 +32,10 @@ ANSWERS = {
         "my_1f1b_peak": "p - 1",
         "my_bubble": "(p - 1) / m",
     },
+    "05_sequence_parallel": {
+        "my_kv_bytes": "(p - 1) * 2 * (B1 * H1 * (S1 // p) * D1 * 4)",
+        "my_ulysses_bytes": "4 * (p - 1) / p * share",
+    },
     "06_zero": {
         "my_stage2_bytes": "4 * BIG + (4 + 8) * BIG / N",
         "my_stage3_sent": "3 * (N - 1) / N * model_bytes",
@@ -28,6 +44,10 @@ ANSWERS = {
     "07_hybrid": {
         "my_tp_all_reduces": "12",
         "my_send_bytes": "16 * 1 * 32 * 8",
+    },
+    "08_expert_parallel": {
+        "my_prediction": "3 * 2 * 8 + 2 * 64 * 2 * 3 / 4 * 16 * 4",
+        "my_prediction_received": "3 * 24 * 8 * 4 + 8 * 8 * 4 + 3 * 8",
     },
 }
 
