@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import data, trace
+from .memory import saved_activations
 from .data_parallel import DDP, all_reduce_gradients, shard
 from .runtime.launcher import device as rank_device
 from .mesh import DIMS, Mesh
@@ -176,10 +177,10 @@ def train(cfg: GPTConfig, mesh, steps: int = 5, batch_size: int = 8, lr: float =
                     all_reduce_gradients(model.parameters(), mesh.dp_group)
                 opt.step()
             else:
-                with _saved_bytes(list(model.parameters()) + list(getattr(model, "module", model).parameters()),
-                                  gathered=sharded) as saved:
+                with saved_activations(list(model.parameters()) + list(getattr(model, "module", model).parameters()),
+                                       moving=sharded, slices=True) as saved:
                     loss = loss_fn(model(x), y)
-                activation_bytes = max(activation_bytes, saved.total)
+                activation_bytes = max(activation_bytes, saved.bytes)
                 loss.backward()
                 opt.step()
                 loss = loss.item()
@@ -200,35 +201,6 @@ def train(cfg: GPTConfig, mesh, steps: int = 5, batch_size: int = 8, lr: float =
         params = {n: p.detach().clone() for n, p in named}
     return {"losses": losses, "step_times": times, "coords": mesh.coords,
             "state_bytes": state_bytes, "activation_bytes": activation_bytes, "params": params}
-
-
-class _saved_bytes:
-    """Bytes autograd saves for backward inside the block: activations, not the weights (nor views
-    of them, such as the transposed weight a linear layer keeps), each piece of memory once (the
-    softmax's output and the [b·a, s, s] view of it that the next product keeps are one)."""
-
-    def __init__(self, params, gathered: bool = False):
-        self.params, self.gathered = list(params), gathered      # gathered: ZeRO-3 gathers them in forward
-
-    def __enter__(self):
-        self.total, seen = 0, set()
-        weights = {p.untyped_storage().data_ptr() for p in self.params}
-
-        def pack(t):
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in weights and self.gathered:               # gathered since: look again
-                weights.update(p.untyped_storage().data_ptr() for p in self.params)
-            key = (t.data_ptr(), t.numel())
-            if ptr not in weights and key not in seen:
-                seen.add(key)
-                self.total += t.numel() * t.element_size()
-            return t
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self._hooks.__exit__(*exc)
 
 
 def train_single(cfg: GPTConfig, steps: int = 5, batch_size: int = 8, lr: float = 3e-3, seed: int = 0,

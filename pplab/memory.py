@@ -28,7 +28,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["activation_bytes_formula", "saved_activations", "state_bytes", "StateBytes", "PeakMemory"]
+__all__ = ["activation_bytes_formula", "saved_activations", "state_bytes", "storage_bytes", "StateBytes", "PeakMemory"]
 
 
 # ----------------------------------------------------------------------------------
@@ -59,18 +59,27 @@ class saved_activations:
         saved.bytes
 
     A tensor saved for backward holds its whole storage: a saved slice of a big tensor costs
-    the big tensor.
+    the big tensor. moving=True: the excluded tensors may get new storages inside the block
+    (ZeRO-3 gathers its weights during the forward), so look at them again when a storage
+    not seen before is saved. slices=True: count each saved region (start, length) once instead
+    of its whole storage, for a block whose inputs are slices of a tensor held elsewhere anyway
+    (a pipeline's micro-batches, cut from the batch): each micro-batch then counts its own slice.
     """
 
-    def __init__(self, exclude=()):
-        self.skip = {t.untyped_storage().data_ptr() for t in exclude}
+    def __init__(self, exclude=(), moving: bool = False, slices: bool = False):
+        self.exclude, self.moving, self.slices = list(exclude), moving, slices
+        self.skip = {t.untyped_storage().data_ptr() for t in self.exclude}
         self.storages, self.bytes = set(), 0
 
     def _pack(self, t):
         ptr = t.untyped_storage().data_ptr()
-        if ptr not in self.skip and ptr not in self.storages:
-            self.storages.add(ptr)
-            self.bytes += t.untyped_storage().nbytes()
+        if ptr not in self.skip and self.moving:          # gathered since we looked: look again
+            self.skip.update(e.untyped_storage().data_ptr() for e in self.exclude)
+        key, size = ((t.data_ptr(), t.numel()), t.numel() * t.element_size()) if self.slices else \
+            (ptr, t.untyped_storage().nbytes())
+        if ptr not in self.skip and key not in self.storages:
+            self.storages.add(key)
+            self.bytes += size
         return t
 
     def __enter__(self):
@@ -120,19 +129,25 @@ def state_bytes(model, optimizer=None) -> StateBytes:
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"state_bytes: optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}")
     seen = set()
-
-    def count(tensors):
-        total = 0
-        for t in tensors:
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
-                total += storage.nbytes()
-        return total
-
     states = [] if optimizer is None else [v for state in optimizer.state.values() for v in state.values()
                                            if isinstance(v, torch.Tensor)]
-    return StateBytes(count(params), count(p.grad for p in params if p.grad is not None), count(states))
+    return StateBytes(storage_bytes(params, seen), storage_bytes((p.grad for p in params), seen),
+                      storage_bytes(states, seen))
+
+
+def storage_bytes(tensors, seen: set | None = None) -> int:
+    """Bytes of the storages behind `tensors` (None entries skipped), each storage once: once
+    in this call, and not again in a later call given the same `seen` set."""
+    seen = set() if seen is None else seen
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        storage = t.untyped_storage()
+        if storage.nbytes() and storage.data_ptr() not in seen:      # a freed storage holds nothing
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
 
 
 # ----------------------------------------------------------------------------------

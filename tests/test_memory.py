@@ -152,3 +152,24 @@ def test_backward_inside_the_block_is_counted():
     assert mem.live == 3 * F32
     w.grad = None
     assert mem.live == 0
+
+
+def test_saved_slices_count_their_own_bytes_when_asked():
+    """A micro-batch is a slice of the batch: by storage, each counts the whole batch; with
+    slices=True each counts its 2 rows (2 x 4 float32 = 32 B per tensor)."""
+    batch = torch.randn(8, 4)
+    w = torch.randn(4, 4, requires_grad=True)
+    for slices, expected in ((False, 8 * 4 * 4), (True, 2 * 4 * 4)):
+        with saved_activations([w], slices=slices) as saved:
+            batch[2:4] @ w                       # matmul saves its input (the slice) for w's gradient
+        assert saved.bytes == expected, (slices, saved.bytes)
+
+
+def test_weights_gathered_inside_the_block_are_not_activations_when_moving():
+    w = torch.nn.Parameter(torch.randn(4, 4))
+    x = torch.randn(2, 4, requires_grad=True)
+    for moving, expected in ((False, 4 * 4 * 4 + 2 * 4 * 4), (True, 2 * 4 * 4)):
+        with saved_activations([w], moving=moving) as saved:
+            w.data = torch.randn(4, 4)           # as ZeRO-3 does: a fresh storage, gathered now
+            x @ w                                # saves x (for w's grad) and w (for x's grad)
+        assert saved.bytes == expected, (moving, saved.bytes)

@@ -21,12 +21,11 @@ START, END = "<!-- import-graph:start -->", "<!-- import-graph:end -->"
 # Layers, bottom to top: a module may import from its own layer and those below, never above.
 # Each entry is a top-level name in pplab (a module or a folder).
 LAYERS = [
-    ("base", ["trace", "split", "data"]),
+    ("base", ["trace", "split", "data", "memory"]),
     ("runtime", ["runtime"]),
     ("observe", ["swimlane"]),
     ("chapters", ["collectives", "costmodel", "costfit", "data_parallel", "tensor_parallel", "pipeline",
-                  "sequence_parallel", "zero", "models", "mesh", "hybrid", "planner", "expert_parallel",
-                  "memory"]),
+                  "sequence_parallel", "zero", "models", "mesh", "hybrid", "planner", "expert_parallel"]),
     ("course", ["checks", "course", "__main__"]),
 ]
 

@@ -50,6 +50,7 @@ from torch import nn
 
 from ..runtime import comm
 from .. import trace
+from ..memory import saved_activations
 from ..runtime.launcher import device as rank_device
 from .partition import PipelineError, _as_layers, partition
 from .actions import Schedule
@@ -338,23 +339,16 @@ class PipelineExecutor:
             x = self.xs[i]
         else:
             x = self._receive(("act", s - 1, i), prev).requires_grad_()   # we will send back its gradient
-        saved, weights = {}, {p.untyped_storage().data_ptr() for p in self._weights}   # where they are now
-
-        def pack(t):                       # autograd keeps t for the backward: that is activation memory
-            # (weights are not; under ZeRO-3 they are gathered during this forward: look again)
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in weights and self.wrapped:
-                weights.update(p.untyped_storage().data_ptr() for p in self._weights)
-            if ptr not in weights:
-                saved[(t.data_ptr(), t.numel())] = t.numel() * t.element_size()   # a view of it: once
-            return t
-
-        with self._compute(a), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        # what autograd keeps for the backward is activation memory; the weights are not (under
+        # ZeRO-3 they are gathered during this forward: saved_activations looks at them again);
+        # a micro-batch is a slice of the batch, so each counts its own slice
+        with self._compute(a), saved_activations(self._weights, moving=self.wrapped,
+                                                                   slices=True) as saved:
             out = self.stages[s](x)
             if nxt is None:                # the last stage: weighted so that the sum is the batch mean
                 out = self.loss_fn(out, self.ys[i]) * (len(self.xs[i]) / self.n)   # (x may be [s, b, h])
                 self.losses.append(out.detach())
-        nbytes = sum(saved.values())
+        nbytes = saved.bytes
         self.held[(s, i)] = {"input": x, "output": out, "bytes": nbytes}
         self._count()
         trace.hold(nbytes, label=a.label())

@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from .. import costmodel
+from ..memory import storage_bytes
 from .flat import FlatBucket
 from .fully_sharded import FullyShardedModule
 from .optimizer import ZeroOptimizer
@@ -79,17 +80,6 @@ def sent_bytes(timeline, rank: int, kinds=("all_reduce", "reduce_scatter", "all_
     return total
 
 
-def _storage_bytes(t, seen: set) -> int:
-    """Bytes of t's storage, once per storage (the model's views into one flat buffer count once)."""
-    if t is None:
-        return 0
-    s = t.untyped_storage()
-    if s.nbytes() == 0 or s.data_ptr() in seen:
-        return 0
-    seen.add(s.data_ptr())
-    return s.nbytes()
-
-
 def held_bytes(model, optimizer=None) -> dict:
     """Bytes of model state this rank holds now, counted from the tensors themselves.
 
@@ -103,12 +93,12 @@ def held_bytes(model, optimizer=None) -> dict:
     if isinstance(model, FullyShardedModule):
         params += list(model.module.parameters())
     inner = getattr(optimizer, "inner", optimizer)
-    out = {"params": sum(_storage_bytes(p, seen) for p in params)}
+    out = {"params": storage_bytes(params, seen)}
     masters = list(getattr(optimizer, "masters", []))
     kept = list(getattr(optimizer, "shard_grads", []))               # stage 1, 2: my shard's mean gradient
-    out["grads"] = sum(_storage_bytes(g, seen) for g in [p.grad for p in params + masters] + kept)
+    out["grads"] = storage_bytes([p.grad for p in params + masters] + kept, seen)
     state = [t for st in (inner.state.values() if inner is not None else []) for t in st.values()
              if torch.is_tensor(t) and t.dim() > 0]
-    out["optimizer"] = sum(_storage_bytes(t, seen) for t in state + masters)
+    out["optimizer"] = storage_bytes(state + masters, seen)
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
     return out
