@@ -79,7 +79,8 @@ def _where(p, m) -> str:
 
 
 def _compare(fn, seed: int, timeout: float, library: str, shown: str, peak_limit, peak_rule: str) -> str:
-    from ..pipeline import make_schedule, simulate
+    from ..pipeline import Action, make_schedule, simulate
+    allow_type(Action)                                   # before the first answer comes back, here too
     cases = _cases(seed)
     outs = sealed.call_each(fn, cases, where=lambda i: _where(*cases[i]), timeout=timeout, probe=_actions_come_back)
     for (p, m), out in zip(cases, outs):
@@ -211,7 +212,8 @@ def check_zero_bubble(fn, seed: int, timeout: float):
     """Valid, at most p micro-batches held on every rank (else 0 points); then 1 point for a
     step no longer than 1F1B's 3(m + p - 1), 2 for at most half of 1F1B's bubble, 3 for the
     bound 3m + p - 1, on every (p, m) tried (m >= p): the score is the worst case's."""
-    from ..pipeline import simulate
+    from ..pipeline import Action, simulate
+    allow_type(Action)                                   # before the first answer comes back, here too
     require_function(fn, "zero_bubble", "num_stages, num_microbatches", 2, 2)
     cases = _zb_cases(seed)
     outs = sealed.call_each(fn, cases, where=lambda i: _where(*cases[i]), timeout=timeout, probe=_refuse_zero_bubble)
