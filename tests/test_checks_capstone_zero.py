@@ -176,9 +176,9 @@ def test_the_breakdown_names_each_part():
     verdicts.judge("steps", None)
     verdicts.judge("sharded", "rank 1 holds too much")
     verdicts.judge("sharded", None)                                      # a problem stays a problem
-    assert verdicts.breakdown() == ("steps = single process: yes; add_param_group: not reached; zero_grad: not "
-                                    "reached; optimizer state split over the ranks: no; state_dict saved at 3 ranks, "
-                                    "loaded at 2: not reached")
+    assert verdicts.breakdown() == ("Parts: steps = single process ✔ · add_param_group not reached · zero_grad not "
+                                    "reached · state split over the ranks ✘ · state_dict 3 → 2 ranks not reached "
+                                    "(1 of 5)")
     assert verdicts.first_problem() == "rank 1 holds too much"
 
 
@@ -192,8 +192,8 @@ def test_a_crash_keeps_what_was_judged_before_it():
     assert not result
     assert re.search(r"^world_size=2, AdamW, .*: rank [01] raised KeyError: 'no such parameter' \(in "
                      r"load_state_dict, line \d+: `raise KeyError", result.message)
-    assert ("Before that: steps = single process: yes; add_param_group: yes; zero_grad: yes; optimizer state split "
-            "over the ranks: yes; state_dict saved at 3 ranks, loaded at 2: not reached.") in result.message
+    assert ("Parts: steps = single process ✔ · add_param_group ✔ · zero_grad ✔ · state split over the ranks ✔ · "
+            "state_dict 3 → 2 ranks not reached (4 of 5).") in result.message
 
 
 # -- the router's reduce and get_global_rank, which the solution uses in a sealed rank --------

@@ -185,49 +185,49 @@ class FromTheLibrary(Owners):
         self.inner = ZeroOptimizer(params, optimizer_class, group=group, **defaults)
 
 
-def parts(steps="yes", added="yes", zero_grad="yes", sharded="yes", state_dict="yes"):
-    """The breakdown the message must start with."""
-    return (rf"^steps = single process: {steps}; add_param_group: {added}; zero_grad: {zero_grad}; optimizer state "
-            rf"split over the ranks: {sharded}; state_dict saved at 3 ranks, loaded at 2: {state_dict}\. "
-            rf"First problem: ")
+def parts(steps="✔", added="✔", zero_grad="✔", sharded="✔", state_dict="✔"):
+    """The parts' marks the message must end with (before the seed)."""
+    marks = [steps, added, zero_grad, sharded, state_dict]
+    return (rf" Parts: steps = single process {steps} · add_param_group {added} · zero_grad {zero_grad} · state "
+            rf"split over the ranks {sharded} · state_dict 3 → 2 ranks {state_dict} \({marks.count('✔')} of 5\)\. ")
 
 
-FRESH = r"world_size=[23], (AdamW|SGD), 7 parameters in 3 groups: "
+FRESH = r"^world_size=[23], (AdamW|SGD), 7 parameters in 3 groups: "
 WRONG = {"sharded_optimizer": [
     (SumsTheGradients,
-     [parts(steps="no", added="no", state_dict="no"), FRESH + r"after step 1, rank 0's parameter \d",
+     [parts(steps="✘", added="✘", state_dict="✘"), FRESH + r"after step 1, rank 0's parameter \d",
       r"It is what the sum of the ranks' gradients gives", r"divide by the number of ranks, 3"], None),
     (EveryRankStepsEverything,
-     [parts(sharded="no"), FRESH + r"rank 0's (AdamW|SGD) state is [\d,]+ bytes \(its optimizers hold parameters "
+     [parts(sharded="✘"), FRESH + r"rank 0's (AdamW|SGD) state is [\d,]+ bytes \(its optimizers hold parameters "
       r"\[0, 1, 2, 3, 4, 5, 6\], 7 of 7\)", r"Give this rank's optimizer_class only the parameters this rank owns"],
      None),
     (NeverSendsTheUpdates,
-     [parts(steps="no", added="no", state_dict="no"), FRESH + r"after step 1, rank 0's parameter",
+     [parts(steps="✘", added="✘", state_dict="✘"), FRESH + r"after step 1, rank 0's parameter",
       r"Other ranks have it right \(rank [12](, whose optimizer steps it|, rank 2; rank [12]'s optimizer steps it)\): "
       r"rank 0 did not take in"],
      None),
     (IgnoresAddedGroups,
-     [parts(added="no", state_dict="no"), FRESH + r"after step 3, rank 0's parameter \d \(group 2 added by "
+     [parts(added="✘", state_dict="✘"), FRESH + r"after step 3, rank 0's parameter \d \(group 2 added by "
       r"add_param_group", r"It did not move in this step", r"need an owner and a place in that owner's optimizer"],
      None),
     (DropsGroupOptions,
-     [parts(steps="no", added="no", state_dict="no"), r"It is what the defaults give"], None),
+     [parts(steps="✘", added="✘", state_dict="✘"), r"It is what the defaults give"], None),
     (ZeroGradOfMyShardOnly,
-     [parts(steps="no", added="no", zero_grad="no", state_dict="no"),
+     [parts(steps="✘", added="✘", zero_grad="✘", state_dict="✘"),
       r"Rank \d's zero_grad\(\) left gradients behind \(parameters \[\d"], None),
     (StateDictOfRank0sShard,
-     [parts(state_dict="no"), r"world_size=2, (AdamW|SGD), 7 parameters in 3 groups, state_dict saved at 3 ranks "
+     [parts(state_dict="✘"), r"^world_size=2, (AdamW|SGD), 7 parameters in 3 groups, state_dict saved at 3 ranks "
       r"loaded here: after loading, step 1: rank 0's parameter \d",
       r"It went on as if its optimizer state were new: its state, held by rank [12]'s optimizer at 3 ranks,"], None),
     (StateDictOfMyShard,
-     [parts(state_dict="no"), r"world_size=3, AdamW, 7 parameters in 3 groups: rank 1's state_dict\(\) differs "
+     [parts(state_dict="✘"), r"^world_size=3, AdamW, 7 parameters in 3 groups: rank 1's state_dict\(\) differs "
       r"from rank 0's at \['state'\]", r"must return the whole optimizer state on every rank"], None),
     (OnlyRank0TakesTheUpdates,
-     [parts(steps="no", added="no", state_dict="no"), FRESH + r"after step 1, rank 1's parameter",
+     [parts(steps="✘", added="✘", state_dict="✘"), FRESH + r"after step 1, rank 1's parameter",
       r"Other ranks have it right \(rank 0(, whose optimizer steps it|, rank 2; rank [02]'s optimizer steps it)\): "
       r"rank 1 did not"], None),
     (GlobalRankInAGroup,
-     [parts(steps="no", added="no"), r"world_size=3, (AdamW|SGD), 7 parameters in 3 groups, process groups "
+     [parts(steps="✘", added="✘"), r"^world_size=3, (AdamW|SGD), 7 parameters in 3 groups, process groups "
       r"\[0, 2\] and \[1\]: after step 1, rank [02]'s parameter"], None),
     (FromTheLibrary,
      [r"^exercise 'sharded_optimizer' asks you to work out the sharding of the optimizer yourself; you use a "

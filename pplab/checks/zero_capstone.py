@@ -14,7 +14,9 @@ Two sealed launches, every input random from the seed:
 * 2 ranks: the same two optimizers afresh, then a state_dict saved at 3 ranks is loaded into
   a new ShardedOptimizer on 2 ranks, which trains 2 more steps.
 
-Judged here, every rank, every step, each part on its own (the message gives the breakdown):
+Judged here, every rank, every step, each part on its own (partial credit: the message ends
+with "Parts: steps = single process ✔ · add_param_group ✔ · zero_grad ✔ · state split over the
+ranks ✘ · state_dict 3 → 2 ranks ✔ (4 of 5)", after the first problem found):
 
 * steps: every parameter on every rank equals single-process optimizer_class on the mean
   gradient of its process group, to ATOL + RTOL·|x| (fp32: 1e-6 + 1e-5·|x|); the first step,
@@ -62,8 +64,7 @@ _OPTIONS = {
 _GRAD_SCALE = {"AdamW": 1e-3, "SGD": 1.0}
 _SHAPES = [(9,), (11,), (13,), (17,), (2, 5), (3, 4), (3, 5), (4, 4), (2, 7), (5, 3), (2, 9), (4, 5), (2, 2, 3)]
 _PARTS = [("steps", "steps = single process"), ("add_param_group", "add_param_group"), ("zero_grad", "zero_grad"),
-          ("sharded", "optimizer state split over the ranks"),
-          ("state_dict", f"state_dict saved at {SAVE_AT} ranks, loaded at {LOAD_AT}")]
+          ("sharded", "state split over the ranks"), ("state_dict", f"state_dict {SAVE_AT} → {LOAD_AT} ranks")]
 
 
 # ----------------------------------------------------------------------------------
@@ -227,10 +228,11 @@ class _Verdicts:
         return any(v is not None for v in self.parts.values())
 
     def breakdown(self) -> str:
-        """'steps = single process: yes; add_param_group: no; ...'"""
-        def word(v):
-            return "not reached" if v is None else "yes" if v is True else "no"
-        return "; ".join(f"{label}: {word(self.parts[key])}" for key, label in _PARTS)
+        """'Parts: steps = single process ✔ · add_param_group ✘ · ... (3 of 5)'"""
+        def mark(v):
+            return "not reached" if v is None else "✔" if v is True else "✘"
+        marks = " · ".join(f"{label} {mark(self.parts[key])}" for key, label in _PARTS)
+        return f"Parts: {marks} ({sum(v is True for v in self.parts.values())} of {len(_PARTS)})"
 
     def first_problem(self):
         return next((v for v in self.parts.values() if isinstance(v, str)), None)
@@ -279,8 +281,8 @@ def _hint(observed, ref, s, rank, j, members, alternatives, held, run) -> str:
         return (f" Rank {rank}'s zero_grad() left gradients behind (parameters {observed[rank]['leftover'][s]}), and "
                 f"backward added to them.")
     if "sum" in alternatives and same(got, alternatives["sum"].history[s][j]):
-        return (f" It is what the sum of the ranks' gradients gives: the all-reduce adds them up; divide by the "
-                f"number of ranks, {len(members)}, for the mean.")
+        return (f" It is what the sum of the ranks' gradients gives: a reduce or all-reduce adds them up; divide "
+                f"by the number of ranks, {len(members)}, for the mean.")
     if "defaults" in alternatives and same(got, alternatives["defaults"].history[s][j]):
         return (" It is what the defaults give: this parameter's group has options of its own (lr, weight_decay, "
                 "...); give each group to the optimizer with its options.")
@@ -489,12 +491,13 @@ def check_sharded_optimizer(fn, seed: int, timeout: float) -> str:
     _launch(fn, inputs, LOAD_AT, timeout, runs_here, describe, check_load, verdicts)
 
     if verdicts.first_problem() is not None:
-        raise Fail(f"{verdicts.breakdown()}. First problem: {verdicts.first_problem()}")
+        raise Fail(f"{verdicts.first_problem()} {verdicts.breakdown()}.")
     return (f"on world sizes {SAVE_AT} and {LOAD_AT} (AdamW and SGD with momentum, 7 fp32 parameters in 3 groups with "
             f"their own options, the third added by add_param_group after step {ADD_AT}, {STEPS} steps; and two "
             f"process groups [0, 2] and [1]): every parameter on every rank = single-process to {ATOL:g} + "
             f"{RTOL:g}·|x|, zero_grad clears every .grad, optimizer state per rank <= total/N + the largest "
-            f"parameter's, a state_dict saved at {SAVE_AT} ranks and loaded at {LOAD_AT} trains on identically")
+            f"parameter's, a state_dict saved at {SAVE_AT} ranks and loaded at {LOAD_AT} trains on identically). "
+            f"{verdicts.breakdown()}")
 
 
 def _launch(fn, inputs, p, timeout, runs_here, describe, check, verdicts):
@@ -515,7 +518,6 @@ def _launch(fn, inputs, p, timeout, runs_here, describe, check, verdicts):
                           check=judged)
     except Fail as failure:
         if verdicts.judged() and not isinstance(failure, Forbidden):
-            raise Fail(f"{failure} Before that: {verdicts.breakdown()}."
-                       + (f" First problem: {verdicts.first_problem()}" if verdicts.first_problem() else ""),
-                       failure.seed_matters) from None
+            earlier = f" Before that: {verdicts.first_problem()}" if verdicts.first_problem() else ""
+            raise Fail(f"{failure}{earlier} {verdicts.breakdown()}.", failure.seed_matters) from None
         raise
