@@ -60,6 +60,9 @@ class FlatShards:
         for (params, size), piece in zip(self.groups, self.pieces):
             if all(p.grad is None for p in params):
                 continue
+            values = torch.cat([p.reshape(-1) for p in params] + [torch.zeros(size * self.n - sum(
+                p.numel() for p in params))])
+            piece.copy_(values[self.me * size:(self.me + 1) * size])    # the parameters may have been loaded
             grads = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel()) for p in params]
             flat = torch.cat(grads + [torch.zeros(size * self.n - sum(p.numel() for p in params))])
             mine = torch.empty(size)

@@ -157,6 +157,39 @@ class StateDictOfMyShard(Owners):
         return {**whole, "state": {index[id(p)]: s for p, s in self.inner.state.items()}}
 
 
+class KeepsAMasterCopy(Owners):
+    """Its optimizer steps copies of its parameters made when they were given, copied back after each
+    step: right until someone writes into the parameters (a resume's model.load_state_dict)."""
+
+    def add_param_group(self, group):
+        params = list(group["params"])
+        self.masters = getattr(self, "masters", {})
+        self.masters.update({id(p): p.detach().clone() for p in params})
+        for p in params:
+            self.owner[id(p)] = r = self.count.index(min(self.count))
+            self.count[r] += p.numel()
+        self.groups.append(params)
+        self._give_inner({**group, "params": [self.masters[id(p)] for p in params if self.owner[id(p)] == self.me]})
+
+    @torch.no_grad()
+    def step(self):
+        for p in self.params():
+            comm.reduce(p.grad, dst=self.ranks[self.owner[id(p)]], group=self.group)
+            self.masters[id(p)].grad = p.grad / self.n
+        self.inner.step()
+        for p in self.params():
+            if self.owner[id(p)] == self.me:
+                p.copy_(self.masters[id(p)])
+        self._send_back()
+
+    def state_dict(self):
+        index = {id(self.masters[id(p)]): i for i, p in enumerate(self.params())}
+        shards = [None] * self.n
+        dist.all_gather_object(shards, {index[id(m)]: s for m, s in self.inner.state.items()}, group=self.group)
+        return {"state": {i: s for shard in shards for i, s in shard.items()},
+                "groups": [{k: v for k, v in g.items() if k != "params"} for g in self.inner.param_groups]}
+
+
 class OnlyRank0TakesTheUpdates(Owners):
     """Right on rank 0; the others receive each update into a scratch copy and drop it."""
 
@@ -222,6 +255,10 @@ WRONG = {"sharded_optimizer": [
     (StateDictOfMyShard,
      [parts(state_dict="✘"), r"^world_size=3, AdamW, 7 parameters in 3 groups: rank 1's state_dict\(\) differs "
       r"from rank 0's at \['state'\]", r"must return the whole optimizer state on every rank"], None),
+    (KeepsAMasterCopy,
+     [parts(state_dict="✘"), r"^world_size=2, (AdamW|SGD), 7 parameters in 3 groups, state_dict saved at 3 ranks "
+      r"loaded here: after loading, step 1: rank 0's parameter \d", r"It went on from the value the parameter had "
+      r"when the ShardedOptimizer was built"], None),
     (OnlyRank0TakesTheUpdates,
      [parts(steps="✘", added="✘", state_dict="✘"), FRESH + r"after step 1, rank 1's parameter",
       r"Other ranks have it right \(rank 0(, whose optimizer steps it|, rank 2; rank [02]'s optimizer steps it)\): "

@@ -11,8 +11,9 @@ Two sealed launches, every input random from the seed:
   has its own gradients (real backward, so .grad accumulates unless zero_grad clears it),
   4 steps. Then state_dict() on every rank. A third trial trains in two process groups,
   [0, 2] and [1] (group= given), each averaging on its own.
-* 2 ranks: the same two optimizers afresh, then a state_dict saved at 3 ranks is loaded into
-  a new ShardedOptimizer on 2 ranks, which trains 2 more steps.
+* 2 ranks: the same two optimizers afresh, then a resume: a new ShardedOptimizer on 2 ranks,
+  the parameters saved at 3 ranks copied into its parameters (as model.load_state_dict does,
+  after the optimizer was built), the state_dict saved at 3 ranks loaded, 2 more steps.
 
 Judged here, every rank, every step, each part on its own (partial credit: the message ends
 with "Parts: steps = single process ✔ · add_param_group ✔ · zero_grad ✔ · state split over the
@@ -94,11 +95,12 @@ def _more_grads(rng, run, p):
              for _ in range(p)] for _ in range(MORE)]
 
 
-def _rank_input(run, rank, *, save=False, start=None, grads=None, state_dict=None):
-    """What rank `rank` gets of a run: no other rank's gradients."""
+def _rank_input(run, rank, *, save=False, resume=None, grads=None, state_dict=None):
+    """What rank `rank` gets of a run: no other rank's gradients. A resume builds the optimizer on
+    the run's starting values, then copies `resume` into the parameters and loads `state_dict`."""
     grads = run["grads"] if grads is None else grads
     return {"optimizer": run["optimizer"], "members": run["members"], "defaults": run["defaults"],
-            "groups": run["groups"], "added": run["added"], "start": start or run["start"],
+            "groups": run["groups"], "added": run["added"], "start": run["start"], "resume": resume,
             "grads": [g[rank] for g in grads], "save": save, "load": state_dict,
             "add_at": None if state_dict is not None else ADD_AT}
 
@@ -131,9 +133,12 @@ def _rank_job(fn, trials):
         keywords = dict(t["defaults"]) if len(t["members"]) == 1 else {"group": group, **t["defaults"]}
         optimizer = fn([param_group(*g) for g in t["groups"]], _recording(t["optimizer"], made), **keywords)
         active = [j for indices, _ in t["groups"] for j in indices]
-        if t["load"] is not None:
+        if t["load"] is not None:                                       # a resume
             optimizer.add_param_group(param_group(*t["added"]))
             active += t["added"][0]
+            with torch.no_grad():
+                for p, x in zip(params, t["resume"]):
+                    p.copy_(x)                                           # as model.load_state_dict does
             optimizer.load_state_dict(t["load"])
         history, leftover = [], []
         for step, grads in enumerate(t["grads"]):
@@ -185,8 +190,8 @@ class _Reference:
         options = (lambda o: {}) if variant == "defaults" else (lambda o: o)    # noqa: E731
         self.optimizer = cls([{"params": [self.params[j] for j in g], **options(o)} for g, o in groups],
                              **run["defaults"])
-        if load is not None:
-            self.optimizer.load_state_dict(load)
+        if load is not None:                                   # torch keeps the tensors it is given: a copy
+            self.optimizer.load_state_dict(copy.deepcopy(load))
         self.history = []
         for step, mean_and_sum in enumerate(zip(*grads)):
             if step == ADD_AT and load is None:
@@ -411,6 +416,7 @@ def _check_loaded(run, saved_ref, start, grads, observed, saved_held):
     mean = _mean(grads, members)
     ref = _Reference(run, mean, start=start, load=saved_ref)
     fresh = _Reference(run, mean, start=start, load={"state": {}, "param_groups": saved_ref["param_groups"]})
+    stale = _Reference(run, mean, load=saved_ref)              # from the values the optimizer was built with
     everything = list(range(len(start)))
     for s in range(MORE):
         for rank in members:
@@ -426,6 +432,11 @@ def _check_loaded(run, saved_ref, start, grads, observed, saved_held):
                     where = f", held by rank {owner[0]}'s optimizer at {SAVE_AT} ranks," if owner else ""
                     hint = (f" It went on as if its optimizer state were new: its state{where} did not reach the "
                             f"rank that owns it now (missing from the state_dict, or not loaded there).")
+                elif first_difference(got, stale.history[s][j], atol=ATOL, rtol=RTOL) is None:
+                    hint = (" It went on from the value the parameter had when the ShardedOptimizer was built, not "
+                            "from the value copied into it afterwards (as model.load_state_dict does when a run "
+                            "resumes): a copy of the parameters kept since construction is stale. Step the "
+                            "parameters themselves, or take their values again at each step.")
                 return (f"after loading, step {s + 1}: rank {rank}'s {_where(got, j, run)} at {index} is {_fmt(a)}, "
                         f"expected {_fmt(b)} (single-process {run['optimizer']} going on from the saved state).{hint}")
     return None
@@ -486,7 +497,7 @@ def check_sharded_optimizer(fn, seed: int, timeout: float) -> str:
             verdicts.judge("state_dict", _check_loaded(run, saved_ref, start, grads, observed, saved_held))
 
     inputs = [[_rank_input(run, r) for r in range(LOAD_AT)] for run in fresh]
-    inputs += [[_rank_input(run, r, start=start, grads=grads, state_dict=sd) for r in range(LOAD_AT)]
+    inputs += [[_rank_input(run, r, resume=start, grads=grads, state_dict=sd) for r in range(LOAD_AT)]
                for run, _, start, grads, sd, _ in loads]
     _launch(fn, inputs, LOAD_AT, timeout, runs_here, describe, check_load, verdicts)
 
