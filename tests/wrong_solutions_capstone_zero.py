@@ -249,15 +249,15 @@ WRONG = {"sharded_optimizer": [
      [parts(steps="✘", added="✘", zero_grad="✘", state_dict="✘"),
       r"Rank \d's zero_grad\(\) left gradients behind \(parameters \[\d"], None),
     (StateDictOfRank0sShard,
-     [parts(state_dict="✘"), r"^world_size=2, (AdamW|SGD), 7 parameters in 3 groups, state_dict saved at 3 ranks "
-      r"loaded here: after loading, step 1: rank 0's parameter \d",
+     [parts(state_dict="✘"), r"^world_size=2, (AdamW|SGD), 7 parameters in 3 groups, resumed from 3 ranks "
+      r"\(parameters, state_dict\): after loading, step 1: rank 0's parameter \d",
       r"It went on as if its optimizer state were new: its state, held by rank [12]'s optimizer at 3 ranks,"], None),
     (StateDictOfMyShard,
      [parts(state_dict="✘"), r"^world_size=3, AdamW, 7 parameters in 3 groups: rank 1's state_dict\(\) differs "
       r"from rank 0's at \['state'\]", r"must return the whole optimizer state on every rank"], None),
     (KeepsAMasterCopy,
-     [parts(state_dict="✘"), r"^world_size=2, (AdamW|SGD), 7 parameters in 3 groups, state_dict saved at 3 ranks "
-      r"loaded here: after loading, step 1: rank 0's parameter \d", r"It went on from the value the parameter had "
+     [parts(state_dict="✘"), r"^world_size=2, (AdamW|SGD), 7 parameters in 3 groups, resumed from 3 ranks "
+      r"\(parameters, state_dict\): after loading, step 1: rank 0's parameter \d", r"It went on from the value the parameter had "
       r"when the ShardedOptimizer was built"], None),
     (OnlyRank0TakesTheUpdates,
      [parts(steps="✘", added="✘", state_dict="✘"), FRESH + r"after step 1, rank 1's parameter",

@@ -464,7 +464,7 @@ def check_sharded_optimizer(fn, seed: int, timeout: float) -> str:
     def describe(p, i, runs_here):
         run = runs_here[i]
         groups = "" if len(run["members"]) == 1 else ", process groups " + " and ".join(map(str, run["members"]))
-        load = f", state_dict saved at {SAVE_AT} ranks loaded here" if i >= 2 and p == LOAD_AT else ""
+        load = f", resumed from {SAVE_AT} ranks (parameters, state_dict)" if i >= 2 and p == LOAD_AT else ""
         return f"world_size={p}, {run['optimizer']}, 7 parameters in 3 groups{groups}{load}"
 
     def check_save(p, i, observed, traffic):
