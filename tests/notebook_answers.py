@@ -17,7 +17,7 @@ def notebook_function(nb, name):
         if cell.cell_type != "code":
             continue
         exec(compile(cell.source, f"<{name} notebook cell {i}>", "exec"), namespace)
-        if re.search(rf"^def {name}\(", cell.source, re.M):
+        if re.search(rf"^(def|class) {name}\b", cell.source, re.M):
             return namespace[name]
     raise AssertionError(f"no cell defines {name}")
 

@@ -16,13 +16,15 @@ from wrong_solutions_hybrid import WRONG as WRONG_HYBRID
 from wrong_solutions_sequence_parallel import WRONG as WRONG_SEQUENCE_PARALLEL
 from wrong_solutions_tensor_parallel import WRONG as WRONG_TENSOR_PARALLEL
 from wrong_solutions_zero import WRONG as WRONG_ZERO
+from wrong_solutions_capstone_zero import WRONG as WRONG_CAPSTONE_ZERO
 from wrong_solutions_experts import WRONG as WRONG_EXPERTS
 from wrong_solutions_planner import WRONG as WRONG_PLANNER
 from wrong_solutions_capstone_sp import WRONG as WRONG_CAPSTONE_SP
 from wrong_solutions_scored import WRONG as WRONG_SCORED
 
 WRONG_CHAPTERS = {**WRONG_CHAPTERS, **WRONG_TENSOR_PARALLEL, **WRONG_ZERO, **WRONG_SEQUENCE_PARALLEL, **WRONG_HARD,
-                  **WRONG_HYBRID, **WRONG_EXPERTS, **WRONG_PLANNER, **WRONG_CAPSTONE_SP, **WRONG_SCORED}
+                  **WRONG_HYBRID, **WRONG_EXPERTS, **WRONG_PLANNER, **WRONG_CAPSTONE_SP, **WRONG_SCORED,
+                  **WRONG_CAPSTONE_ZERO}
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
@@ -189,7 +191,7 @@ def test_solution_notebook_checks_its_own_exercise(exercise_id):
     ex = checks.get_exercise(exercise_id)
     sources = [c.source for c in solution_notebook(exercise_id).cells if c.cell_type == "code"]
     assert any(f'pplab.check("{exercise_id}", {ex.answer})' in s for s in sources)
-    assert any("### BEGIN SOLUTION" in s and re.search(rf"^def {ex.answer}\(", s, re.M) for s in sources)
+    assert any("### BEGIN SOLUTION" in s and re.search(rf"^(def|class) {ex.answer}\b", s, re.M) for s in sources)
 
 
 def test_compare_prediction_says_how_far_off(capsys, monkeypatch):

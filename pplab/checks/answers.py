@@ -94,6 +94,9 @@ def answer_files(answer) -> set:
     """The file names the answer's own frames have in a traceback."""
     if isinstance(answer, SourceAnswer):
         return answer.filenames
+    if inspect.isclass(answer):                 # a class: its methods, and those of its bases written with it
+        return {f.__code__.co_filename for c in answer.__mro__ if c.__module__ == answer.__module__
+                for f in vars(c).values() if hasattr(f, "__code__")}
     filename = getattr(getattr(answer, "__code__", None), "co_filename", None)
     return {filename} if filename else set()
 

@@ -308,6 +308,9 @@ class Router:
         if kind == "broadcast":
             src = h0["src"]
             return {r: ({"data": True}, [tensor_bytes(ins[src])]) for r in group}
+        if kind == "reduce":                             # the result on dst; the others keep their own tensor
+            result = _REDUCE[h0.get("reduce", "sum")]([ins[r] for r in group]).to(ins[group[0]].dtype)
+            return {r: ({"data": True}, [tensor_bytes(result if r == h0["dst"] else ins[r])]) for r in group}
         if kind == "all_gather_into_tensor":
             result = torch.cat([ins[r].reshape(-1) for r in group])
             return {r: ({"data": True}, [tensor_bytes(result)]) for r in group}

@@ -282,6 +282,7 @@ def _entry_points():
         "get_rank": lambda group=None: _ranks(group).index(_STATE["rank"]) if _STATE["rank"] in _ranks(group) else -1,
         "get_world_size": lambda group=None: len(_ranks(group)),
         "get_process_group_ranks": lambda group: list(_ranks(group)),
+        "get_global_rank": lambda group, group_rank: _ranks(group)[group_rank],
         "new_group": lambda ranks=None, *a, **k: Group(range(_STATE["world_size"]) if ranks is None else ranks),
         "destroy_process_group": lambda group=None: None,
         "send": send, "recv": recv, "isend": isend, "irecv": irecv,
@@ -292,6 +293,8 @@ def _entry_points():
                         reduce=_op_name(op)),
         "broadcast": lambda tensor, src=None, group=None, async_op=False, group_src=None:
             _collective("broadcast", "torch.distributed.broadcast", group, tensor, tensor, async_op, src=src),
+        "reduce": lambda tensor, dst=None, op=dist.ReduceOp.SUM, group=None, async_op=False, group_dst=None:
+            _collective("reduce", "torch.distributed.reduce", group, tensor, tensor, async_op, reduce=_op_name(op), dst=dst),
         "all_gather_into_tensor": lambda output, input, group=None, async_op=False:
             _collective("all_gather_into_tensor", "torch.distributed.all_gather_into_tensor", group, output, input,
                         async_op),
