@@ -222,7 +222,8 @@ def parts(steps="✔", added="✔", zero_grad="✔", sharded="✔", state_dict="
     """The parts' marks the message must end with (before the seed)."""
     marks = [steps, added, zero_grad, sharded, state_dict]
     return (rf" Parts: steps = single process {steps} · add_param_group {added} · zero_grad {zero_grad} · state "
-            rf"split over the ranks {sharded} · state_dict 3 → 2 ranks {state_dict} \({marks.count('✔')} of 5\)\. ")
+            rf"split over the ranks {sharded} · state_dict 3 → 2 ranks {state_dict} \({marks.count('✔')} of 5\)\. "
+            rf".*\[{marks.count('✔')} of 5 points\]$")
 
 
 FRESH = r"^world_size=[23], (AdamW|SGD), 7 parameters in 3 groups: "

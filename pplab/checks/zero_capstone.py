@@ -237,7 +237,10 @@ class _Verdicts:
         def mark(v):
             return "not reached" if v is None else "✔" if v is True else "✘"
         marks = " · ".join(f"{label} {mark(self.parts[key])}" for key, label in _PARTS)
-        return f"Parts: {marks} ({sum(v is True for v in self.parts.values())} of {len(_PARTS)})"
+        return f"Parts: {marks} ({self.earned()} of {len(_PARTS)})"
+
+    def earned(self) -> int:
+        return sum(v is True for v in self.parts.values())
 
     def first_problem(self):
         return next((v for v in self.parts.values() if isinstance(v, str)), None)
@@ -447,7 +450,7 @@ def _check_loaded(run, saved_ref, start, grads, observed, saved_held):
 
 
 @exercise("sharded_optimizer", "A sharded optimizer (ZeRO stage 1) for any torch.optim class",
-          answer="ShardedOptimizer", notebook="06d_sharded_optimizer", sealed=True,
+          answer="ShardedOptimizer", notebook="06d_sharded_optimizer", sealed=True, points=len(_PARTS),
           preload=("pplab.zero", "torch._dynamo"))   # an optimizer's first step imports it
 def check_sharded_optimizer(fn, seed: int, timeout: float) -> str:
     """ShardedOptimizer(params, optimizer_class, group=None, **defaults): trains like single-process
@@ -502,7 +505,7 @@ def check_sharded_optimizer(fn, seed: int, timeout: float) -> str:
     _launch(fn, inputs, LOAD_AT, timeout, runs_here, describe, check_load, verdicts)
 
     if verdicts.first_problem() is not None:
-        raise Fail(f"{verdicts.first_problem()} {verdicts.breakdown()}.")
+        raise Fail(f"{verdicts.first_problem()} {verdicts.breakdown()}.", earned=verdicts.earned())
     return (f"on world sizes {SAVE_AT} and {LOAD_AT} (AdamW and SGD with momentum, 7 fp32 parameters in 3 groups with "
             f"their own options, the third added by add_param_group after step {ADD_AT}, {STEPS} steps; and two "
             f"process groups [0, 2] and [1]): every parameter on every rank = single-process to {ATOL:g} + "
@@ -530,5 +533,6 @@ def _launch(fn, inputs, p, timeout, runs_here, describe, check, verdicts):
     except Fail as failure:
         if verdicts.judged() and not isinstance(failure, Forbidden):
             earlier = f" Before that: {verdicts.first_problem()}" if verdicts.first_problem() else ""
-            raise Fail(f"{failure}{earlier} {verdicts.breakdown()}.", failure.seed_matters) from None
+            raise Fail(f"{failure}{earlier} {verdicts.breakdown()}.", failure.seed_matters,
+                       earned=verdicts.earned()) from None
         raise
