@@ -22,8 +22,11 @@ SUDO       := $(if $(filter 0,$(shell id -u)),,sudo)
 lab: $(STAMP)
 	$(BIN)/jupyter lab $(ALLOW_ROOT) --ServerApp.root_dir=. notebooks/00_start_here.ipynb
 
+# Two test processes (pytest-xdist): much of a test's time is ranks starting, waiting and timing
+# out, which the other process fills. A notebook's cells stay together in one (loadscope).
+# Not more: every test launches ranks of its own, and the notebooks' measured claims want cores.
 test: $(STAMP)
-	$(BIN)/python -m pytest --nbval-lax --nbval-cell-timeout=900 --durations=15 -q tests notebooks solutions
+	$(BIN)/python -m pytest -n 2 --dist loadscope --nbval-lax --nbval-cell-timeout=900 --durations=15 -q tests notebooks solutions
 
 install: $(STAMP)
 
