@@ -272,7 +272,7 @@ def test_a_capstone_right_in_some_parts_earns_those_points(scored_exercises):
 
 def test_an_answer_scored_on_quality_earns_what_it_is_worth(scored_exercises):
     some = checks.run_check("_quality", lambda: 2, seed=1)
-    assert not some and some.score == 2 and "passed bubble against the target [2 of 3 points]" in some.message
+    assert not some and some.score == 2 and "scored bubble against the target [2 of 3 points]" in some.message
     assert checks.run_check("_quality", lambda: 3, seed=1)
     assert checks.run_check("_quality", lambda: 7, seed=1).score == 3      # clamped to the exercise's points
     assert checks.run_check("_quality", lambda: -1, seed=1).score == 0

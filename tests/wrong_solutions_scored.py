@@ -2,6 +2,7 @@
 its message must say (and the points it earns, in the message's "[k of n points]").
 
 zero_bubble: a schedule for p stages and m micro-batches with times t_f = t_i = t_w = 1.
+design_layout: a dp × tp × pp layout with m micro-batches for a model, a batch and a memory budget.
 """
 
 
@@ -84,6 +85,63 @@ def zb_with_the_library(num_stages, num_microbatches):
     return pplab.pipeline.make_schedule("zb-h1", num_stages, num_microbatches).actions
 
 
+def _design(problem, slip=None):
+    """Exercise 7c's reference search, with one slip: every valid layout priced by 7b's formulas."""
+    a, b, world, batch = problem["alpha"], problem["beta"], problem["world"], problem["batch"]
+
+    def ring(p, n):
+        return 0.0 if p == 1 else 2 * (p - 1) * a + 2 * (p - 1) / p * n * b
+    divisors = [d for d in range(1, world + 1) if world % d == 0]
+    best = None
+    for pp in divisors:
+        for tp in [t for t in divisors if (world // pp) % t == 0 and problem["heads"] % t == 0]:
+            dp = world // (pp * tp)
+            for m in ([1] if pp == 1 else range(pp, batch // dp + 1)):
+                if batch % (dp * m) or pp > problem["layers"] + 2:
+                    continue
+                mb, blocks = batch // (dp * m), problem["layers"] // pp
+                act = mb * problem["act_bytes"]
+                f = blocks * problem["t_f"] * mb / tp + 2 * blocks * ring(tp, act)
+                bw = blocks * problem["t_b"] * mb / tp + 2 * blocks * ring(tp, act)
+                fill = 0 if slip == "no bubble" else pp - 1
+                grads = blocks * problem["block_bytes"] / tp
+                step = (m + fill) * (f + bw) + 2 * (pp - 1) * (a + act * b) + ring(dp, grads)
+                memory = 4 * grads + min(m, pp) * mb * blocks * problem["saved"][tp]
+                if (slip == "ignore memory" or memory <= problem["budget"]) and (best is None or step < best[0]):
+                    best = (step, {"dp": dp, "tp": tp, "pp": pp, "m": m})
+    return None if best is None else best[1]
+
+
+def design_ignoring_memory(problem):
+    """The fastest layout, whether it fits or not."""
+    return _design(problem, "ignore memory")
+
+
+def design_without_the_bubble(problem):
+    """Prices a pipeline as if it never filled and drained: favours deep pipelines."""
+    return _design(problem, "no bubble")
+
+
+def design_all_data_parallel(problem):
+    """A rule of thumb: every rank a replica."""
+    return {"dp": problem["world"], "tp": 1, "pp": 1, "m": 1}
+
+
+def design_fewer_microbatches_than_stages(problem):
+    """A pipeline of 2 stages fed one micro-batch: 1F1B cannot run with m < pp."""
+    return {"dp": problem["world"] // 2, "tp": 1, "pp": 2, "m": 1}
+
+
+def design_returns_a_tuple(problem):
+    layout = _design(problem)
+    return (layout["dp"], layout["tp"], layout["pp"], layout["m"])
+
+
+def design_with_the_planner(problem):
+    import pplab.planner
+    return pplab.planner.plan
+
+
 WRONG = {
     "zero_bubble": [
         (zb_plain_1f1b, [r"against 1F1B's \d+", r"split each B into I", r"\[1 of 3 points\]$"], None),
@@ -97,5 +155,14 @@ WRONG = {
         (zb_weight_before_input, [r"this schedule cannot run as a training step"], None),
         (zb_rank_2_forgets_a_weight, [r"this schedule cannot run as a training step", r"rank 2|stage 2"], None),
         (zb_with_the_library, [r"pplab\.pipeline's schedules"], None),
+    ],
+    "design_layout": [
+        (design_ignoring_memory, [r"^on 8 random problems", r"over the budget of [\d.]+ MB", r"points\]$"], None),
+        (design_without_the_bubble, [r"^scored on 8 random problems", r"Your weakest: problem \d", r"of 3 points\]$"], None),
+        (design_all_data_parallel, [r"over the budget|takes [\d.]+× the fastest"], None),
+        (design_fewer_microbatches_than_stages, [r"is not a valid layout: 1F1B needs at least as many micro-batches as "
+                                                 r"stages: m=\d, pp=\d"], None),
+        (design_returns_a_tuple, [r"is not a layout: return a dict with whole numbers dp, tp, pp and m"], None),
+        (design_with_the_planner, [r"pplab\.planner"], None),
     ],
 }

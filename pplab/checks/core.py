@@ -192,7 +192,8 @@ def _run_check(ex: Exercise, answer, seed, timeout) -> CheckResult:
         earned = _clamp(failure.earned or 0, ex.points - 1)        # a Fail never earns every point
         return CheckResult(ex.id, False, f"{failure}{hint}{_of(earned, ex.points)}", seed, earned, ex.points)
     earned = _clamp(getattr(summary, "earned", ex.points), ex.points)
-    return CheckResult(ex.id, earned == ex.points, f"passed {summary}{_of(earned, ex.points)}", seed, earned, ex.points)
+    verdict = "passed" if earned == ex.points else "scored"      # a graded-on-quality answer short of full marks
+    return CheckResult(ex.id, earned == ex.points, f"{verdict} {summary}{_of(earned, ex.points)}", seed, earned, ex.points)
 
 
 def _clamp(earned, most) -> float:
