@@ -191,8 +191,9 @@ ZB_POINTS = 3
 
 
 def _zb_cases(seed: int) -> list[tuple[int, int]]:
+    """(4, 8), then p = 3 to 6 with m >= p (at p = 2 only the bound lies below 1F1B's half bubble)."""
     rng = random.Random(seed)
-    p = rng.randint(2, 6)
+    p = rng.randint(3, 6)
     return [(4, 8), (3, 3), (5, rng.randint(5, 9)), (p, rng.randint(p, 2 * p + 3))]
 
 
