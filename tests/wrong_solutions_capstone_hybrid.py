@@ -1,0 +1,155 @@
+"""Plausible wrong answers to the capstone `pp_dp_train_step` (a pipeline × data parallel trainer),
+each one mistake a student could make, one of them wrong on ranks other than 0 only.
+
+WRONG[exercise_id] lists (function, regular expressions the check's message must match, timeout
+for the check or None for the default), as in wrong_solutions.py. Every answer here is one
+implementation, `_step`, with one switch turned.
+"""
+import torch
+
+from pplab import comm
+from pplab.pipeline import run_pipeline
+
+
+def _send(tensor, dst):
+    return comm.isend(tensor.detach().contiguous(), dst)
+
+
+def _receive(like, src):
+    buffer = torch.empty_like(like)
+    comm.recv(buffer, src)
+    return buffer
+
+
+def _order(m, pp, s, schedule):
+    """[("F", i) / ("B", i)]: 1F1B (warm-up of pp - s - 1 forwards), 1F1B with one warm-up forward
+    too many, or GPipe (every forward, then every backward)."""
+    if schedule == "gpipe":
+        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    warmup = min(pp - s - 1 + (schedule == "warm-up + 1"), m)
+    order = [("F", i) for i in range(warmup)]
+    for i in range(m - warmup):
+        order += [("F", warmup + i), ("B", i)]
+    return order + [("B", i) for i in range(m - warmup, m)]
+
+
+def _step(stage, inputs, targets, loss_fn, m, pp_group, dp_group, schedule="1f1b", micro=None, reduce_over="dp",
+          divide=True, divide_on_rank_0_only=False, loss_summed=False):
+    pp, s = comm.world_size(pp_group), comm.rank(pp_group)
+    ranks = comm.group_ranks(pp_group)
+    prev, nxt = (ranks[s - 1] if s > 0 else None), (ranks[s + 1] if s < pp - 1 else None)
+    xs, ys = inputs.chunk(m), targets.chunk(m)
+    held, handles, loss = {}, [], 0.0
+    for kind, i in _order(micro or m, pp, s, schedule):
+        if kind == "F":
+            x = xs[i] if prev is None else _receive(xs[i], prev).requires_grad_()
+            out = stage(x)
+            if nxt is None:
+                out = loss_fn(out, ys[i]) / m
+                loss += out.item() * (m if loss_summed else 1)
+            else:
+                handles.append(_send(out, nxt))
+            held[i] = (x, out)
+        else:
+            x, out = held.pop(i)
+            torch.autograd.backward(out, None if nxt is None else _receive(out, nxt))
+            if prev is not None:
+                handles.append(_send(x.grad, prev))
+    for handle in handles:
+        handle.wait()
+    if reduce_over:
+        group = dp_group if reduce_over == "dp" else pp_group
+        params = list(stage.parameters())
+        flat = torch.cat([q.grad.flatten() for q in params])
+        comm.all_reduce(flat, group=group)
+        if divide and (comm.rank() == 0 or not divide_on_rank_0_only):
+            flat /= comm.world_size(dp_group)
+        for q, g in zip(params, flat.split([q.numel() for q in params])):
+            q.grad.copy_(g.view_as(q))
+    return loss if nxt is None else None
+
+
+def ppdp_gpipe_order(stage, inputs, targets, loss_fn, m, pp_group, dp_group):
+    """All forwards first, then all backwards: right values, m micro-batches held."""
+    return _step(stage, inputs, targets, loss_fn, m, pp_group, dp_group, schedule="gpipe")
+
+
+def ppdp_warm_up_one_too_many(stage, inputs, targets, loss_fn, m, pp_group, dp_group):
+    """pp - s warm-up forwards instead of pp - s - 1: one micro-batch more held than 1F1B needs."""
+    return _step(stage, inputs, targets, loss_fn, m, pp_group, dp_group, schedule="warm-up + 1")
+
+
+def ppdp_all_reduce_over_pp(stage, inputs, targets, loss_fn, m, pp_group, dp_group):
+    """Averages the gradients over the replica's pipeline instead of over the copies of the stage."""
+    return _step(stage, inputs, targets, loss_fn, m, pp_group, dp_group, reduce_over="pp")
+
+
+def ppdp_sum_over_dp(stage, inputs, targets, loss_fn, m, pp_group, dp_group):
+    """All-reduces the gradients over dp and forgets to divide by dp."""
+    return _step(stage, inputs, targets, loss_fn, m, pp_group, dp_group, divide=False)
+
+
+def ppdp_one_micro_batch_short(stage, inputs, targets, loss_fn, m, pp_group, dp_group):
+    """Runs micro-batches 0..m-2: the last one never goes through the pipeline."""
+    return _step(stage, inputs, targets, loss_fn, m, pp_group, dp_group, micro=m - 1)
+
+
+def ppdp_no_dp_all_reduce(stage, inputs, targets, loss_fn, m, pp_group, dp_group):
+    """Leaves each replica with the gradient of its own share of the batch."""
+    return _step(stage, inputs, targets, loss_fn, m, pp_group, dp_group, reduce_over=None)
+
+
+def ppdp_divides_on_rank_0_only(stage, inputs, targets, loss_fn, m, pp_group, dp_group):
+    """Right on rank 0 only: the other ranks keep the sum over the replicas."""
+    return _step(stage, inputs, targets, loss_fn, m, pp_group, dp_group, divide_on_rank_0_only=True)
+
+
+def ppdp_loss_summed(stage, inputs, targets, loss_fn, m, pp_group, dp_group):
+    """Reports the sum of the micro-batch losses (the gradients are right)."""
+    return _step(stage, inputs, targets, loss_fn, m, pp_group, dp_group, loss_summed=True)
+
+
+def ppdp_from_library(stage, inputs, targets, loss_fn, m, pp_group, dp_group):
+    return run_pipeline(None, [stage], inputs, targets, loss_fn)
+
+
+WHERE = (r"^pp=[23] stages × dp=2 replicas, m=\d+ micro-batches of \d×\d, [12] layer\(s\) a stage, "
+         r"rank \d \(stage \d of replica \d\)")
+
+WRONG = {
+    "pp_dp_train_step": [
+        (ppdp_gpipe_order,
+         [WHERE + r": it held up to \d+ micro-batches' activations at once", r"1F1B holds at most pp - s = \d",
+          r"All \d+ forwards ran before the first backward: that is GPipe's order",
+          r"Parts: gradients ✔ · loss ✔ · pipeline traffic ✔ · dp all-reduce ✔ · 1F1B memory ✘ \(4 of 5\)\. "
+          r".*\[4 of 5 points\]$"], None),
+        (ppdp_warm_up_one_too_many,
+         [WHERE + r": it held up to \d micro-batches' activations at once", r"^(?!.*GPipe)",
+          r"Run pp - s - 1 = \d warm-up forwards",
+          r"1F1B memory ✘ \(4 of 5\)"], None),
+        (ppdp_all_reduce_over_pp,
+         [WHERE + r": \S+\.grad at .* but the single-process gradient of the whole batch is",
+          r"Its gradient all-reduce is wrong: it all-reduced over ranks \[\d, \d(, \d)?\], its replica's pipeline "
+          r"\(pp_group\), whose ranks hold different stages; the copies of stage \d are dp_group",
+          r"Parts: gradients ✘ · loss ✔ · pipeline traffic ✔ · dp all-reduce ✘ · 1F1B memory ✔ \(3 of 5\)"], None),
+        (ppdp_sum_over_dp,
+         [WHERE + r": \S+\.grad at .* It is 2 times that: the sum over the dp = 2 replicas",
+          r"divide the all-reduced gradients by dp",
+          r"Parts: gradients ✘ · loss ✔ · pipeline traffic ✔ · dp all-reduce ✔ · 1F1B memory ✔ \(4 of 5\)"], None),
+        (ppdp_one_micro_batch_short,
+         [WHERE + r": \S+\.grad at .* This rank ran \d+ forwards of its stage, for m = \d+ micro-batches",
+          r"Parts: gradients ✘ · loss ✘ · pipeline traffic ✘ · dp all-reduce ✔ · 1F1B memory ✘ \(1 of 5\)"], None),
+        (ppdp_no_dp_all_reduce,
+         [WHERE + r": \S+\.grad at .* It is replica \d's own gradient", r"average the gradients over dp_group",
+          r"Parts: gradients ✘ · loss ✔ · pipeline traffic ✔ · dp all-reduce ✘ · 1F1B memory ✔ \(3 of 5\)"], None),
+        (ppdp_divides_on_rank_0_only,
+         [r"^pp=2 stages × dp=2 replicas, .*, rank 1 \(stage 0 of replica 1\): \S+\.grad at .* It is 2 times that",
+          r"Parts: gradients ✘ · loss ✔"], None),
+        (ppdp_loss_summed,
+         [WHERE + r": the last stage returned loss .* It is \d+ times that: the sum of the micro-batch losses",
+          r"Parts: gradients ✔ · loss ✘ · pipeline traffic ✔ · dp all-reduce ✔ · 1F1B memory ✔ \(4 of 5\)"], None),
+        (ppdp_from_library,
+         [r"^exercise 'pp_dp_train_step' asks you to work out the 1F1B loop and the data-parallel gradient average "
+          r"yourself; you use pplab.pipeline's executor or pplab.hybrid's trainer"], None),
+    ],
+}
