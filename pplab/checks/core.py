@@ -222,6 +222,37 @@ def check(exercise_id: str, answer, *, seed: int | None = None, timeout: float =
 # Helpers for checkers
 
 
+class Parts:
+    """A capstone checked in parts (forward, backward, traffic, ...): each part keeps the first
+    problem found with it, prefixed with where (the trial); `finish` raises Fail naming the first
+    problem and earning the parts that were right, or returns the summary with every part ✔.
+
+        parts = Parts(("forward", "traffic"))
+        parts.note("traffic", problem, where="t=2")            # problem None: nothing wrong
+        return parts.finish("on t = 2 and 3 (...)")            # Parts: forward ✔ · traffic ✘ (1 of 2)
+    """
+
+    def __init__(self, names):
+        self.problems = dict.fromkeys(names)
+
+    def note(self, part: str, problem, where: str = "") -> None:
+        if problem and not self.problems[part]:
+            self.problems[part] = f"{where}, {problem}" if where else problem
+
+    def earned(self) -> int:
+        return sum(v is None for v in self.problems.values())
+
+    def breakdown(self) -> str:
+        marks = " · ".join(f"{part} {'✘' if v else '✔'}" for part, v in self.problems.items())
+        return f"Parts: {marks} ({self.earned()} of {len(self.problems)})"
+
+    def finish(self, summary: str) -> str:
+        first = next((v for v in self.problems.values() if v), None)
+        if first:
+            raise Fail(f"{first} {self.breakdown()}.", earned=self.earned())
+        return f"{summary}. {self.breakdown()}"
+
+
 def check_number(got, expected: float, *, what: str, rel_tol: float = 1e-6, abs_tol: float = 1e-12) -> str:
     """A numeric answer: pass if math.isclose(got, expected), else Fail saying both."""
     if isinstance(got, bool) or not isinstance(got, (int, float)) or isinstance(got, complex):

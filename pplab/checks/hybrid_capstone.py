@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import sealed
-from .core import Fail, exercise, first_difference, refuse_library, require_function
+from .core import Parts, exercise, first_difference, refuse_library, require_function
 from .core import _fmt
 
 PARTS = ("gradients", "loss", "pipeline traffic", "dp all-reduce", "1F1B memory")
@@ -340,7 +340,7 @@ def _describe(trial):
 def check_pp_dp_train_step(fn, seed: int, timeout: float) -> str:
     require_function(fn, "pp_dp_train_step", "stage, inputs, targets, loss_fn, m, pp_group, dp_group",
                      None, None, None, None, 1, None, None)
-    verdicts = dict.fromkeys(PARTS)
+    parts = Parts(PARTS)
     for pp, dp in MESHES:
         trial = _trial(seed, pp, dp)
         ref = _reference(trial)
@@ -356,14 +356,8 @@ def check_pp_dp_train_step(fn, seed: int, timeout: float) -> str:
                           exercise=("pp_dp_train_step", "the training step"), forbidden=(),
                           probe=_refuse_library_trainer, describe=lambda p, i: _describe(trial), check=judge)
         for part in PARTS:
-            if found.get(part) and not verdicts[part]:
-                verdicts[part] = f"{_describe(trial)}, {found[part]}"
-    marks = " · ".join(f"{part} {'✘' if verdicts[part] else '✔'}" for part in PARTS)
-    passed = sum(not v for v in verdicts.values())
-    first = next((verdicts[p] for p in PARTS if verdicts[p]), None)
-    if first:
-        raise Fail(f"{first} Parts: {marks} ({passed} of {len(PARTS)}).", earned=passed)
-    return (f"on 2 stages × 2 replicas and 3 stages × 2 replicas (every gradient equal to one process's on the whole "
-            f"batch and the loss to its replica's, float64 to 1e-9; per rank one activation and one gradient per "
-            f"micro-batch to its neighbouring stages, one all-reduce of its gradients over its dp group, and at most "
-            f"pp - s micro-batches held). Parts: {marks} ({passed} of {len(PARTS)})")
+            parts.note(part, found.get(part), where=_describe(trial))
+    return parts.finish("on 2 stages × 2 replicas and 3 stages × 2 replicas (every gradient equal to one process's "
+                        "on the whole batch and the loss to its replica's, float64 to 1e-9; per rank one activation "
+                        "and one gradient per micro-batch to its neighbouring stages, one all-reduce of its gradients "
+                        "over its dp group, and at most pp - s micro-batches held)")

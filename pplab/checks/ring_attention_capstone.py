@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from . import sealed
-from .core import Fail, exercise, first_difference, refuse_library, require_function
+from .core import Parts, exercise, first_difference, refuse_library, require_function
 from .core import _fmt
 
 PARTS = ("forward", "backward dQ", "backward dK/dV", "traffic")
@@ -266,7 +266,7 @@ def _describe(p, shape):
 def check_ring_attention(fn, seed: int, timeout: float) -> str:
     z = torch.zeros(1, 1, 2, 1, dtype=torch.float64)
     require_function(fn, "ring_attention", "q, k, v, group=None", z, z, z, None)
-    verdicts = dict.fromkeys(PARTS)
+    parts = Parts(PARTS)
     for p, shape, trial_seed in _trials(seed):
         b, heads, c, d = shape
         g = torch.Generator().manual_seed(trial_seed)
@@ -285,14 +285,8 @@ def check_ring_attention(fn, seed: int, timeout: float) -> str:
                           exercise=("ring_attention", "ring attention"), forbidden=(), probe=_refuse_library_ring,
                           describe=lambda world, i: _describe(p, shape), check=judge)
         for part in PARTS:
-            if found.get(part) and not verdicts[part]:
-                verdicts[part] = f"{_describe(p, shape)}, {found[part]}"
-    marks = " · ".join(f"{part} {'✘' if verdicts[part] else '✔'}" for part in PARTS)
-    passed = sum(not v for v in verdicts.values())
-    first = next((verdicts[part] for part in PARTS if verdicts[part]), None)
-    if first:
-        raise Fail(f"{first} Parts: {marks} ({passed} of {len(PARTS)}).", earned=passed)
-    return (f"on p = 2 and p = 3, zigzag layout, causal (output, dQ, dK and dV within {TOL:g} of torch's "
-            f"scaled_dot_product_attention on the whole sequence; per rank, forward K/V sent 2(p-1) blocks and "
-            f"backward 4(p-1), point to point to a neighbour, no message larger than one block's K and V). "
-            f"Parts: {marks} ({passed} of {len(PARTS)})")
+            parts.note(part, found.get(part), where=_describe(p, shape))
+    return parts.finish(f"on p = 2 and p = 3, zigzag layout, causal (output, dQ, dK and dV within {TOL:g} of torch's "
+                        f"scaled_dot_product_attention on the whole sequence; per rank, forward K/V sent 2(p-1) blocks "
+                        f"and backward 4(p-1), point to point to a neighbour, no message larger than one block's K "
+                        f"and V)")

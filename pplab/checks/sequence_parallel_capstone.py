@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import sealed
-from .core import Fail, exercise, first_difference, refuse_library, require_function
+from .core import Fail, Parts, exercise, first_difference, refuse_library, require_function
 from .core import _fmt
 
 PARAMS = ("ln1.weight", "ln1.bias", "attn.qkv.weight", "attn.qkv.bias", "attn.proj.weight", "attn.proj.bias",
@@ -465,7 +465,7 @@ def _describe(t, members, shape):
           preload=("pplab.tensor_parallel.transformer", "pplab.sequence_parallel.megatron"))
 def check_megatron_sp_block(fn, seed: int, timeout: float) -> str:
     require_function(fn, "megatron_sp_block", "block, group", nn.Linear(1, 1), None)
-    verdicts = {part: None for part in PARTS}           # part -> the first failure, prefixed with its trial
+    parts = Parts(PARTS)
     for t, members, shape, trial_seed in _trials(seed):
         world = 4 if members else t
         state = _state(shape, trial_seed)
@@ -491,14 +491,8 @@ def check_megatron_sp_block(fn, seed: int, timeout: float) -> str:
                           exercise=("megatron_sp_block", ""), forbidden=(), probe=_refuse_library_block,
                           describe=lambda p, i: _describe(t, members, shape), check=judge)
         for part in PARTS:
-            if found.get(part) and not verdicts[part]:
-                verdicts[part] = f"{_describe(t, members, shape)}, {found[part]}"
-    marks = " · ".join(f"{part} {'✘' if verdicts[part] else '✔'}" for part in PARTS)
-    passed = sum(not v for v in verdicts.values())
-    first = next((verdicts[p] for p in PARTS if verdicts[p]), None)
-    if first:
-        raise Fail(f"{first} Parts: {marks} ({passed} of {len(PARTS)}).", earned=passed)
-    return (f"on t = 2, t = 3 and two groups of 2 among 4 ranks (output, input gradient and all 12 parameter "
-            f"gradients within float32 tolerance of the dense block; per rank, forward 2 all-gathers + 2 "
-            f"reduce-scatters and backward their mirror + all-reduces of 6h gradients, as the formula says). "
-            f"Parts: {marks} ({passed} of {len(PARTS)})")
+            parts.note(part, found.get(part), where=_describe(t, members, shape))
+    return parts.finish("on t = 2, t = 3 and two groups of 2 among 4 ranks (output, input gradient and all 12 "
+                        "parameter gradients within float32 tolerance of the dense block; per rank, forward 2 "
+                        "all-gathers + 2 reduce-scatters and backward their mirror + all-reduces of 6h gradients, "
+                        "as the formula says)")
