@@ -118,7 +118,8 @@ def design_ignoring_memory(problem):
 
 
 def design_without_the_bubble(problem):
-    """Prices a pipeline as if it never filled and drained: favours deep pipelines."""
+    """Prices a pipeline as if it never filled and drained: favours deep pipelines (now and then
+    one whose memory, counted with the embedding and the head, is just over the budget: 0 there)."""
     return _design(problem, "no bubble")
 
 
@@ -158,7 +159,7 @@ WRONG = {
     ],
     "design_layout": [
         (design_ignoring_memory, [r"^on 8 random problems", r"over the budget of [\d.]+ MB", r"points\]$"], None),
-        (design_without_the_bubble, [r"^scored on 8 random problems", r"Your weakest: problem \d", r"of 3 points\]$"], None),
+        (design_without_the_bubble, [r"^(scored )?on 8 random problems", r"Your weakest: problem \d", r"of 3 points\]$"], None),
         (design_all_data_parallel, [r"over the budget|takes [\d.]+× the fastest"], None),
         (design_fewer_microbatches_than_stages, [r"is not a valid layout: 1F1B needs at least as many micro-batches as "
                                                  r"stages: m=\d, pp=\d"], None),
