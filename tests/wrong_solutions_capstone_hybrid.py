@@ -9,16 +9,9 @@ import torch
 
 from pplab import comm
 from pplab.pipeline import run_pipeline
+from wrong_solutions_hard import receive as _receive, send as _send   # 4d's notebook helpers
 
 
-def _send(tensor, dst):
-    return comm.isend(tensor.detach().contiguous(), dst)
-
-
-def _receive(like, src):
-    buffer = torch.empty_like(like)
-    comm.recv(buffer, src)
-    return buffer
 
 
 def _order(m, pp, s, schedule):
