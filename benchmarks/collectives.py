@@ -24,8 +24,8 @@ tenth left out, beyond (where waiting for a core is part of every try, and means
 priority; the load average printed with it says how busy the machine was.
 
 Last, what a learner's cell shows: the median of the tries, at p = 2, 1 to 16 MB, against the
-model's predicted median (Fit.predict_median: a delay per step drawn from the spread of the fit's
-own single exchanges). costfit.fit_and_time times these all-reduces in the fit's own shuffled
+model's predicted median (Fit.predict_median: a delay per two steps drawn from the spread of the
+fit's own pairs of exchanges timed back to back). costfit.fit_and_time times these all-reduces in the fit's own shuffled
 rounds, 60 tries each, so a change of load falls on the prediction and the clock alike. Goal:
 median / predicted median within 1.5x.
 
@@ -97,8 +97,8 @@ def model_against_clock(ranks, sizes, repeats):
 
 def median_against_model(sizes, repeats):
     """What a learner's cell shows: the median of the tries at p = 2, against the model's predicted
-    median (predict_median: the quick model plus a delay per step drawn from the exchanges'
-    spread). fit_and_time times the all-reduces in the same rounds as the fit's own pairs."""
+    median (predict_median: the quick model plus a delay per two steps drawn from the spread of
+    the fit's pairs of exchanges). fit_and_time times the all-reduces in the same rounds as the fit's own pairs."""
     start = time.perf_counter()
     load = os.getloadavg()[0]
     fit, tries = costfit.fit_and_time(sizes, MODEL_ALGORITHMS, repeats=repeats)

@@ -139,6 +139,7 @@ class Fit:
     delta: float = 0.0           # seconds, once per collective: waiting for the last rank to start
     delays: dict = field(default_factory=dict)   # {size: seconds each single exchange took beyond the quick quarter}
     round_trip_delays: dict = field(default_factory=dict)   # {size: the same for each ping-pong round trip}
+    pair_delays: dict = field(default_factory=dict)   # {size: the same for each two exchanges back to back}
 
     def __post_init__(self):                      # Fit(α, β, γ, ...) alone is the classic model
         self.alpha2 = self.alpha if self.alpha2 is None else self.alpha2
@@ -192,9 +193,12 @@ class Fit:
         plus, at each of its A steps, a delay: a wait for a core (a scheduler tick, now and
         then), another program's burst. The fit keeps, for each size, how much longer than its
         quick quarter every single exchange took (`delays`), and every ping-pong round trip
-        (`round_trip_delays`). Each step that sends and receives at once draws one exchange's
-        delay, of the size nearest its own; one-way steps (a tree's), which wake one rank, not
-        two, draw a round trip's delay for every two steps. The quantiles of 4001 such tries
+        (`round_trip_delays`), and every two exchanges timed back to back (`pair_delays`). Steps
+        that send and receive at once draw, for each two of them, the delay of one such pair of
+        the size nearest their own (and a single exchange's for an odd last step): the second of
+        two steps waits for a core more often than a lone exchange does, so drawing each step's
+        delay apart would predict too few slow tries. One-way steps (a tree's), which wake one
+        rank, not two, draw a round trip's delay for every two steps. The quantiles of 4001 such tries
         (a fixed seed: the same answer every call) are added to `predict`. A median of a
         collective is not the sum of its steps' medians: if a step waits one time in three, a
         try of two steps waits more often than not. Where ranks outnumber cores, `predict` is
@@ -204,15 +208,21 @@ class Fit:
         quick = self.predict(collective, algorithm, p, n_bytes, ranks_busy)
         c = cost(collective, algorithm, p, n_bytes)
         busy = max(busy_ranks(collective, algorithm, p), ranks_busy or 0)
-        delays, draws = self.delays, c.latency_rounds
+        steps = c.latency_rounds
         if step(collective, algorithm) == "one-way" and self.round_trip_delays:
-            delays, draws = self.round_trip_delays, (c.latency_rounds + 1) // 2
-        if not delays or not c.latency_rounds or (self.cores and busy > self.cores):
+            kinds = [(self.round_trip_delays, (steps + 1) // 2)]          # a round trip: two one-way steps
+        elif self.pair_delays:
+            kinds = [(self.pair_delays, steps // 2), (self.delays, steps % 2)]   # pairs, and a last lone step
+        else:
+            kinds = [(self.delays, steps)]
+        kinds = [(delays, draws) for delays, draws in kinds if draws]
+        if not steps or not all(delays for delays, _ in kinds) or (self.cores and busy > self.cores):
             return [quick for _ in quantiles]
-        size = max(1.0, c.bytes / c.latency_rounds)            # bytes a step, on average
-        nearest = min(delays, key=lambda n: (abs(math.log2(n / size)), -n))   # ties: the larger
-        sample, rng = delays[nearest], random.Random(0)
-        tries = sorted(sum(rng.choice(sample) for _ in range(draws)) for _ in range(4001))
+        size = max(1.0, c.bytes / steps)                       # bytes a step, on average
+        rng, tries = random.Random(0), []
+        samples = [(delays[min(delays, key=lambda n: (abs(math.log2(n / size)), -n))], draws)   # ties: the larger
+                   for delays, draws in kinds]
+        tries = sorted(sum(rng.choice(sample) for sample, draws in samples for _ in range(draws)) for _ in range(4001))
         return [quick + tries[round(q * (len(tries) - 1))] for q in quantiles]
 
     def __str__(self):
@@ -243,6 +253,7 @@ class Timings:
     start: float = 0.0           # δ: a 4-byte all-gather on 2 ranks (one swap), less exchange[0]
     exchange_tries: list = field(default_factory=list)   # per size, every single exchange's time (seconds)
     round_trips: list = field(default_factory=list)      # per size, every counted round trip of the ping-pong
+    pair_tries: list = field(default_factory=list)       # per size, every try of two exchanges back to back
 
 
 def _fit_line(sizes, times):
@@ -271,8 +282,10 @@ def fit_timings(t: Timings) -> Fit:
                  for kind, seconds in t.tiny_steps.items()}
     delays = {n: sorted(x - quick for x in tries) for n, quick, tries in zip(t.sizes, t.exchange, t.exchange_tries)}
     round_trip_delays = {n: sorted(x - 2 * half for x in tries) for n, half, tries in zip(t.sizes, t.one_way, t.round_trips)}
+    pair_delays = {n: sorted(x - _quick(tries) for x in tries) for n, tries in zip(t.sizes, t.pair_tries) if tries}
     return Fit(alpha, beta, t.add_per_byte, list(t.sizes), list(t.one_way), alpha2, beta2, sigma,
-               max(0.0, t.fresh_per_byte), t.cores, list(t.exchange), delta, delays, round_trip_delays)
+               max(0.0, t.fresh_per_byte), t.cores, list(t.exchange), delta, delays, round_trip_delays,
+               pair_delays)
 
 
 # ----------------------------------------------------------------------------------
@@ -348,6 +361,14 @@ def _measure_on_ranks(sizes, repeats, all_reduces=()):
         # which costs more than the 8th of 8 swaps in a row
         collectives._sendrecv(bufs[n][0], 1 - rank, bufs[n][1], 1 - rank, None)
 
+    def two_swaps(n):                              # two exchanges back to back, as a collective's steps
+        # come (here with the reduce-scatter's add between): the second is held up more often
+        # than a lone one (a third of the tries at 1 MB here, against one in eight), so a
+        # collective's delays are drawn a pair of steps at a time
+        swap(n)
+        collectives._combine(bufs[n][0].view(torch.float32), bufs[n][1].view(torch.float32), "sum")
+        swap(n)
+
     def lone_call(n):                              # δ: the smallest collective, one swap (all-gather on 2)
         collectives.all_gather_into_tensor(bufs[n][1], bufs[n][0])
 
@@ -360,6 +381,7 @@ def _measure_on_ranks(sizes, repeats, all_reduces=()):
     # whose medians and spread count (predict_median), not only their quick quarter
     tries = [(ping_pong, n) for n in sizes for _ in range(4 if n <= 2 ** 24 else 1)]
     tries += [(swap, n) for n in sizes for _ in range(4 if n <= 2 ** 24 else 1)] + [(lone_call, 4)] * 8
+    tries += [(two_swaps, n) for n in sizes for _ in range(4 if n <= 2 ** 24 else 1)]
     tries += [(all_reduce, tuple(key)) for key in all_reduces for _ in range(4 if key[1] <= 2 ** 24 else 1)]
     with trace.paused(), collectives.unchecked():
         for run, n in tries:                       # a warm-up
@@ -389,8 +411,9 @@ def _measure_on_ranks(sizes, repeats, all_reduces=()):
     new = min(_timed(lambda: torch.empty(n, device=device()).fill_(1.0)) for _ in range(3))
     old = min(_timed(lambda: old.fill_(1.0)) for _ in range(3))
     exchange_tries = [times[swap, n] for n in sizes]
+    pair_tries = [times[two_swaps, n] for n in sizes]
     return one_way, exchange, add / (4 * a.numel()), (new - old) / (4 * n), start, device().type, \
-        exchange_tries, [round_trips[n] for n in sizes], timed
+        exchange_tries, [round_trips[n] for n in sizes], timed, pair_tries
 
 
 def _tiny_steps_on_ranks(repeats):
@@ -446,7 +469,7 @@ def _measure(sizes, repeats, world_size, timeout, all_reduces=()):
         world_size = 2 * cores if cores <= 8 else 2
     # the pairs run on 2 ranks only: more processes would share the cores and slow every step,
     # which is the σ term's business, measured apart by the tiny steps on 2c ranks
-    one_way, exchange, add, fresh, start, where, exchange_tries, round_trips, timed = launch(
+    one_way, exchange, add, fresh, start, where, exchange_tries, round_trips, timed, pair_tries = launch(
         _measure_on_ranks, sizes, repeats, list(all_reduces), world_size=2, timeout=timeout)[0]
     tiny_steps = {}
     if where == "cuda":                           # NCCL, one process per GPU: no core is shared
@@ -454,7 +477,7 @@ def _measure(sizes, repeats, world_size, timeout, all_reduces=()):
     elif world_size > 2:
         tiny_steps = launch(_tiny_steps_on_ranks, repeats, world_size=world_size, timeout=timeout)[0]
     return Timings(cores, list(sizes), one_way, exchange, add, fresh, world_size if tiny_steps else 0, tiny_steps,
-                   start, exchange_tries, round_trips), timed
+                   start, exchange_tries, round_trips, pair_tries), timed
 
 
 def _time_on_ranks(sizes, algorithms, repeats):

@@ -92,8 +92,10 @@ def test_fit_and_time_times_each_all_reduce_in_the_fits_rounds():
     for n in f.sizes:
         assert f.delays[n][(len(f.delays[n]) - 1) // 4] == 0.0       # the quick quarter is the 0 of its delays
         assert f.round_trip_delays[n][(len(f.round_trip_delays[n]) - 1) // 4] == 0.0
+        assert f.pair_delays[n][(len(f.pair_delays[n]) - 1) // 4] == 0.0
     # up to 256 KB, 8 round trips a try, the first not counted: 7 x 4 a round; above, one a try
     assert [len(f.round_trip_delays[n]) for n in f.sizes] == [7 * 8, 8, 2]
+    assert [len(f.pair_delays[n]) for n in f.sizes] == [8, 8, 2]
     assert f.predict_median("all_reduce", "ring", 2, 2 * MB) >= f.predict_spread("all_reduce", "ring", 2, 2 * MB, (0.25,))[0]
 
 
@@ -119,3 +121,34 @@ def test_the_fit_keeps_each_round_trip_beyond_its_quick_quarter():
     f = costfit.fit_timings(t)
     assert f.round_trip_delays[1024] == pytest.approx([-0.2e-4, 0.0, 8.8e-3])
     assert f.round_trip_delays[MB] == pytest.approx([0.0, 2e-3])
+
+
+def test_exchange_steps_draw_a_pairs_delay_for_every_two_steps():
+    """Measured pairs of exchanges replace two single draws. Singles that wait one time in four
+    leave a 2-step ring's median unheld ((3/4)² = 9/16 > 1/2); pairs that wait two times in
+    three hold it up. Recursive doubling on 8 ranks has 3 steps: one pair and one single."""
+    f = _fit({MB: [0.0, 0.0, 0.0, 4e-3]})
+    quick = f.predict("all_reduce", "ring", 2, MB)
+    assert f.predict_median("all_reduce", "ring", 2, MB) == pytest.approx(quick)
+    f.pair_delays = {MB: [0.0, 4e-3, 4e-3]}
+    assert f.predict_median("all_reduce", "ring", 2, MB) == pytest.approx(quick + 4e-3)
+    assert f.predict_spread("all_reduce", "ring", 2, MB, (0.0, 1.0)) == pytest.approx([quick, quick + 4e-3])
+    f = _fit({8 * MB: [5e-3]}, cores=8)                       # 3 steps of the whole 8 MB each
+    f.pair_delays = {8 * MB: [0.0]}
+    assert f.predict_median("all_reduce", "recursive_doubling", 8, 8 * MB) == \
+        pytest.approx(f.predict("all_reduce", "recursive_doubling", 8, 8 * MB) + 5e-3)
+    f.pair_delays = {8 * MB: [1e-3]}
+    assert f.predict_median("all_reduce", "recursive_doubling", 8, 8 * MB) == \
+        pytest.approx(f.predict("all_reduce", "recursive_doubling", 8, 8 * MB) + 6e-3)
+
+
+def test_the_fit_keeps_each_pair_beyond_the_pairs_quick_quarter():
+    t = costfit.Timings(cores=2, sizes=[1024, MB], one_way=[1e-4, 5e-4], exchange=[2e-4, 1e-3],
+                        add_per_byte=1e-11, fresh_per_byte=0.0, tiny_ranks=0, tiny_steps={},
+                        exchange_tries=[[2e-4], [1e-3]], round_trips=[[2e-4], [1e-3]],
+                        pair_tries=[[5e-4, 4e-4, 9e-3, 4.5e-4], [3e-3]])
+    f = costfit.fit_timings(t)
+    assert f.pair_delays[1024] == pytest.approx([0.0, 0.5e-4, 1e-4, 8.6e-3])   # quick quarter: 4e-4
+    assert f.pair_delays[MB] == pytest.approx([0.0])
+    t.pair_tries = []                                          # timings from before pairs were measured
+    assert costfit.fit_timings(t).pair_delays == {}
