@@ -1,0 +1,253 @@
+"""pplab.offload: ZeRO's optimizer state on disk trains exactly as in RAM, moves K·Ψ/N bytes each way per step.
+
+The references: pplab.zero.ZeroOptimizer without offload (the same arithmetic, so results must be
+*equal*, bit for bit, in float64 and in bf16 with fp32 masters), torch's AdamW on one process for the
+float64 runs, and byte counts worked out here by hand from the layer sizes (Ψ = 118, which 2 and 3
+do not divide evenly per bucket: every run pads).
+"""
+import math
+import os
+import tempfile
+
+import pytest
+import torch
+from torch import nn
+
+import pplab
+from pplab.data_parallel import shard
+from pplab.memory import storage_bytes
+from pplab.offload import DiskFit, DiskOffloadedZero, TensorFile, _line, disk_bytes_per_step, fit_disk
+from pplab.zero import FullyShardedModule, ZeroOptimizer, held_bytes
+
+SIZES = [(5, 7), (7, 6), (6, 4)]                  # Ψ = 42 + 48 + 28 = 118
+PSI = sum(i * o + o for i, o in SIZES)
+HPARAMS = dict(lr=0.01, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+ONE_PER_PARAM, ONE_BUCKET = 1e-5, 100.0          # MiB
+STEPS = 3
+#          stage, bucket cap,     model dtype,    master dtype,  prefetch, drop_cache
+CONFIGS = [(1, ONE_BUCKET, torch.float64, None, True, True),
+           (2, ONE_PER_PARAM, torch.float64, None, False, True),
+           (3, None, torch.float64, None, True, False),
+           (1, ONE_PER_PARAM, torch.bfloat16, torch.float32, True, True),
+           (2, ONE_BUCKET, torch.bfloat16, torch.float32, True, False)]
+
+
+def make_model(seed, dtype):
+    torch.manual_seed(seed)
+    mods = []
+    for i, o in SIZES:
+        mods += [nn.Linear(i, o), nn.Tanh()]
+    return nn.Sequential(*mods[:-1]).to(dtype)
+
+
+def data(dtype):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(12, 5, generator=g).to(dtype), torch.randn(12, 4, generator=g).to(dtype)
+
+
+def shard_elements(stage, cap, n):
+    """Elements of this rank's shard, by hand: each flat buffer (one per parameter tensor, one for
+    the whole model, or one per layer at stage 3) padded to a multiple of n, then cut in n."""
+    if stage == 3:
+        buffers = [i * o + o for i, o in SIZES]
+    elif cap == ONE_BUCKET:
+        buffers = [PSI]
+    else:
+        buffers = [k for i, o in SIZES for k in (i * o, o)]
+    return sum(math.ceil(k / n) for k in buffers)
+
+
+def build(config, disk, folder, rank):
+    stage, cap, dtype, master, prefetch, drop_cache = config
+    model = make_model(seed=rank, dtype=dtype)            # differently initialised: ZeRO broadcasts rank 0's
+    kw = dict(HPARAMS)
+    if stage == 3:
+        fwd = FullyShardedModule(model)
+        params = fwd.parameters()
+    else:
+        fwd, params = model, model.parameters()
+        kw.update(bucket_cap_mb=cap, master_dtype=master)
+    if disk:
+        opt = DiskOffloadedZero(params, torch.optim.AdamW, stage, folder=folder, prefetch=prefetch,
+                                drop_cache=drop_cache, **kw)
+    else:
+        opt = ZeroOptimizer(params, torch.optim.AdamW, stage, **kw)
+    return model, fwd, opt
+
+
+def full_params(model, fwd):
+    if isinstance(fwd, FullyShardedModule):
+        sd = fwd.state_dict()
+        return [sd[n] for n, _ in model.named_parameters()] if sd else None
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def train_and_watch(config, disk, folder):
+    """Train STEPS steps; what was moved per step, what the optimizer holds between steps, the files."""
+    rank, p = pplab.comm.rank(), pplab.comm.world_size()
+    model, fwd, opt = build(config, disk, folder, rank)
+    x, y = shard(data(config[2]), rank, p)
+    moved, held = [], []
+    pplab.trace.reset(rank)
+    for _ in range(STEPS):
+        nn.functional.mse_loss(fwd(x).double(), y.double()).backward()
+        opt.step()
+        opt.zero_grad()
+        moved.append((opt.bytes_read, opt.bytes_written) if disk else None)
+        inner = opt.inner
+        state = [t for st in inner.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0]
+        masters = list(opt.masters) if opt.masters is not opt.shards else []   # (else: the model's own shards)
+        held.append((held_bytes(fwd, opt)["optimizer"], storage_bytes(state + masters)))
+    traced = {k: sum(e.meta["payload"] for e in pplab.trace.events() if e.kind == k)
+              for k in ("disk_read", "disk_write")}
+    links = []
+    if disk:
+        for f in opt.inner.files.values():
+            fd = f.file.fileno()
+            links.append((os.readlink(f"/proc/self/fd/{fd}"), os.fstat(fd).st_nlink))
+    checkpoint = opt.state_dict()
+    if disk:
+        opt.close()
+    return full_params(model, fwd), moved, held, traced, links, checkpoint
+
+
+def every_config(folder):
+    return {config: {disk: train_and_watch(config, disk, folder) for disk in (False, True)}
+            for config in CONFIGS}
+
+
+def torch_reference():
+    model, (x, y) = make_model(0, torch.float64), data(torch.float64)
+    opt = torch.optim.AdamW(model.parameters(), **HPARAMS)
+    for _ in range(STEPS):
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach() for p in model.parameters()]
+
+
+def same_checkpoint(a, b):
+    if a is None or b is None:
+        return a is b
+    if a["param_groups"] != b["param_groups"] or a["state"].keys() != b["state"].keys():
+        return False
+    return all(a["state"][k].keys() == b["state"][k].keys() and
+               all(torch.equal(torch.as_tensor(a["state"][k][j]), torch.as_tensor(b["state"][k][j]))
+                   for j in a["state"][k]) for k in a["state"])
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_disk_offload_trains_exactly_as_in_ram_and_moves_k_psi_over_n(p, tmp_path):
+    results = pplab.launch(every_config, str(tmp_path), world_size=p, timeout=90)
+    expected_torch = torch_reference()
+    for rank, by_config in enumerate(results):
+        for config, runs in by_config.items():
+            stage, cap, dtype, master = config[:4]
+            where = (rank, stage, cap, dtype)
+            (params, _, held_ram, _, _, ckpt_ram), (params_disk, moved, held_disk, traced, links, ckpt_disk) = \
+                runs[False], runs[True]
+            if params is not None:
+                assert all(torch.equal(a, b) for a, b in zip(params, params_disk)), where
+                if dtype == torch.float64:
+                    assert max((a - b).abs().max().item() for a, b in zip(params_disk, expected_torch)) < 1e-10
+            assert same_checkpoint(ckpt_ram, ckpt_disk), where
+            # bytes per step, by hand: K bytes of state per element of my shard, read and written
+            s = shard_elements(stage, cap, p)
+            if master is None:                # two moments in the model's dtype (float64: 16 bytes)
+                k = 2 * 8
+                per_step = [(0, k * s)] + [(k * s, k * s)] * (STEPS - 1)   # no state to read before step 1
+            else:                             # fp32 master + two fp32 moments: 12 bytes; step 1 reads the master only
+                k = 12
+                per_step = [(4 * s, k * s)] + [(k * s, k * s)] * (STEPS - 1)
+            assert moved == per_step, where
+            assert traced == {"disk_read": sum(r for r, _ in per_step),
+                              "disk_write": sum(w for _, w in per_step)}, where   # (trace reset after creation)
+            # RAM held by the optimizer state between steps: K bytes per element of my shard, or none
+            assert held_ram == [(k * s, k * s)] * STEPS, where
+            assert held_disk == [(0, 0)] * STEPS, where
+            # the files: in the folder asked for, without a name (so nothing can be left behind)
+            assert links and all(link.startswith(str(tmp_path) + "/") and link.endswith("(deleted)")
+                                 and nlink == 0 for link, nlink in links), (where, links)
+    assert os.listdir(tmp_path) == []
+
+
+def fail_after_a_step(folder):
+    rank = pplab.comm.rank()
+    model = make_model(rank, torch.float64)
+    opt = DiskOffloadedZero(model.parameters(), torch.optim.AdamW, 2, folder=folder, **HPARAMS)
+    x, y = shard(data(torch.float64), rank, pplab.comm.world_size())
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    if rank == 1:
+        links = [os.readlink(f"/proc/{os.getpid()}/fd/{f.file.fileno()}") for f in opt.inner.files.values()]
+        raise RuntimeError(f"planned failure with files open: {links}")
+    nn.functional.mse_loss(model(x), y).backward()       # rank 0 waits for rank 1 here, and is killed
+    opt.step()
+
+
+def test_a_failed_run_leaves_no_file_behind(tmp_path):
+    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    with pytest.raises(pplab.LaunchError) as info:
+        pplab.launch(fail_after_a_step, str(tmp_path), world_size=3, timeout=30)
+    message = str(info.value)
+    assert "planned failure with files open" in message
+    assert message.count(f"'{tmp_path}/#") >= 2 and "(deleted)" in message    # they were there, nameless
+    assert os.listdir(tmp_path) == []
+    new_in_shm = (set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()) - shm_before
+    assert not [n for n in new_in_shm if not n.startswith("pplab-launch-")], new_in_shm
+
+
+def test_tensor_file_round_trip_by_dtype_and_cache_setting(tmp_path):
+    for dtype in (torch.float32, torch.bfloat16, torch.float64, torch.int64):
+        for drop in (True, False):
+            t = (torch.arange(1000) * 7 - 300).to(dtype)
+            f = TensorFile(t.numel(), dtype, str(tmp_path), drop_cache=drop)
+            try:
+                assert os.fstat(f.file.fileno()).st_size == 1000 * t.element_size() == f.nbytes
+                f.write(t.view(10, 100))
+                out = torch.zeros(10, 100, dtype=dtype)
+                f.read(out)
+                assert torch.equal(out.view(-1), t), (dtype, drop)
+            finally:
+                f.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_formula_and_fit_against_hand_values():
+    assert disk_bytes_per_step(118, 2) == 472.0                     # 8 · 118 / 2
+    assert disk_bytes_per_step(1_000_000, 4, state_bytes=12) == 3_000_000
+    a, b = _line([1e6, 2e6, 4e6], [0.002 + 1e6 / 5e8, 0.002 + 2e6 / 5e8, 0.002 + 4e6 / 5e8])
+    assert math.isclose(a, 0.002) and math.isclose(b, 5e8)
+    fit = DiskFit(read_latency=1e-4, read_bandwidth=1e9, write_latency=2e-4, write_bandwidth=5e8)
+    assert math.isclose(fit.predict(1e6, 1e6, files=3), 3e-4 + 1e-3 + 6e-4 + 2e-3)
+    with pytest.raises(ValueError, match="number of ranks"):
+        disk_bytes_per_step(118, 0)
+
+
+def test_fit_disk_measures_with_nameless_files(tmp_path):
+    fds_before = len(os.listdir("/proc/self/fd"))
+    fit = fit_disk(str(tmp_path), sizes=(2 ** 18, 2 ** 20), repeats=2, drop_cache=False)
+    assert isinstance(fit, DiskFit) and fit.drop_cache is False
+    assert all(math.isfinite(v) for v in (fit.read_latency, fit.read_bandwidth, fit.write_latency, fit.write_bandwidth))
+    assert os.listdir(tmp_path) == [] and len(os.listdir("/proc/self/fd")) == fds_before
+    with pytest.raises(ValueError, match="at least 2 sizes"):
+        fit_disk(str(tmp_path), sizes=(2 ** 20,))
+
+
+def bad_inputs(folder):
+    model = make_model(0, torch.float64)
+    errors = []
+    for call in (lambda: DiskOffloadedZero(model.parameters(), torch.optim.AdamW, 2, folder=folder + "/nope"),
+                 lambda: DiskOffloadedZero(model.parameters(), "AdamW", 2, folder=folder)):
+        try:
+            call()
+        except (ValueError, TypeError) as e:
+            errors.append(f"{type(e).__name__}: {e}")
+    return errors
+
+
+def test_bad_input_says_what_to_change(tmp_path):
+    errors = pplab.launch(bad_inputs, str(tmp_path), world_size=1)[0]
+    assert len(errors) == 2
+    assert errors[0].startswith("ValueError") and "not an existing folder" in errors[0]
+    assert errors[1].startswith("TypeError") and "torch.optim.Optimizer class" in errors[1]
