@@ -37,7 +37,7 @@ so that the next read comes from the disk and not from memory; with drop_cache=F
 writes mostly copy memory to memory, and the "disk" is the page cache.
 
 `fit_disk()` measures this machine's disk the same way (timed writes and reads of one file, from
-1 to 16 MiB) and fits t = latency + bytes / bandwidth for each direction; `DiskFit.predict` turns
+64 KiB to 4 MiB) and fits t = latency + bytes / bandwidth for each direction; `DiskFit.predict` turns
 a step's bytes into the seconds it adds. Every read and write is traced as a "disk_read" or
 "disk_write" box in the rank's comm lane (meta["payload"] = its bytes), as pplab.zero traces its
 device <-> CPU copies ("d2h", "h2d").
@@ -377,33 +377,47 @@ def _line(sizes, times) -> tuple[float, float]:
     """Least-squares t = a + n/b through (size, time) points; a clipped at 0."""
     mx, my = statistics.fmean(sizes), statistics.fmean(times)
     slope = sum((x - mx) * (y - my) for x, y in zip(sizes, times)) / sum((x - mx) ** 2 for x in sizes)
+    if slope <= 0:
+        raise RuntimeError(f"the timings {times} did not grow with the sizes {sizes}: the machine was too busy "
+                           f"to measure; try again, or with more repeats and larger sizes")
     return max(0.0, my - slope * mx), 1.0 / slope
 
 
-def fit_disk(folder: str | None = None, sizes=(2 ** 20, 2 ** 22, 2 ** 24), repeats: int = 5,
+def fit_disk(folder: str | None = None, sizes=(2 ** 16, 2 ** 18, 2 ** 20, 2 ** 22), repeats: int = 7,
              drop_cache: bool = True) -> DiskFit:
-    """Time writes and reads of one float32 file of each size through TensorFile (the moves the
-    optimizer makes), take each size's median over `repeats` tries, fit a line per direction."""
+    """Time writes and reads of one float32 file of each size (bytes) through TensorFile, the moves the
+    optimizer makes; take each size's median over `repeats` tries and fit a line per direction.
+
+    The copies run on one thread, as in a rank of pplab.launch (a copy of 1 MiB or more would
+    otherwise wake torch's other threads, which on a loaded machine wait for a core). Run it on the
+    ranks that will share the disk, at the same time (pplab.launch(fit_disk, world_size=N)), to
+    price the disk as they will share it.
+    """
     if len(sizes) < 2 or repeats < 1:
         raise ValueError(f"fit_disk needs at least 2 sizes and 1 repeat, got sizes={sizes!r}, repeats={repeats!r}")
     folder = checked_folder(folder)
     reads, writes = [], []
-    for n in sizes:
-        t = torch.rand(n // 4)
-        f = TensorFile(t.numel(), t.dtype, folder, drop_cache)
-        r, w = [], []
-        try:
-            f.write(t)                                            # the blocks exist before the first timing
-            for _ in range(repeats):
-                start = time.perf_counter()
-                f.write(t)
-                w.append(time.perf_counter() - start)
-                start = time.perf_counter()
-                f.read(t)
-                r.append(time.perf_counter() - start)
-        finally:
-            f.close()
-        reads.append(statistics.median(r))
-        writes.append(statistics.median(w))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for n in sizes:
+            t = torch.rand(n // 4)
+            f = TensorFile(t.numel(), t.dtype, folder, drop_cache)
+            r, w = [], []
+            try:
+                f.write(t)                                        # the blocks exist before the first timing
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    f.write(t)
+                    w.append(time.perf_counter() - start)
+                    start = time.perf_counter()
+                    f.read(t)
+                    r.append(time.perf_counter() - start)
+            finally:
+                f.close()
+            reads.append(statistics.median(r))
+            writes.append(statistics.median(w))
+    finally:
+        torch.set_num_threads(threads)
     (ra, rb), (wa, wb) = _line(sizes, reads), _line(sizes, writes)
     return DiskFit(ra, rb, wa, wb, drop_cache)

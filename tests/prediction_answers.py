@@ -49,6 +49,10 @@ ANSWERS = {
         "my_prediction": "3 * 2 * 8 + 2 * 64 * 2 * 3 / 4 * 16 * 4",
         "my_prediction_received": "3 * 24 * 8 * 4 + 8 * 8 * 4 + 3 * 8",
     },
+    "09d_offload": {
+        "my_read_bytes": "8 * PSI / N",
+        "my_mixed_bytes": "12 * PSI / N",
+    },
 }
 
 

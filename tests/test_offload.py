@@ -222,11 +222,13 @@ def test_formula_and_fit_against_hand_values():
     assert math.isclose(fit.predict(1e6, 1e6, files=3), 3e-4 + 1e-3 + 6e-4 + 2e-3)
     with pytest.raises(ValueError, match="number of ranks"):
         disk_bytes_per_step(118, 0)
+    with pytest.raises(RuntimeError, match="too busy"):
+        _line([1e6, 2e6], [0.003, 0.002])                           # a larger file done sooner
 
 
 def test_fit_disk_measures_with_nameless_files(tmp_path):
     fds_before = len(os.listdir("/proc/self/fd"))
-    fit = fit_disk(str(tmp_path), sizes=(2 ** 18, 2 ** 20), repeats=2, drop_cache=False)
+    fit = fit_disk(str(tmp_path), sizes=(2 ** 16, 2 ** 22), repeats=3, drop_cache=False)
     assert isinstance(fit, DiskFit) and fit.drop_cache is False
     assert all(math.isfinite(v) for v in (fit.read_latency, fit.read_bandwidth, fit.write_latency, fit.write_bandwidth))
     assert os.listdir(tmp_path) == [] and len(os.listdir("/proc/self/fd")) == fds_before
