@@ -253,3 +253,42 @@ def test_bad_input_says_what_to_change(tmp_path):
     assert len(errors) == 2
     assert errors[0].startswith("ValueError") and "not an existing folder" in errors[0]
     assert errors[1].startswith("TypeError") and "torch.optim.Optimizer class" in errors[1]
+
+
+def resume(config):
+    """Save after 2 steps, load into a new offloaded optimizer (files in the default folder), 1 more step."""
+    rank, p = pplab.comm.rank(), pplab.comm.world_size()
+    x, y = shard(data(config[2]), rank, p)
+
+    def steps(fwd, opt, k):
+        for _ in range(k):
+            nn.functional.mse_loss(fwd(x).double(), y.double()).backward()
+            opt.step()
+            opt.zero_grad()
+
+    model, fwd, opt = build(config, True, None, rank)
+    steps(fwd, opt, 2)
+    model_sd, opt_sd = fwd.state_dict(), opt.state_dict()
+    everyone = [None] * p
+    torch.distributed.all_gather_object(everyone, (model_sd, opt_sd))     # rank 0's, as torch.load on each
+    model2, fwd2, opt2 = build(config, True, None, 100 + rank)            # other weights, no state
+    fwd2.load_state_dict(everyone[0][0])
+    opt2.load_state_dict(everyone[0][1])
+    links = [os.readlink(f"/proc/self/fd/{f.file.fileno()}") for f in opt2.inner.files.values()]
+    held = held_bytes(fwd2, opt2)["optimizer"]
+    steps(fwd2, opt2, 1)
+    opt.close()
+    opt2.close()
+    straight_model, straight_fwd, straight = build(config, False, None, rank)
+    steps(straight_fwd, straight, 3)
+    return (full_params(model2, fwd2), full_params(straight_model, straight_fwd)), links, held
+
+
+@pytest.mark.parametrize("config", [CONFIGS[3]], ids=["stage1-bf16-masters"])
+def test_checkpoint_of_the_offloaded_state_resumes_exactly(config):
+    for rank, ((resumed, straight), links, held) in enumerate(pplab.launch(resume, config, world_size=3)):
+        if straight is not None:
+            assert all(torch.equal(a, b) for a, b in zip(resumed, straight)), rank   # saved, loaded, on: = 3 straight
+        assert held == 0, "after load_state_dict the state is back on disk, none of it in RAM"
+        assert links and all(link.startswith(tempfile.gettempdir() + "/") and link.endswith("(deleted)")
+                             for link in links), links
