@@ -15,7 +15,7 @@ from torch import nn
 
 import pplab
 from pplab.data_parallel import shard
-from pplab.memory import storage_bytes
+from pplab.memory import PeakMemory, storage_bytes
 from pplab.offload import DiskFit, DiskOffloadedZero, TensorFile, _line, disk_bytes_per_step, fit_disk
 from pplab.zero import FullyShardedModule, ZeroOptimizer, held_bytes
 
@@ -292,3 +292,32 @@ def test_checkpoint_of_the_offloaded_state_resumes_exactly(config):
         assert held == 0, "after load_state_dict the state is back on disk, none of it in RAM"
         assert links and all(link.startswith(tempfile.gettempdir() + "/") and link.endswith("(deleted)")
                              for link in links), links
+
+
+def peak_during_step(disk, layers=8):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(32, 32, bias=False) for _ in range(layers)]).double()
+    kind = DiskOffloadedZero if disk else ZeroOptimizer
+    opt = kind(model.parameters(), torch.optim.AdamW, 2, bucket_cap_mb=ONE_PER_PARAM, **HPARAMS)
+    x = torch.randn(4, 32, dtype=torch.float64)
+    peaks = []
+    for _ in range(3):
+        model(x).pow(2).sum().backward()
+        with PeakMemory(count=lambda t: t.numel() == 32 * 32 // 2) as mem:    # tensors of one shard's size
+            opt.step()
+        opt.zero_grad()
+        peaks.append(mem.peak)
+    if disk:
+        opt.close()
+    return peaks
+
+
+def test_during_a_step_ram_holds_at_most_three_shards_of_state():
+    shard_state = 2 * 8 * 32 * 32 // 2                  # two float64 moments of a 512-element shard
+    in_ram = pplab.launch(peak_during_step, False, world_size=2)
+    on_disk = pplab.launch(peak_during_step, True, world_size=2)
+    for rank in range(2):
+        adam_own = max(in_ram[rank][1:])                # AdamW's temporaries, once its state exists
+        for peak in on_disk[rank][1:]:
+            # the shard stepping, the next being read, the last being written; not all 8 at once
+            assert shard_state < peak <= 3 * shard_state + adam_own < 8 * shard_state, (rank, peak, adam_own)
