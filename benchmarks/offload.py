@@ -19,7 +19,7 @@ disk shared as the step will; each rank's fit applied to the bytes and files it 
 (K·Ψ/N read and as many written, K = 8), the slowest rank's prediction taken. The bytes each rank
 moved per step are counted by the optimizer and checked against that formula here.
 
-    python benchmarks/offload.py [--ranks 2] [--width 512] [--layers 4] [--batch 32] [--steps 12]
+    python benchmarks/offload.py [--ranks 2] [--width 512] [--layers 4] [--batch 32] [--steps 12] [--bucket-mb 1]
 """
 import argparse
 import os
@@ -39,7 +39,7 @@ from ddp import mlp, timed_step  # noqa: E402 - benchmarks/ddp.py, beside this s
 VARIANTS = ("ram", "disk", "no prefetch", "page cache")
 
 
-def bench(width, layers, batch, steps, warmup):
+def bench(width, layers, batch, steps, warmup, bucket_mb):
     rank, p = dist.get_rank(), dist.get_world_size()
     fits = {}
     for name, drop in (("disk", True), ("page cache", False)):
@@ -51,9 +51,9 @@ def bench(width, layers, batch, steps, warmup):
     for name in VARIANTS:
         model = mlp(width, layers)
         if name == "ram":
-            opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, 2, lr=1e-3)
+            opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, 2, bucket_cap_mb=bucket_mb, lr=1e-3)
         else:
-            opt = DiskOffloadedZero(model.parameters(), torch.optim.AdamW, 2, lr=1e-3,
+            opt = DiskOffloadedZero(model.parameters(), torch.optim.AdamW, 2, bucket_cap_mb=bucket_mb, lr=1e-3,
                                     prefetch=name != "no prefetch", drop_cache=name != "page cache")
         runs[name] = (model, opt)
     times = {name: [] for name in VARIANTS}
@@ -70,7 +70,8 @@ def bench(width, layers, batch, steps, warmup):
     for name in VARIANTS[1:]:
         runs[name][1].close()
     psi = sum(q.numel() for q in runs["ram"][0].parameters())
-    return {"times": times, "moved": moved, "shard": shard, "psi": psi, "fits": fits}
+    return {"times": times, "moved": moved, "shard": shard, "psi": psi, "fits": fits,
+            "buckets": len(runs["ram"][1].buckets)}
 
 
 def main():
@@ -81,9 +82,11 @@ def main():
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--bucket-mb", type=float, default=1.0, help="bucket cap in MiB: one shard per bucket")
     a = ap.parse_args()
     p = a.ranks
-    results = pplab.launch(bench, a.width, a.layers, a.batch, a.steps, a.warmup, world_size=p, timeout=600)
+    results = pplab.launch(bench, a.width, a.layers, a.batch, a.steps, a.warmup, a.bucket_mb, world_size=p,
+                           timeout=600)
     for rank, r in enumerate(results):
         for name, f in r["fits"].items():
             print(f"rank {rank} fitted {name:10s}: read {f.read_bandwidth / 1e9:.2f} GB/s + "
@@ -92,8 +95,8 @@ def main():
     r0 = results[0]
     psi, shard = r0["psi"], r0["shard"]
     formula = disk_bytes_per_step(psi, p)
-    print(f"\nMLP width {a.width} x {a.layers} layers, Ψ = {psi:,}, {p} ranks, fp32 AdamW, ZeRO stage 2; "
-          f"{a.steps} interleaved steps per variant")
+    print(f"\nMLP width {a.width} x {a.layers} layers, Ψ = {psi:,}, {p} ranks, fp32 AdamW, ZeRO stage 2, "
+          f"{a.bucket_mb:g} MiB buckets ({r0['buckets']} shards per rank); {a.steps} interleaved steps per variant")
     print(f"formula: 8Ψ/N = {formula / 1e6:.3f} MB read and written per rank per step "
           f"(padded shard {shard:,} elements: {8 * shard / 1e6:.3f} MB)")
     base = statistics.median(r0["times"]["ram"])
