@@ -40,7 +40,7 @@ VARIANTS = ("ram", "disk", "no prefetch", "page cache")
 
 
 def bench(width, layers, batch, steps, warmup, bucket_mb):
-    rank, p = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     fits = {}
     for name, drop in (("disk", True), ("page cache", False)):
         dist.barrier()
