@@ -62,9 +62,9 @@ def clipped_layouts_job(layouts):
 
 LAYOUTS = {
     2: [({"tp": 2}, {"sequence_parallel": True}), ({"pp": 2}, {"schedule": "interleaved-1f1b"}),
-        ({"dp": 2}, {"zero": 1}), ({"dp": 2}, {"zero": 3})],
-    3: [({"tp": 3}, {}), ({"pp": 3}, {}), ({"dp": 3}, {"zero": 2}), ({"dp": 3}, {})],
-    6: [({"dp": 2, "tp": 3}, {"zero": 3}), ({"pp": 2, "tp": 3}, {}), ({"pp": 3, "dp": 2}, {"zero": 1})],
+        ({"dp": 2}, {"zero": 3})],
+    3: [({"tp": 3}, {}), ({"dp": 3}, {"zero": 2}), ({"dp": 3}, {})],              # DDP: replicas not summed
+    6: [({"dp": 2, "tp": 3}, {"zero": 3}), ({"pp": 2, "tp": 3}, {}), ({"pp": 3, "dp": 2}, {"zero": 3})],
     8: [({"pp": 2, "dp": 2, "tp": 2}, {"zero": 1, "sequence_parallel": True})],
 }
 
@@ -202,3 +202,30 @@ def test_bad_calls_say_what_to_change(case, message):
 def test_max_norm_must_be_positive():
     with pytest.raises(ValueError, match="max_norm must be a number > 0"):
         clip_grad_norm_(nn.Linear(2, 2), -1.0)
+
+
+def norm_types_job():
+    """tp=3 (odd, ffn 20 and vocab 31 split unevenly): every norm_type against torch on the dense model's
+    gradients, and a max_norm above the norm leaves the gradients as they were."""
+    mesh = Mesh(tp=3)
+    dense = nn.Sequential(*gpt_layers(CFG))
+    model = nn.Sequential(*parallel_layers(gpt_layers(CFG), mesh.tp_group))
+    x, y = data.batch(4, CFG.seq, step=1)
+    pplab.models.gpt_loss(dense(x), y).backward()
+    pplab.models.gpt_loss(model(x), y, mesh.tp_group, CFG.vocab).backward()
+    out = {}
+    for p in (1.0, 3.0, math.inf):
+        expect = torch.nn.utils.get_total_norm([q.grad for q in dense.parameters()], p).item()
+        out[p] = (global_grad_norm(model, p, tp_group=mesh.tp_group).item(), expect)
+    before = [q.grad.clone() for q in model.parameters()]
+    clip_grad_norm_(model, 1e6, 2.0, tp_group=mesh.tp_group)
+    out["unchanged"] = all(torch.equal(a, q.grad) for a, q in zip(before, model.parameters()))
+    return out
+
+
+def test_every_norm_type_on_three_tp_ranks_equals_torch():
+    for r, out in enumerate(pplab.launch(norm_types_job, world_size=3)):
+        for p in (1.0, 3.0, math.inf):
+            got, expect = out[p]
+            assert abs(got - expect) <= 1e-10 * expect, (r, p, got, expect)
+        assert out["unchanged"], f"rank {r}: a norm below max_norm must leave the gradients as they are"
