@@ -123,17 +123,16 @@ def global_grad_norm(model, norm_type: float = 2.0, tp_group=None, pp_group=None
     norm_type = _check_norm_type(norm_type)
     pieces, zero_group = owned_gradients(model, optimizer)
     split = tensor_parallel_split(model)
-    _check_groups(model, split, tp_group)
+    _check_groups(model, tp_group)
     first_tp_rank = tp_group is None or comm.rank(tp_group) == 0
-    counted = [g for p, g in pieces if id(p) in split or first_tp_rank]   # replicated: tp rank 0 only
-    device = pieces[0][1].device if pieces else torch.device("cpu")
+    counted = [g.detach().double() for p, g in pieces
+               if g.numel() and (id(p) in split or first_tp_rank)]          # replicated: tp rank 0 only
+    zero = torch.zeros((), dtype=torch.float64, device=pieces[0][1].device if pieces else "cpu")
     if norm_type == math.inf:
-        local = torch.stack([g.detach().abs().max() for g in counted if g.numel()]).max().double() \
-            if any(g.numel() for g in counted) else torch.zeros((), dtype=torch.float64, device=device)
+        local = max((g.abs().max() for g in counted), default=zero)
     else:
-        local = sum((g.detach().double().abs().pow(norm_type).sum() for g in counted),
-                    torch.zeros((), dtype=torch.float64, device=device))
-    total = local.reshape(1)
+        local = sum((g.abs().pow(norm_type).sum() for g in counted), zero)
+    total = local.reshape(1).clone()
     for group in (tp_group, pp_group, zero_group):    # one all-reduce of one number per group
         if group is not None and comm.world_size(group) > 1:
             comm.all_reduce(total, op="max" if norm_type == math.inf else "sum", group=group)
@@ -163,14 +162,13 @@ def _check_norm_type(norm_type) -> float:
     return p
 
 
-def _check_groups(model, split, tp_group) -> None:
+def _check_groups(model, tp_group) -> None:
     """A tensor-parallel model with no tp_group would count each replicated parameter once per tp rank."""
     if tp_group is not None:
         return
     for m in _modules(model):
-        group = getattr(m, "group", None)
-        if (isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding))
-                and comm.world_size(group) > 1):
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)) and \
+                comm.world_size(m.group) > 1:
             raise ValueError(f"this model has tensor-parallel layers ({type(m).__name__} over "
-                             f"{comm.world_size(group)} ranks): pass their group as tp_group=, so that "
+                             f"{comm.world_size(m.group)} ranks): pass their group as tp_group=, so that "
                              f"split parameters are summed over it and replicated ones counted once")
