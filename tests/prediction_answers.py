@@ -45,13 +45,13 @@ ANSWERS = {
         "my_tp_all_reduces": "12",
         "my_send_bytes": "16 * 1 * 32 * 8",
     },
-    "09c_clipping_and_rng": {
-        "my_every_rank_sq": "total_sq + (t - 1) * replicated_sq",
-        "my_clip_bytes": "3 * 8",
-    },
     "08_expert_parallel": {
         "my_prediction": "3 * 2 * 8 + 2 * 64 * 2 * 3 / 4 * 16 * 4",
         "my_prediction_received": "3 * 24 * 8 * 4 + 8 * 8 * 4 + 3 * 8",
+    },
+    "09c_clipping_and_rng": {
+        "my_every_rank_sq": "total_sq + (t - 1) * replicated_sq",
+        "my_clip_bytes": "3 * 8",
     },
 }
 
