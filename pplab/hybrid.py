@@ -116,12 +116,14 @@ def _optimizer(params, lr, zero, dp, group):
 
 def train(cfg: GPTConfig, mesh, steps: int = 5, batch_size: int = 8, lr: float = 3e-3, microbatches=None,
           schedule: str = "1f1b", zero: int = 0, sequence_parallel: bool = False, seed: int = 0,
-          dtype=torch.float64, trace_steps=None) -> dict:
+          dtype=torch.float64, trace_steps=None, before_step=None) -> dict:
     """Train on this rank's place in `mesh` (a Mesh, or its sizes as a dict); call it on every rank.
 
     microbatches: per step and replica, for pp > 1 (default: 2·pp, as many as the batch allows).
     trace_steps: the steps whose events stay in the trace (default: all); others are paused, e.g.
     trace_steps={2} to draw one step after the first ones (which also check shapes) are done.
+    before_step: called as before_step(model, optimizer, mesh) once the step's gradients are final
+    (after DP's all-reduce), just before optimizer.step(): e.g. pplab.grad_clip.clip_grad_norm_.
     Returns {"losses": the global batch's mean loss at each step (on every rank), "step_times":
     seconds per step (barrier to barrier), "state_bytes": parameters + gradients + optimizer state
     this rank holds after the optimizer step, before zero_grad (pplab.zero.held_bytes),
@@ -175,6 +177,8 @@ def train(cfg: GPTConfig, mesh, steps: int = 5, batch_size: int = 8, lr: float =
                 activation_bytes = max(activation_bytes, runner.peak_bytes)
                 if zero == 0 and dp > 1:               # once, after the last micro-batch's backward
                     all_reduce_gradients(model.parameters(), mesh.dp_group)
+                if before_step is not None:
+                    before_step(model, opt, mesh)
                 opt.step()
             else:
                 with saved_activations(list(model.parameters()) + list(getattr(model, "module", model).parameters()),
@@ -182,6 +186,8 @@ def train(cfg: GPTConfig, mesh, steps: int = 5, batch_size: int = 8, lr: float =
                     loss = loss_fn(model(x), y)
                 activation_bytes = max(activation_bytes, saved.bytes)
                 loss.backward()
+                if before_step is not None:
+                    before_step(model, opt, mesh)
                 opt.step()
                 loss = loss.item()
             times.append(time.perf_counter() - start)
@@ -204,8 +210,9 @@ def train(cfg: GPTConfig, mesh, steps: int = 5, batch_size: int = 8, lr: float =
 
 
 def train_single(cfg: GPTConfig, steps: int = 5, batch_size: int = 8, lr: float = 3e-3, seed: int = 0,
-                 dtype=torch.float64):
-    """The reference: the same model, data and optimizer on one process. Returns (losses, layers)."""
+                 dtype=torch.float64, before_step=None):
+    """The reference: the same model, data and optimizer on one process. Returns (losses, layers).
+    before_step(model, optimizer), if given, runs between backward and optimizer.step()."""
     layers = gpt_layers(cfg, seed, dtype)
     model = nn.Sequential(*layers)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -214,6 +221,8 @@ def train_single(cfg: GPTConfig, steps: int = 5, batch_size: int = 8, lr: float 
         x, y = data.batch(batch_size, cfg.seq, step, seed)
         loss = gpt_loss(model(x), y)
         loss.backward()
+        if before_step is not None:
+            before_step(model, opt)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())

@@ -53,6 +53,10 @@ ANSWERS = {
         "my_read_bytes": "8 * PSI / N",
         "my_mixed_bytes": "12 * PSI / N",
     },
+    "09c_clipping_and_rng": {
+        "my_every_rank_sq": "total_sq + (t - 1) * replicated_sq",
+        "my_clip_bytes": "3 * 8",
+    },
 }
 
 

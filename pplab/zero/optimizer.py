@@ -236,12 +236,7 @@ class ZeroOptimizer:
             with trace.span("step", "step"):
                 self.inner.step()
             return
-        if self.stage == 1:
-            missing = self._missing()
-            if missing:
-                raise RuntimeError(f"no gradient for {missing[:3]}: call loss.backward() before step(), and "
-                                   f"use every trainable parameter in forward (or set requires_grad=False)")
-            self._finish_reduce_scatters([self._reduce_scatter(i) for i in range(len(self.buckets))])
+        self.reduce_gradients()
         if any(g is None for g in self._grads):
             raise RuntimeError("step() before any backward: call loss.backward() first")
         separate = self.masters is not self.shards
@@ -270,6 +265,18 @@ class ZeroOptimizer:
             self._grads = [None] * len(self.buckets)
             for m in self.masters:
                 m.grad = None
+
+    def reduce_gradients(self) -> None:
+        """Stage 1: reduce-scatter this step's gradients now, so that shard_grads hold my shard's
+        mean gradient before step() (e.g. to clip it); step() does it when it has not been done.
+        Stage 2 reduces during backward, stage 3 in FullyShardedModule: nothing to do."""
+        if self.stage != 1 or all(g is not None for g in self._grads):
+            return
+        missing = self._missing()
+        if missing:
+            raise RuntimeError(f"no gradient for {missing[:3]}: call loss.backward() before step(), and "
+                               f"use every trainable parameter in forward (or set requires_grad=False)")
+        self._finish_reduce_scatters([self._reduce_scatter(i) for i in range(len(self.buckets))])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params + list(self.masters):
