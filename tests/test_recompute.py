@@ -1,0 +1,183 @@
+"""Activation recomputation (pplab.recompute) against the run that keeps everything, and its
+saved bytes against Korthikanti et al. 2022, Table 2.
+
+Exactness: the same block, inputs and random seed with and without recomputation give bit-equal
+outputs, input gradients and parameter gradients (torch.equal), with dropout on: recomputation
+must draw the forward's masks again. On one process, on tensor-parallel ranks (t = 2, 3), with and
+without sequence parallelism, and through a 1F1B pipeline of two stages.
+
+Bytes: what autograd keeps (pplab.memory.saved_activations) equals Table 2's row for each policy,
+in bf16 (2-byte activations, 1-byte dropout masks, as the paper counts), plus LayerNorm's mean and
+1/std, which the paper leaves out (pplab.recompute.expected_saved_bytes states the term); and
+float32's variant (activation_bytes_formula's element_bytes=4), for two shapes.
+
+Compute: FLOPs of forward + backward counted by torch's FlopCounterMode (from shapes, so exact):
+full recomputation adds exactly one forward; selective adds attention's q kᵀ (one s x s product).
+"""
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import pplab
+from pplab.memory import activation_bytes_formula, saved_activations
+from pplab.recompute import POLICIES, Recomputed, best_every, expected_saved_bytes, flops, recompute_layers
+from pplab.sequence_parallel import MegatronBlock
+from pplab.tensor_parallel.transformer import TransformerBlock
+
+SHAPES = [dict(s=12, b=2, h=24, a=6), dict(s=24, b=1, h=12, a=6)]     # heads divide by 1, 2, 3; s too
+
+
+def block(shape, dtype, sp, policy, seed=0):
+    torch.manual_seed(seed)
+    dense = TransformerBlock(shape["h"], shape["a"], 4 * shape["h"]).to(dtype)
+    b = MegatronBlock.from_dense(dense, dropout=0.1, sequence_parallel=sp)
+    return b if policy == "none" else Recomputed(b, policy)
+
+
+def one_step(shape, dtype, sp, policy):
+    """This rank's saved bytes, output, input gradient and parameter gradients for one step."""
+    t, r = pplab.comm.world_size(), pplab.comm.rank()
+    m = block(shape, dtype, sp, policy)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(shape["s"], shape["b"], shape["h"], generator=g).to(dtype)
+    if sp:
+        x = x.chunk(t)[r].clone()                       # its own storage: a view would count all of x
+    x.requires_grad_()
+    torch.manual_seed(100 + r)                           # each rank's own dropout masks
+    with saved_activations(m.parameters()) as saved:
+        y = m(x)
+    (y.float() * torch.arange(y.numel()).view(y.shape).sin()).sum().backward()
+    return saved.bytes, [y.detach(), x.grad] + [p.grad for p in m.parameters()]
+
+
+def all_cases():
+    """On every rank: for each shape, dtype, sp and policy, (bytes, wanted bytes, grads equal?)."""
+    t = pplab.comm.world_size()
+    out = []
+    for shape in SHAPES:
+        for dtype, e in ((torch.bfloat16, 2), (torch.float32, 4)):
+            for sp in ((False, True) if t > 1 else (False,)):
+                _, plain = one_step(shape, dtype, sp, "none")
+                for policy in POLICIES:
+                    nbytes, got = one_step(shape, dtype, sp, policy)
+                    want = expected_saved_bytes(**shape, t=t, sequence_parallel=sp, policy=policy, element_bytes=e)
+                    same = len(got) == len(plain) and all(torch.equal(u, v) for u, v in zip(got, plain))
+                    out.append(((shape["s"], shape["h"], str(dtype), sp, policy), nbytes, want, same))
+    return out
+
+
+@pytest.mark.parametrize("t", [1, 2, 3])
+def test_saved_bytes_are_table_2_and_grads_are_exact(t):
+    results = all_cases() if t == 1 else pplab.launch(all_cases, world_size=t)
+    for rank, cases in enumerate([results] if t == 1 else results):
+        assert len(cases) == len(SHAPES) * 2 * (2 if t > 1 else 1) * 3
+        for case, nbytes, want, same in cases:
+            assert nbytes == want, (f"rank {rank}, t={t}", case, nbytes, want)
+            assert same, (f"rank {rank}, t={t}: recomputed output or gradients differ from the plain run", case)
+
+
+def test_formula_rows_by_hand():
+    """Table 2's rows written out for s=12, b=2, h=24, a=6, t=3 (sbh = 576, as/h = 3)."""
+    sbh = 12 * 2 * 24
+    f = activation_bytes_formula
+    assert f(12, 2, 24, 6) == sbh * (34 + 5 * 3)
+    assert f(12, 2, 24, 6, t=3, sequence_parallel=False) == sbh * (10 + 8 + 5)
+    assert f(12, 2, 24, 6, t=3) == sbh * (34 + 15) / 3
+    assert f(12, 2, 24, 6, t=3, sequence_parallel=False, recompute="selective") == sbh * 18
+    assert f(12, 2, 24, 6, t=3, recompute="selective") == 34 * sbh / 3
+    assert f(12, 2, 24, 6, recompute="full") == 2 * sbh == f(12, 2, 24, 6, t=3, sequence_parallel=False,
+                                                                recompute="full")
+    assert f(12, 2, 24, 6, t=3, recompute="full") == 2 * sbh / 3           # each rank keeps its s/t tokens
+    assert f(12, 2, 24, 6, element_bytes=4) == sbh * (66 + 9 * 3)         # float32: masks stay 1 byte
+    with pytest.raises(ValueError, match="recompute must be"):
+        f(12, 2, 24, 6, recompute="half")
+    with pytest.raises(ValueError, match="element_bytes"):
+        f(12, 2, 24, 6, element_bytes=3)
+
+
+def step_flops(policy, shape=SHAPES[0]):
+    m = block(shape, torch.float32, False, policy)
+    x = torch.randn(shape["s"], shape["b"], shape["h"], requires_grad=True)
+    return flops(lambda: m(x).sum().backward()), flops(lambda: m(x))
+
+
+def test_full_recomputation_costs_one_forward_selective_the_scores():
+    s, b, h = SHAPES[0]["s"], SHAPES[0]["b"], SHAPES[0]["h"]
+    plain, forward = step_flops("none")
+    assert forward == 2 * s * b * (3 * h * h + h * h + 8 * h * h) + 4 * b * s * s * h      # matmuls by hand
+    assert plain == 3 * forward                                                          # backward = 2 forwards
+    assert step_flops("full")[0] == plain + forward
+    # selective runs q kᵀ again, not p·v: torch's checkpoint stops recomputing as soon as it has every
+    # tensor backward needs, and p·v's backward needs only its inputs, p and v
+    assert step_flops("selective")[0] == plain + 2 * b * s * s * h
+
+
+def test_every_k_blocks_keeps_one_input_per_group():
+    """A stack of 5 blocks: every=2 keeps 3 inputs (2, 2, 1 blocks), every=5 one; grads exact."""
+    s, b, h, a = 8, 2, 12, 3
+
+    def run(policy, every):
+        torch.manual_seed(0)
+        layers = [MegatronBlock.from_dense(TransformerBlock(h, a, 2 * h), dropout=0.2, sequence_parallel=False)
+                  for _ in range(5)]
+        model = nn.Sequential(*recompute_layers([nn.Identity()] + layers, policy, every))
+        x = torch.randn(s, b, h, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        torch.manual_seed(7)
+        with saved_activations(model.parameters()) as saved:
+            y = model(x)
+        y.pow(2).sum().backward()
+        return saved.bytes, len(model), [x.grad] + [p.grad for p in model.parameters()]
+
+    _, _, plain = run("none", 1)
+    for every, groups in ((1, 5), (2, 3), (5, 1)):
+        nbytes, n_layers, grads = run("full", every)
+        assert (nbytes, n_layers) == (groups * s * b * h * 4, 1 + groups), every
+        assert all(torch.equal(u, v) for u, v in zip(grads, plain)), every
+
+
+def test_best_every_by_hand():
+    assert best_every(16) == 4                   # 4 kept + 4 recomputed
+    assert best_every(10) == 2                   # 5 + 2 = 4 + 3 = 3 + 4 = 7: the smallest group wins the tie
+    assert best_every(1) == 1
+    assert best_every(16, kept=1, held=17) == 1  # a block holds 17 times its input: recompute one at a time
+    with pytest.raises(ValueError):
+        best_every(0)
+
+
+def test_bad_input_says_what_to_change():
+    with pytest.raises(ValueError, match="one of"):
+        Recomputed(nn.Linear(2, 2), "some")
+    with pytest.raises(ValueError, match="MegatronBlock"):
+        Recomputed(TransformerBlock(8, 2, 8), "selective")
+    with pytest.raises(ValueError, match="policy='full'"):
+        recompute_layers([TransformerBlock(8, 2, 8)], "selective", every=2)
+    with pytest.raises(ValueError, match="every"):
+        recompute_layers([TransformerBlock(8, 2, 8)], "full", every=0)
+
+
+def pipeline_step(policy):
+    from pplab.models import GPTConfig, gpt_layers, gpt_loss, parallel_layers
+    from pplab.pipeline import make_schedule, run_pipeline
+    cfg = GPTConfig(vocab=11, seq=8, hidden=12, heads=3, ffn=24, layers=4)
+    alone = [torch.distributed.new_group([r]) for r in range(2)][pplab.comm.rank()]   # a tp group of one
+    layers = parallel_layers(gpt_layers(cfg, seed=0, dtype=torch.float32), group=alone)   # MegatronBlocks
+    for layer in layers:
+        if isinstance(layer, MegatronBlock):
+            layer.dropout = 0.1
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randint(0, 11, (8, 8), generator=g), torch.randint(0, 11, (8, 8), generator=g)
+    torch.manual_seed(5 + pplab.comm.rank())
+    out = run_pipeline(make_schedule("1f1b", num_stages=2, num_microbatches=4),
+                       recompute_layers(layers, policy), x, y, gpt_loss)
+    return list(out["grads"].values()), out["peak_activation_bytes"]
+
+
+def test_pipeline_stage_recomputed_grads_are_exact():
+    plain = pplab.launch(pipeline_step, "none", world_size=2)
+    full = pplab.launch(pipeline_step, "full", world_size=2)
+    for rank in range(2):
+        assert len(full[rank][0]) == len(plain[rank][0]) > 0
+        assert all(torch.equal(u, v) for u, v in zip(full[rank][0], plain[rank][0])), rank
+        assert full[rank][1] < plain[rank][1] / 2, (rank, full[rank][1], plain[rank][1])
