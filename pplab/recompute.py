@@ -120,7 +120,7 @@ def expected_saved_bytes(s, b, h, a, t=1, sequence_parallel=True, policy="none",
     formula = activation_bytes_formula(s, b, h, a, t, sequence_parallel, policy, element_bytes)
     tokens = s * b // (t if sequence_parallel and t > 1 else 1)
     stats = 0 if policy == "full" else 2 * 2 * element_bytes * tokens
-    return int(formula + stats)
+    return round(formula + stats)                  # the formula is whole bytes; its float may be off by 1e-12
 
 
 def best_every(n_blocks: int, kept: float = 1.0, held: float = 1.0) -> int:
