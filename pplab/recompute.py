@@ -35,10 +35,13 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
 from .memory import activation_bytes_formula
+from .pipeline import simulate
+from .trace import Event, Timeline
 from .sequence_parallel import MegatronBlock
 from .tensor_parallel.transformer import TransformerBlock
 
-__all__ = ["POLICIES", "Recomputed", "recompute_layers", "expected_saved_bytes", "best_every", "flops"]
+__all__ = ["POLICIES", "Recomputed", "recompute_layers", "expected_saved_bytes", "best_every", "flops",
+           "simulate_recomputed"]
 
 POLICIES = ("none", "selective", "full")
 
@@ -139,3 +142,23 @@ def flops(fn, *args) -> int:
     with FlopCounterMode(display=False) as counter:
         fn(*args)
     return counter.get_total_flops()
+
+
+def simulate_recomputed(schedule, t_f=1.0, t_b=2.0, t_r=None):
+    """simulate(schedule) where each backward first runs its forward again, for t_r (default t_f:
+    full recomputation), and the Timeline that draws that as forward work: every B (or I) box
+    split into an "F" box labelled R<micro-batch> (the recomputation) and the backward proper.
+    Returns (SimResult, Timeline). t_f, t_b, t_r: numbers, one rank's whole share, as simulate's."""
+    t_r = t_f if t_r is None else t_r
+    if not all(isinstance(x, (int, float)) and x >= 0 for x in (t_f, t_b, t_r)):
+        raise ValueError(f"t_f, t_b and t_r must be numbers >= 0, got {t_f!r}, {t_b!r}, {t_r!r}")
+    sim = simulate(schedule, t_f, t_b + t_r)
+    events = []
+    for e in sim.timeline().events:
+        if e.kind in ("B", "I") and t_r > 0:
+            cut = e.start + (e.end - e.start) * t_r / (t_b + t_r)    # the same share of every chunk's box
+            events.append(Event(e.rank, "F", "compute", e.start, cut, "R" + e.label[1:], meta=dict(e.meta)))
+            e = Event(**{**e.__dict__, "start": cut})
+        events.append(e)
+    return sim, Timeline(events, world_size=schedule.num_ranks, source="simulated", t0=0.0, unit=sim.unit,
+                         memory_unit="micro-batches")

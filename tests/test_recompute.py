@@ -181,3 +181,25 @@ def test_pipeline_stage_recomputed_grads_are_exact():
         assert len(full[rank][0]) == len(plain[rank][0]) > 0
         assert all(torch.equal(u, v) for u, v in zip(full[rank][0], plain[rank][0])), rank
         assert full[rank][1] < plain[rank][1] / 2, (rank, full[rank][1], plain[rank][1])
+
+
+def test_simulated_recomputation_is_forward_work_before_each_backward():
+    """1F1B, p = 2, m = 4: the step is (m + p - 1)·(t_f + t_b + t_r) = 5·4 = 20 forwards long instead
+    of 15; each rank runs m R boxes of t_r each, as "F" work, ahead of its m backwards."""
+    from pplab.pipeline import make_schedule, simulate
+    from pplab.recompute import simulate_recomputed
+    schedule = make_schedule("1f1b", num_stages=2, num_microbatches=4)
+    assert simulate(schedule).makespan == 15
+    sim, timeline = simulate_recomputed(schedule)
+    assert sim.makespan == 20
+    for rank in range(2):
+        forward = timeline.select(rank=rank, kind="F")
+        again = [e for e in forward if e.label.startswith("R")]
+        assert sorted(e.label for e in again) == ["R0", "R1", "R2", "R3"]
+        assert all(e.duration == 1 for e in forward)
+        backward = timeline.select(rank=rank, kind="B")
+        assert all(e.duration == 2 for e in backward) and len(backward) == 4
+        for r in again:                                         # each R ends where its B begins
+            assert any(b.start == r.end and b.label[1:] == r.label[1:] for b in backward)
+    with pytest.raises(ValueError, match="numbers >= 0"):
+        simulate_recomputed(schedule, t_r=-1)
