@@ -49,6 +49,10 @@ ANSWERS = {
         "my_prediction": "3 * 2 * 8 + 2 * 64 * 2 * 3 / 4 * 16 * 4",
         "my_prediction_received": "3 * 24 * 8 * 4 + 8 * 8 * 4 + 3 * 8",
     },
+    "09a_recomputation": {
+        "my_full_bytes": "4 * 2 * s * b * h",
+        "my_full_flops_ratio": "4 / 3",
+    },
 }
 
 
