@@ -203,3 +203,73 @@ def test_simulated_recomputation_is_forward_work_before_each_backward():
             assert any(b.start == r.end and b.label[1:] == r.label[1:] for b in backward)
     with pytest.raises(ValueError, match="numbers >= 0"):
         simulate_recomputed(schedule, t_r=-1)
+
+
+# ----------------------------------------------------------------------------------
+# The planner's recomputation option: its activations against the executor's, and a layout it makes fit
+
+def planner_setup():
+    from pplab import costfit, data
+    from pplab.models import GPTConfig, gpt_layers, gpt_loss
+    from pplab.planner import LayerTimes
+    cfg = GPTConfig(vocab=len(data.VOCAB), seq=16, hidden=32, heads=4, ffn=64, layers=4)
+    (x, y), saved = data.batch(4, cfg.seq, 0, 0), []
+    layers = gpt_layers(cfg, 0, torch.float64)
+    for layer in layers:                       # elements each layer keeps per sample, as planner.measure counts
+        with saved_activations(layer.parameters()) as s:
+            out = layer(x.detach().requires_grad_(x.is_floating_point()))
+            if layer is layers[-1]:
+                gpt_loss(out, y)
+        saved.append(s.bytes / 4 / 8)
+        x = out.detach()
+    n = len(layers)
+    times = LayerTimes([0.0] * n, [1e-3] * n, [0.0] * n, [2e-3] * n, saved, 1e-9, source="synthetic")
+    return cfg, times, costfit.Fit(0.0, 1e-10, 0.0, [1, 2], [0.0, 0.0])
+
+
+def executor_peaks(recompute):
+    from pplab import data
+    from pplab.models import GPTConfig, gpt_layers, gpt_loss
+    from pplab.pipeline import make_schedule, run_pipeline
+    cfg = GPTConfig(vocab=len(data.VOCAB), seq=16, hidden=32, heads=4, ffn=64, layers=4)
+    x, y = data.batch(8, cfg.seq, 0, 0)
+    layers = recompute_layers(gpt_layers(cfg, 0, torch.float64), "full" if recompute else "none")
+    return run_pipeline(make_schedule("1f1b", 2, 4), layers, x, y, gpt_loss)["peak_activation_bytes"]
+
+
+def test_planner_recompute_predicts_the_executors_activations_and_a_forward_more():
+    """pp = 2, m = 4, 1F1B: the planner's activations per rank miss the executor's measured peaks by
+    the same bytes with and without recomputation (what it misses is in the embedding and the head,
+    which recomputation leaves alone), so the blocks' part, one input each, is exact; and the
+    predicted compute grows by one forward of the slow rank's blocks per micro-batch."""
+    from pplab import planner
+    from pplab.planner import Layout
+    cfg, times, fit = planner_setup()
+    pred = {rc: planner.predict(cfg, Layout(1, 1, 2, m=4, recompute=rc), 8, fit, times, dtype_bytes=8)
+            for rc in (False, True)}
+    measured = {rc: pplab.launch(executor_peaks, rc, world_size=2) for rc in (False, True)}
+    for rank in range(2):
+        miss = [pred[rc].stages[rank]["activations"] - measured[rc][rank] for rc in (False, True)]
+        assert miss[0] == miss[1] and abs(miss[0]) < 0.01 * measured[False][rank], (rank, miss)
+        assert measured[True][rank] < measured[False][rank] / 4
+    cuts = planner.stages(cfg, 2)
+    slow_blocks = max(sum(1 for i in range(a, e) if 1 <= i <= cfg.layers) for a, e in cuts)
+    extra = pred[True].time["compute"] - pred[False].time["compute"]
+    assert extra == pytest.approx(4 * slow_blocks * 1e-3 * 2)          # m · blocks · per sample · samples
+    assert pred[True].layout.name.endswith(", recompute")
+
+
+def test_planner_recompute_makes_a_layout_fit():
+    """A budget between the smallest layout's memory with and without recomputation: without the
+    option nothing fits; with it, the best layout is a recomputed one."""
+    from pplab import planner
+    from pplab.planner import PlanError
+    cfg, times, fit = planner_setup()
+    sizes = {rc: min(planner.predict(cfg, L, 8, fit, times, dtype_bytes=8).memory["total"]
+                     for L in planner.enumerate_layouts(cfg, 8, 2, recompute=(rc,))[0]) for rc in (False, True)}
+    budget = (sizes[False] + sizes[True]) / 2
+    assert sizes[True] < budget < sizes[False]
+    with pytest.raises(PlanError, match="no layout fits"):
+        planner.plan(cfg, 8, 2, budget, fit, times, dtype_bytes=8)
+    p = planner.plan(cfg, 8, 2, budget, fit, times, dtype_bytes=8, recompute=(False, True))
+    assert p.ranked and all(x.layout.recompute for x in p.ranked)
