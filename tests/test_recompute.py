@@ -201,6 +201,10 @@ def test_simulated_recomputation_is_forward_work_before_each_backward():
         assert all(e.duration == 2 for e in backward) and len(backward) == 4
         for r in again:                                         # each R ends where its B begins
             assert any(b.start == r.end and b.label[1:] == r.label[1:] for b in backward)
+    sim, timeline = simulate_recomputed(schedule, t_f=1, t_b=3, t_r=0.5)      # selective: a part of a forward
+    assert sim.makespan == 5 * 4.5
+    assert sorted({e.duration for e in timeline.select(kind="F")}) == [0.5, 1]
+    assert {e.duration for e in timeline.select(kind="B")} == {3}
     with pytest.raises(ValueError, match="numbers >= 0"):
         simulate_recomputed(schedule, t_r=-1)
 
