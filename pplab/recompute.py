@@ -36,14 +36,17 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from .memory import activation_bytes_formula
 from .pipeline import simulate
+from . import trace
+from .swimlane.style import KIND_COLORS
 from .trace import Event, Timeline
 from .sequence_parallel import MegatronBlock
 from .tensor_parallel.transformer import TransformerBlock
 
-__all__ = ["POLICIES", "Recomputed", "recompute_layers", "expected_saved_bytes", "best_every", "flops",
+__all__ = ["POLICIES", "COLORS", "Recomputed", "recompute_layers", "expected_saved_bytes", "best_every", "flops",
            "simulate_recomputed"]
 
 POLICIES = ("none", "selective", "full")
+COLORS = {"R": KIND_COLORS["F"]}     # swimlane.draw(..., colors=COLORS): a recomputation is forward work
 
 
 def _check_policy(policy):
@@ -72,7 +75,7 @@ class Recomputed(nn.Module):
                     raise ValueError(f"selective recomputation needs a MegatronBlock (its attention keeps the "
                                      f"scores), got {type(block).__name__}: build the blocks with "
                                      f"pplab.models.parallel_layers, or use policy='full'")
-                core = block.attention                       # the bound method, before we shadow it
+                core = _traced_again(block.attention)        # the bound method, before we shadow it
                 block.attention = lambda qkv, core=core: checkpoint(core, qkv, use_reentrant=False)
         self.blocks, self.policy = nn.ModuleList(blocks), policy
 
@@ -82,9 +85,23 @@ class Recomputed(nn.Module):
         return x
 
     def forward(self, x):
-        if self.policy == "full" and torch.is_grad_enabled():
-            return checkpoint(self._run, x, use_reentrant=False)       # keeps x, runs _run again in backward
+        if self.policy == "full" and torch.is_grad_enabled():   # keeps x, runs _run again in backward
+            return checkpoint(_traced_again(self._run), x, use_reentrant=False)
         return self._run(x)
+
+
+def _traced_again(fn):
+    """fn, whose calls after the first (the recomputation, inside backward) are each a trace span
+    of kind "R": on a swimlane, a box of forward work inside the backward's box."""
+    calls = [0]
+
+    def run(*args):
+        calls[0] += 1
+        if calls[0] == 1:
+            return fn(*args)
+        with trace.span("R"):
+            return fn(*args)
+    return run
 
 
 def recompute_layers(layers, policy: str = "full", every: int = 1) -> list[nn.Module]:
@@ -146,8 +163,9 @@ def flops(fn, *args) -> int:
 
 def simulate_recomputed(schedule, t_f=1.0, t_b=2.0, t_r=None):
     """simulate(schedule) where each backward first runs its forward again, for t_r (default t_f:
-    full recomputation), and the Timeline that draws that as forward work: every B (or I) box
-    split into an "F" box labelled R<micro-batch> (the recomputation) and the backward proper.
+    full recomputation), and the Timeline that draws it: every B (or I) box split into an "R" box,
+    R<micro-batch> (the recomputation: draw it with colors=COLORS, as forward work), and the
+    backward proper.
     Returns (SimResult, Timeline). t_f, t_b, t_r: numbers, one rank's whole share, as simulate's."""
     t_r = t_f if t_r is None else t_r
     if not all(isinstance(x, (int, float)) and x >= 0 for x in (t_f, t_b, t_r)):
@@ -157,7 +175,7 @@ def simulate_recomputed(schedule, t_f=1.0, t_b=2.0, t_r=None):
     for e in sim.timeline().events:
         if e.kind in ("B", "I") and t_r > 0:
             cut = e.start + (e.end - e.start) * t_r / (t_b + t_r)    # the same share of every chunk's box
-            events.append(Event(e.rank, "F", "compute", e.start, cut, "R" + e.label[1:], meta=dict(e.meta)))
+            events.append(Event(e.rank, "R", "compute", e.start, cut, "R" + e.label[1:], meta=dict(e.meta)))
             e = Event(**{**e.__dict__, "start": cut})
         events.append(e)
     return sim, Timeline(events, world_size=schedule.num_ranks, source="simulated", t0=0.0, unit=sim.unit,

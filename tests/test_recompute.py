@@ -171,21 +171,30 @@ def pipeline_step(policy):
     torch.manual_seed(5 + pplab.comm.rank())
     out = run_pipeline(make_schedule("1f1b", num_stages=2, num_microbatches=4),
                        recompute_layers(layers, policy), x, y, gpt_loss)
-    return list(out["grads"].values()), out["peak_activation_bytes"]
+    (start, end), = out["layers"].values()
+    blocks = end - start - (start == 0) - (end == cfg.layers + 2)          # the stage's layers, less Embed and Head
+    return list(out["grads"].values()), out["peak_activation_bytes"], blocks
 
 
 def test_pipeline_stage_recomputed_grads_are_exact():
+    """1F1B over 2 ranks: bit-equal gradients, less held; and on the measured timeline each block's
+    recomputation is an "R" span of forward work inside one of the rank's backward spans."""
     plain = pplab.launch(pipeline_step, "none", world_size=2)
     full = pplab.launch(pipeline_step, "full", world_size=2)
     for rank in range(2):
         assert len(full[rank][0]) == len(plain[rank][0]) > 0
         assert all(torch.equal(u, v) for u, v in zip(full[rank][0], plain[rank][0])), rank
         assert full[rank][1] < plain[rank][1] / 2, (rank, full[rank][1], plain[rank][1])
+        again = full.timeline.select(rank=rank, kind="R")
+        backward = full.timeline.select(rank=rank, kind="B")
+        assert len(again) == 4 * full[rank][2] > 0, (rank, len(again))           # m micro-batches x blocks
+        assert all(any(b.start <= r.start and r.end <= b.end for b in backward) for r in again), rank
+        assert not plain.timeline.select(rank=rank, kind="R")
 
 
 def test_simulated_recomputation_is_forward_work_before_each_backward():
     """1F1B, p = 2, m = 4: the step is (m + p - 1)·(t_f + t_b + t_r) = 5·4 = 20 forwards long instead
-    of 15; each rank runs m R boxes of t_r each, as "F" work, ahead of its m backwards."""
+    of 15; each rank runs m R boxes of t_r each (forward work) ahead of its m backwards."""
     from pplab.pipeline import make_schedule, simulate
     from pplab.recompute import simulate_recomputed
     schedule = make_schedule("1f1b", num_stages=2, num_microbatches=4)
@@ -193,17 +202,17 @@ def test_simulated_recomputation_is_forward_work_before_each_backward():
     sim, timeline = simulate_recomputed(schedule)
     assert sim.makespan == 20
     for rank in range(2):
-        forward = timeline.select(rank=rank, kind="F")
-        again = [e for e in forward if e.label.startswith("R")]
+        again = timeline.select(rank=rank, kind="R")
         assert sorted(e.label for e in again) == ["R0", "R1", "R2", "R3"]
-        assert all(e.duration == 1 for e in forward)
+        assert all(e.duration == 1 for e in again + timeline.select(rank=rank, kind="F"))
         backward = timeline.select(rank=rank, kind="B")
         assert all(e.duration == 2 for e in backward) and len(backward) == 4
         for r in again:                                         # each R ends where its B begins
             assert any(b.start == r.end and b.label[1:] == r.label[1:] for b in backward)
     sim, timeline = simulate_recomputed(schedule, t_f=1, t_b=3, t_r=0.5)      # selective: a part of a forward
     assert sim.makespan == 5 * 4.5
-    assert sorted({e.duration for e in timeline.select(kind="F")}) == [0.5, 1]
+    assert {e.duration for e in timeline.select(kind="R")} == {0.5}
+    assert {e.duration for e in timeline.select(kind="F")} == {1}
     assert {e.duration for e in timeline.select(kind="B")} == {3}
     with pytest.raises(ValueError, match="numbers >= 0"):
         simulate_recomputed(schedule, t_r=-1)
