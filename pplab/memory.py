@@ -35,19 +35,38 @@ __all__ = ["activation_bytes_formula", "saved_activations", "state_bytes", "stor
 # Activations: the formula, and what autograd really keeps
 
 
-def activation_bytes_formula(s, b, h, a, t=1, sequence_parallel=True):
+def activation_bytes_formula(s, b, h, a, t=1, sequence_parallel=True, recompute="none", element_bytes=2):
     """Bytes of activations one transformer layer keeps for backward, by Korthikanti et al.
-    (*Reducing Activation Recomputation in Large Transformer Models*, 2022): 16-bit activations,
-    1-byte dropout masks, sequence length s, micro-batch b, hidden size h, a heads.
+    (*Reducing Activation Recomputation in Large Transformer Models*, 2022, Table 2): 16-bit
+    activations, 1-byte dropout masks, sequence length s, micro-batch b, hidden size h, a heads.
 
     No parallelism: s·b·h·(34 + 5·a·s/h). Tensor parallel over t: s·b·h·(10 + 24/t + 5·a·s/(h·t)).
     Tensor + sequence parallel: s·b·h·(34 + 5·a·s/h)/t. (LayerNorm's mean and 1/std, 2 numbers per
-    token per LayerNorm, are left out, as in the paper.)"""
+    token per LayerNorm, are left out, as in the paper.)
+
+    recompute="selective" drops the 5·a·s/h term (scores, softmax, dropout: recomputed in
+    backward): s·b·h·(10 + 24/t), or 34·s·b·h/t with sequence parallelism. recompute="full"
+    keeps only the layer's input: 2·s·b·h (Table 2's row), 2·s·b·h/t with sequence parallelism,
+    where each rank's input is its s/t slice of the sequence.
+
+    element_bytes: bytes of one activation (2 for bf16/fp16, 4 for float32); the two dropout
+    masks over [s, b, h] and the one over the a·s·s scores stay 1 byte per element. Of the 34,
+    32 are 16 activations of 2 bytes and 2 are the masks, so float32 gives 66; of the 5, 4 are
+    the softmax and its dropout's output, 1 the mask, so 9; of the 10, 8 + 2 masks, so 18."""
     if min(s, b, h, a, t) < 1:
         raise ValueError(f"activation_bytes_formula needs s, b, h, a, t >= 1, got s={s}, b={b}, h={h}, a={a}, t={t}")
-    if sequence_parallel or t == 1:
-        return s * b * h * (34 + 5 * a * s / h) / t
-    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"activation_bytes_formula: recompute must be 'none', 'selective' or 'full', got {recompute!r}")
+    if element_bytes not in (1, 2, 4, 8):
+        raise ValueError(f"activation_bytes_formula: element_bytes is the bytes of one activation (2 for bf16, "
+                         f"4 for float32), got {element_bytes!r}")
+    e, sp = element_bytes, sequence_parallel and t > 1
+    if recompute == "full":
+        return s * b * h * e / (t if sp else 1)
+    scores = 0 if recompute == "selective" else (2 * e + 1) * a * s / h            # per s·b·h, unsplit
+    if sp or t == 1:
+        return s * b * h * (16 * e + 2 + scores) / t
+    return s * b * h * (4 * e + 2 + 12 * e / t + scores / t)
 
 
 class saved_activations:

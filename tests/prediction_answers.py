@@ -57,6 +57,10 @@ ANSWERS = {
         "my_every_rank_sq": "total_sq + (t - 1) * replicated_sq",
         "my_clip_bytes": "3 * 8",
     },
+    "09a_recomputation": {
+        "my_full_bytes": "4 * 2 * s * b * h",
+        "my_full_flops_ratio": "4 / 3",
+    },
 }
 
 

@@ -26,13 +26,14 @@ class Layout:
     zero: int = 0                   # 0 = DDP's all-reduce; 1, 2, 3 = ZeRO stages
     schedule: str = "1f1b"
     sp: bool = False                # Megatron sequence parallelism inside the tp group
+    recompute: bool = False         # full recomputation of every block (pplab.recompute): keeps its input only
 
     @property
     def name(self) -> str:
         extra = (f", m={self.m}" if self.pp > 1 else "") + \
             (f", {self.schedule}" if self.pp > 1 and self.schedule != "1f1b" else "") + \
             (f", ZeRO-{self.zero}" if self.zero else "") + \
-            (", SP" if self.sp and self.tp > 1 else "")
+            (", SP" if self.sp and self.tp > 1 else "") + (", recompute" if self.recompute else "")
         return describe_layout({"dp": self.dp, "tp": self.tp, "pp": self.pp}) + extra
 
 
@@ -71,6 +72,9 @@ def predict(cfg: GPTConfig, layout: Layout, batch: int, fit, times: LayerTimes, 
     if t > 1:                        # the tensor-parallel layers' own, cut over t as counted tensor by tensor
         split, whole = parallel_saved(cfg, t, L.sp, dtype_bytes), parallel_saved(cfg, 1, False, dtype_bytes)
         saved = [n * a / b for n, a, b in zip(times.saved_parallel or times.saved, split, whole)]
+    blocks = range(1, cfg.layers + 1)                                  # pipeline layers 1..L are the blocks
+    if L.recompute:                  # a block keeps only its input, [s, b, h] (its s/t tokens with SP)
+        saved = [h * s / (t if L.sp and t > 1 else 1) if i in blocks else n for i, n in enumerate(saved)]
     params = layer_params(cfg, t)
     sched = make_schedule(L.schedule, L.pp, L.m) if L.pp > 1 else None
     cuts = stages(cfg, sched.num_stages if sched else 1)               # pp stages, or pp·v chunks (interleaved, V)
@@ -82,6 +86,10 @@ def predict(cfg: GPTConfig, layout: Layout, batch: int, fit, times: LayerTimes, 
     b = [sum(run(times.backward_fixed, times.backward_per_sample, i) for i in range(a, b)) for a, b in cuts]
     comm_f = [sum(tp_f[a:e]) for a, e in cuts]
     comm_b = [sum(tp_b[a:e]) for a, e in cuts]
+    if L.recompute:                  # backward runs each block's forward again first, its all-reduces included
+        b = [x + sum(run(times.forward_fixed, times.forward_per_sample, i) for i in range(a, e) if i in blocks)
+             for x, (a, e) in zip(b, cuts)]
+        comm_b = [x + sum(tp_f[i] for i in range(a, e) if i in blocks) for x, (a, e) in zip(comm_b, cuts)]
     tf, tb = [x + c for x, c in zip(f, comm_f)], [x + c for x, c in zip(b, comm_b)]
     if sched:
         flush = simulate(sched, tf, tb).makespan
@@ -157,9 +165,11 @@ def _why_not(cfg: GPTConfig, L: Layout, batch: int):
 
 
 def enumerate_layouts(cfg: GPTConfig, batch: int, world_size: int, zero_stages=(0, 1, 2, 3),
-                      schedule: str = "1f1b") -> tuple:
+                      schedule: str = "1f1b", recompute=(False,)) -> tuple:
     """(valid layouts, [(invalid layout, reason)]): every dp·tp·pp = world_size; m from the divisors
-    of the batch (1 without a pipeline); ZeRO stages only with dp > 1 (with dp = 1 they change nothing)."""
+    of the batch (1 without a pipeline); ZeRO stages only with dp > 1 (with dp = 1 they change nothing).
+    recompute=(False, True) lists each layout with full recomputation too (pplab.recompute's
+    recompute_layers runs it under chapter 4's executor; pplab.hybrid.train does not)."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise PlanError(f"world_size is a number of ranks, a whole number >= 1: got {world_size!r}")
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
@@ -170,9 +180,10 @@ def enumerate_layouts(cfg: GPTConfig, batch: int, world_size: int, zero_stages=(
             dp = world_size // (pp * tp)
             for m in (_divisors(batch) if pp > 1 else [1]):
                 for z in (zero_stages if dp > 1 else [0]):
-                    L = Layout(dp, tp, pp, m, z, schedule)
-                    why = _why_not(cfg, L, batch)
-                    (rejected.append((L, why)) if why else valid.append(L))
+                    for rc in recompute:
+                        L = Layout(dp, tp, pp, m, z, schedule, recompute=rc)
+                        why = _why_not(cfg, L, batch)
+                        (rejected.append((L, why)) if why else valid.append(L))
     return valid, rejected
 
 
@@ -211,9 +222,10 @@ class Plan:
 
 def plan(cfg: GPTConfig, batch: int, world_size: int, memory_per_rank: float, fit, times: LayerTimes,
          zero_stages=(0, 1, 2, 3), schedule: str = "1f1b", dtype_bytes: int = 4,
-         oversubscription: float = 1.0) -> Plan:
-    """Every valid layout that fits `memory_per_rank` bytes, fastest predicted step first."""
-    valid, rejected = enumerate_layouts(cfg, batch, world_size, zero_stages, schedule)
+         oversubscription: float = 1.0, recompute=(False,)) -> Plan:
+    """Every valid layout that fits `memory_per_rank` bytes, fastest predicted step first;
+    recompute=(False, True): each layout also with full recomputation (a third more compute)."""
+    valid, rejected = enumerate_layouts(cfg, batch, world_size, zero_stages, schedule, recompute)
     if not valid:
         reasons = sorted({why for _, why in rejected})
         raise PlanError(f"no layout of {world_size} ranks can run this model with a batch of {batch}: "

@@ -133,11 +133,16 @@ class MegatronBlock(nn.Module):
                              f"length divisible by {len(shapes)} (here {sum(lengths)} is not)")
         self._checked.add(x.shape)
 
+    def attention(self, qkv):
+        """Scores, softmax, dropout and the product with v: what selective recomputation
+        (pplab.recompute) drops after the forward and runs again in backward."""
+        return _attention_core(qkv, self.attn.local_heads, self.dropout, self.training)
+
     def forward(self, x):
         if self.sp:
             self._check(x)
         a = self._column(self.attn.qkv, self._norm(self.ln1, x))             # SP: all-gather the sequence
-        a = self.attn.proj(_attention_core(a, self.attn.local_heads, self.dropout, self.training))  # SP: reduce-scatter
+        a = self.attn.proj(self.attention(a))                                # SP: reduce-scatter
         x = x + _dropout(a, self.dropout, self.training)
         m = self.mlp.fc2(F.gelu(self._column(self.mlp.fc1, self._norm(self.ln2, x))))
         return x + _dropout(m, self.dropout, self.training)
