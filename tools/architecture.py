@@ -25,7 +25,8 @@ LAYERS = [
     ("runtime", ["runtime"]),
     ("observe", ["swimlane"]),
     ("chapters", ["collectives", "costmodel", "costfit", "data_parallel", "tensor_parallel", "pipeline",
-                  "sequence_parallel", "zero", "models", "mesh", "hybrid", "planner", "expert_parallel"]),
+                  "sequence_parallel", "zero", "models", "mesh", "hybrid", "planner", "expert_parallel",
+                  "mixed_precision"]),
     ("course", ["checks", "course", "__main__"]),
 ]
 
