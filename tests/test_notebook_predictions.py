@@ -16,7 +16,7 @@ from pplab.checks.predictions import predictions_in
 from prediction_answers import ANSWERS, fill_in
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
-CHAPTERS = sorted(p.stem for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
+CHAPTERS = sorted(p.stem for p in NOTEBOOKS.glob("[0-9][0-9]*_*.ipynb"))   # 09b_... too
 
 
 def questions(name):
