@@ -323,3 +323,48 @@ def test_bad_dtypes_are_refused():
             ZeroOptimizer(fsdp.parameters(), torch.optim.AdamW, stage=3, reduce_dtype=FP32)
         return True
     assert all(pplab.launch(refuse, world_size=2, timeout=60))
+
+
+def fsdp_checkpoint_round_trip():
+    """FSDP with a compute dtype: state_dict gives the fp32 masters unrounded; loading it into a fresh
+    wrapper gives the same shards; full_parameters() shows the model in the compute dtype."""
+    fsdp = FullyShardedModule(make_model(seed=pplab.comm.rank()), compute_dtype=BF16)
+    saved = fsdp.state_dict()
+    everyone = [saved] if pplab.comm.rank() == 0 else [None]
+    torch.distributed.broadcast_object_list(everyone, src=0)
+    fresh = FullyShardedModule(make_model(seed=7), compute_dtype=BF16)
+    fresh.load_state_dict(everyone[0])
+    with fresh.full_parameters() as module:
+        dtypes = {p.dtype for p in module.parameters()}
+        gathered = [p.detach().clone() for p in module.parameters()]
+    return saved, [s.detach().clone() for s in fsdp.parameters()], [s.detach().clone() for s in fresh.parameters()], \
+        dtypes, gathered
+
+
+def test_fsdp_checkpoint_keeps_the_fp32_masters():
+    results = pplab.launch(fsdp_checkpoint_round_trip, world_size=3, timeout=60)
+    saved = results[0][0]
+    original = make_model().state_dict()
+    assert saved.keys() == original.keys()
+    assert all(saved[k].dtype == FP32 and torch.equal(saved[k], original[k]) for k in original), \
+        "state_dict must give rank 0's fp32 values, not their bf16 rounding"
+    for r, (_, shards, loaded, dtypes, gathered) in enumerate(results):
+        assert all(torch.equal(a, b) for a, b in zip(shards, loaded)), f"rank {r}: loaded shards differ"
+        assert dtypes == {BF16}, f"rank {r}: full_parameters() should show the compute dtype"
+        assert all(torch.equal(g, original[k].to(BF16)) for g, k in zip(gathered, original)), f"rank {r}"
+
+
+def test_master_weights_and_scaler_refuse_what_they_cannot_use():
+    with pytest.raises(ValueError, match="master_dtype must be a floating-point"):
+        MasterWeights(make_model().parameters(), torch.optim.SGD, master_dtype=torch.int32, lr=0.1)
+    with pytest.raises(ValueError, match="no parameter with requires_grad"):
+        MasterWeights([nn.Parameter(torch.ones(2), requires_grad=False)], torch.optim.SGD, lr=0.1)
+
+    class NoInner:
+        inner = torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1)
+
+        def step(self):
+            pass                                          # never reaches its inner optimizer
+    with pytest.raises(RuntimeError, match="never called its inner optimizer's step"):
+        LossScaler().step(NoInner())
+    assert "step" not in vars(NoInner.inner)             # the inner step is restored
