@@ -93,6 +93,11 @@ def _reference(trial, inputs):
     return stepped, scales, history
 
 
+def _num(x: float) -> str:
+    """A scale as it is: 16384, not 1.638e+04 (scales are powers of two)."""
+    return f"{x:.0f}" if float(x).is_integer() and abs(x) < 1e15 else f"{x:g}"
+
+
 def _vec(t) -> str:
     return "[" + ", ".join(f"{v:.4g}" for v in t.tolist()) + "]" if torch.is_tensor(t) else _fmt(t)
 
@@ -137,7 +142,7 @@ def _judge(trial, inputs, observed, parts, where):
             hint = (f" The step was to be skipped (rank {trial['bad'][s][0]}'s gradient overflowed), but the shard "
                     f"changed: when you skip, do not call optimizer.step().")
         elif got.shape == want.shape and _close(got, before - LR * grad * scale_before[s]):
-            hint = (f" That is SGD on the gradient still multiplied by the scale {_fmt(scale_before[s])}: divide the "
+            hint = (f" That is SGD on the gradient still multiplied by the scale {_num(scale_before[s])}: divide the "
                     f"gradients by the scale (unscale) before optimizer.step().")
         elif got.shape == want.shape and _close(got, before):
             hint = " The shard did not move: this step should have run."
@@ -157,7 +162,7 @@ def _judge(trial, inputs, observed, parts, where):
             hint = " This step overflowed on some rank: the scale halves."
         else:
             hint = " The scale changes only after an overflow (halve) or after growth_interval good steps (double)."
-        parts.note("scale", f"after step {s + 1}, rank {r}'s scale is {_fmt(got)}, expected {_fmt(want_scales[s])}."
+        parts.note("scale", f"after step {s + 1}, rank {r}'s scale is {_num(got)}, expected {_num(want_scales[s])}."
                    f"{hint}", where)
         break
 
@@ -174,7 +179,7 @@ def check_loss_scaler(fn, seed: int, timeout: float) -> str:
 
         def describe(world_size, i, trials=trials):
             t = trials[i]
-            return (f"world_size={world_size}, init_scale={_fmt(t['init'])}, growth_interval={t['interval']}, "
+            return (f"world_size={world_size}, init_scale={_num(t['init'])}, growth_interval={t['interval']}, "
                     f"overflow at steps {sorted(s + 1 for s in t['bad'])}")
 
         def check(world_size, i, observed, traffic, trials=trials, inputs=inputs):
