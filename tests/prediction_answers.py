@@ -45,6 +45,10 @@ ANSWERS = {
         "my_tp_all_reduces": "12",
         "my_send_bytes": "16 * 1 * 32 * 8",
     },
+    "09b_mixed_precision": {
+        "my_zero_fp32_bytes": "(N - 1) / N * PSI * (4 + 2)",
+        "my_skipping_ranks": "3",
+    },
     "08_expert_parallel": {
         "my_prediction": "3 * 2 * 8 + 2 * 64 * 2 * 3 / 4 * 16 * 4",
         "my_prediction_received": "3 * 24 * 8 * 4 + 8 * 8 * 4 + 3 * 8",

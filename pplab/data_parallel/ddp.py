@@ -187,11 +187,14 @@ class DDP(nn.Module):
     broadcast_buffers: copy rank 0's buffers to every rank before each forward (as torch).
     group: the data-parallel ranks (None: every rank), e.g. a mesh's dp group; "rank 0" is then
     the group's first rank.
+    reduce_dtype: the dtype the buckets are all-reduced in (None: the parameters'). torch.float32 on a
+    bf16/fp16 model sums without rounding between the ranks' additions, at twice the bytes; the mean
+    is rounded once into .grad (pplab.mixed_precision.MasterWeights then steps fp32 copies).
     `ddp.buckets` lists each bucket's (parameter name, bytes), in launch order.
     """
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, overlap: bool = True,
-                 broadcast_buffers: bool = True, group=None):
+                 broadcast_buffers: bool = True, group=None, reduce_dtype=None):
         super().__init__()
         if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) \
                 or not math.isfinite(bucket_cap_mb) or bucket_cap_mb <= 0:
@@ -223,8 +226,10 @@ class DDP(nn.Module):
 
         # 2. Buckets: parameters in reverse order, a new bucket when the next would not fit.
         self._buckets = reverse_buckets(params, int(bucket_cap_mb * 2**20))
-        self._flat = [torch.empty(sum(p.numel() for _, p in b), dtype=b[0][1].dtype, device=b[0][1].device)
-                      for b in self._buckets]
+        if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):
+            raise ValueError(f"reduce_dtype must be a floating-point torch.dtype or None, got {reduce_dtype!r}")
+        self._flat = [torch.empty(sum(p.numel() for _, p in b), dtype=reduce_dtype or b[0][1].dtype,
+                                  device=b[0][1].device) for b in self._buckets]
 
         # 3. Hooks: tell us when each parameter's gradient is final.
         for i, bucket in enumerate(self._buckets):

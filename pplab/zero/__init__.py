@@ -17,8 +17,8 @@ ZeroOptimizer(..., master_dtype=torch.float32) on a bf16 model); plain fp32 Adam
 units of the model's bytes, as the ring algorithms send them ((N-1)/N of it per pass, taken
 as 1 in the formula's round numbers).
 
-    ZeroOptimizer       optimizer.py       stages 1 and 2, master_dtype, offload="cpu"; stage 3's optimizer
-    FullyShardedModule  fully_sharded.py   stage 3: per-unit gather, compute, free, prefetch
+    ZeroOptimizer       optimizer.py       stages 1 and 2, master_dtype, reduce_dtype, offload="cpu"; stage 3's optimizer
+    FullyShardedModule  fully_sharded.py   stage 3: per-unit gather, compute, free, prefetch; compute_dtype, reduce_dtype
     FlatBucket          flat.py            parameters end to end, padded, cut in N shards
 
 And to measure what the table promises, from the run itself:

@@ -32,6 +32,14 @@ the start of forward and kept until its gradient is final. Frozen parameters
 (requires_grad=False) are not sharded: every rank keeps them whole, like buffers. Units are
 prefetched in the order they are listed, which should be the order forward runs them.
 `state_dict()` gives the full model state on rank 0; `load_state_dict` takes it on every rank.
+
+**Mixed precision** (`compute_dtype=torch.bfloat16` or `torch.float16`): the shards stay in the
+model's own dtype (fp32): they are the *master weights* the optimizer steps. Each gather casts my
+shard to the compute dtype first, so the all-gathers carry 2 bytes per parameter and forward and
+backward run in 2 bytes; floating-point inputs, buffers and frozen parameters are cast to it too.
+`reduce_dtype` is what the gradients are summed in: the compute dtype (the default, 2 bytes on the
+wire) or torch.float32 (4 bytes, but no rounding between the ranks' additions, and no fp16
+overflow of a sum whose mean would fit). My shard of the mean lands in `shard.grad` in fp32.
 """
 from __future__ import annotations
 
@@ -52,12 +60,14 @@ from .optimizer import root_rank
 class _Unit:
     """One unit's flat buffer (released between uses), my shard of it, and where it stands."""
 
-    def __init__(self, index, name, named_params, world_size, rank):
+    def __init__(self, index, name, named_params, world_size, rank, compute_dtype=None):
         self.index, self.name = index, name
         self.bucket = FlatBucket([p for _, p in named_params], world_size, rank, [n for n, _ in named_params])
         self.full = self.bucket.flatten([p.detach() for _, p in named_params])
-        self.shard = nn.Parameter(self.bucket.shard(self.full).clone())
+        self.shard = nn.Parameter(self.bucket.shard(self.full).clone())     # in the model's dtype: the master
         self.shard._pplab_bucket, self.shard._pplab_zero = self.bucket, 3
+        if compute_dtype is not None:                  # what forward sees (and the all-gather carries)
+            self.full = self.full.to(compute_dtype)
         self.bucket.point_params_into(self.full)
         self.nbytes = self.bucket.padded * self.bucket.element_size
         self.full.untyped_storage().resize_(0)        # free: the parameters' storage is now 0 bytes
@@ -70,10 +80,14 @@ class FullyShardedModule(nn.Module):
 
     units: names of submodules to gather one at a time (default: the children with parameters).
     prefetch: start the next unit's all-gather while this one computes (True) or only when needed.
+    compute_dtype: the dtype of forward, backward and the all-gathers (None: the model's own);
+      the shards stay in the model's dtype (the fp32 master weights).
+    reduce_dtype: the dtype the gradients are reduce-scattered in (None: the compute dtype).
     Put the model on its device and in its dtype before wrapping it: the wrapper shards what it finds.
     """
 
-    def __init__(self, module: nn.Module, units=None, prefetch: bool = True, group=None):
+    def __init__(self, module: nn.Module, units=None, prefetch: bool = True, group=None,
+                 compute_dtype=None, reduce_dtype=None):
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError("FullyShardedModule needs torch.distributed: create it inside a function run "
@@ -84,7 +98,12 @@ class FullyShardedModule(nn.Module):
         if any(getattr(p, "_pplab_zero", None) for p in module.parameters()):
             raise RuntimeError("this model's parameters already belong to a ZeroOptimizer or "
                                "FullyShardedModule: wrap a fresh model (copy.deepcopy)")
+        for name, dtype in (("compute_dtype", compute_dtype), ("reduce_dtype", reduce_dtype)):
+            if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+                raise ValueError(f"{name} must be a floating-point torch.dtype (torch.bfloat16, torch.float16, "
+                                 f"torch.float32) or None, got {dtype!r}")
         object.__setattr__(self, "module", module)     # not a registered child: parameters() = shards
+        self.compute_dtype = compute_dtype
         self.group, self.prefetch = group, bool(prefetch)
         self.world_size, self.rank = comm.world_size(group), comm.rank(group)
         with torch.no_grad():                          # the same start: rank 0's values everywhere
@@ -114,12 +133,18 @@ class FullyShardedModule(nn.Module):
                 (own[next(iter(k))] if len(k) == 1 else root).append((name, p))
         self.units = []
         if root:
-            self.units.append(_Unit(0, "root", root, self.world_size, self.rank))
+            self.units.append(_Unit(0, "root", root, self.world_size, self.rank, compute_dtype))
         for n, named in zip(units, own):
             if named:
-                self.units.append(_Unit(len(self.units), n, named, self.world_size, self.rank))
+                self.units.append(_Unit(len(self.units), n, named, self.world_size, self.rank, compute_dtype))
         if not self.units:
             raise ValueError("the model has no parameter with requires_grad=True: nothing to shard")
+        self.reduce_dtype = reduce_dtype or self.units[0].full.dtype
+        if compute_dtype is not None:                  # what is not sharded computes in it too
+            with torch.no_grad():
+                for t in [p for p in module.parameters() if not p.requires_grad] + list(module.buffers()):
+                    if t.is_floating_point():
+                        t.data = t.data.to(compute_dtype)
         self.root = self.units[0] if root else None
         self.layers = [u for u in self.units if u is not self.root]     # gathered and freed per use
         self.shards = nn.ParameterList([u.shard for u in self.units])
@@ -143,7 +168,8 @@ class FullyShardedModule(nn.Module):
             return
         u.full.untyped_storage().resize_(u.nbytes)
         trace.hold(u.nbytes, f"gather {u.name}")
-        u.handle = comm.all_gather_into_tensor(u.full, u.shard.detach(), group=self.group, async_op=True)
+        mine = u.shard.detach().to(u.full.dtype)       # the compute dtype's copy of my master shard
+        u.handle = comm.all_gather_into_tensor(u.full, mine, group=self.group, async_op=True)
         u.handle.event.label, u.handle.event.meta["unit"] = f"AG{u.index}", u.name
         end_trace_when_done(u.handle)
         u.state = "gathering"
@@ -169,6 +195,8 @@ class FullyShardedModule(nn.Module):
     # Forward
 
     def forward(self, *args, **kwargs):
+        if self.compute_dtype is not None:
+            args = [a.to(self.compute_dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args]
         if self.root is not None:
             self._gather(self.root)
             self._wait(self.root)
@@ -225,11 +253,11 @@ class FullyShardedModule(nn.Module):
         if u is not self.root:
             trace.record(Event(comm.rank(), "B", "compute", u.compute_start or now(), now(), f"B{u.index}",
                                meta={"unit": u.name}))
-        grads = u.bucket.flatten([p.grad for p in u.bucket.params])
+        grads = u.bucket.flatten([p.grad for p in u.bucket.params], dtype=self.reduce_dtype)
         for p in u.bucket.params:
             p.grad = None                              # my shard of the sum is all I keep
         self._free(u)
-        out = torch.empty_like(u.shard, memory_format=torch.contiguous_format).detach()
+        out = torch.empty(u.bucket.shard_size, dtype=self.reduce_dtype, device=u.shard.device)
         h = reduce_scatter(out, grads, group=self.group)
         h.event.label, h.event.meta["unit"] = f"RS{u.index}", u.name
         end_trace_when_done(h)
@@ -241,6 +269,7 @@ class FullyShardedModule(nn.Module):
                 h.wait()
             for u, _, out in self._handles:
                 out.div_(self.world_size)              # the sum over ranks -> the mean
+                out = out.to(u.shard.dtype)            # into the master's dtype (no copy if the same)
                 u.shard.grad = out if u.shard.grad is None else u.shard.grad.add_(out)
             missing = [u.name for u in self.units if self._waiting[u.index]]
             if missing:
@@ -274,9 +303,22 @@ class FullyShardedModule(nn.Module):
                 self._free(u)
 
     def state_dict(self, *args, **kwargs):
-        """The full, unsharded state of the wrapped module on rank 0 ({} elsewhere); all ranks call it."""
-        with self.full_parameters():
-            return {k: v.detach().clone() for k, v in self.module.state_dict().items()} if self.rank == 0 else {}
+        """The full, unsharded state of the wrapped module on rank 0 ({} elsewhere); all ranks call it.
+        With a compute_dtype, the parameters come from the master shards (their dtype, not rounded)."""
+        if self.compute_dtype is None:
+            with self.full_parameters():
+                return {k: v.detach().clone() for k, v in self.module.state_dict().items()} if self.rank == 0 else {}
+        masters = {}
+        for u in self.units:                           # all-gather the master shards themselves
+            full = torch.empty(u.bucket.padded, dtype=u.shard.dtype, device=u.shard.device)
+            h = comm.all_gather_into_tensor(full, u.shard.detach(), group=self.group, async_op=True)
+            h.event.label = f"master{u.index}"
+            h.wait()
+            masters.update(zip(map(id, u.bucket.params), u.bucket.views(full)))
+        if self.rank != 0:
+            return {}
+        state = self.module.state_dict(keep_vars=True)          # a tied parameter under each of its names
+        return {k: masters.get(id(v), v).detach().clone() for k, v in state.items()}
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load a full state (the same dict on every rank): each rank keeps its shard of it."""

@@ -30,6 +30,8 @@ elements, and only it updates them.
   model, its gradients and the collectives stay in 2 bytes, and each rank keeps an fp32 master
   copy of its shard only, which the optimizer steps; the result is rounded back into the shard
   before the all-gather. Per parameter: 2 + 2 bytes, and K = 4 + 8 of optimizer state, split.
+  `reduce_dtype=torch.float32` reduce-scatters the gradients in fp32 (twice the bytes, no rounding
+  between the ranks' additions); my shard's mean then stays fp32 all the way into the master.
 * `offload="cpu"` (stages 1, 2; ZeRO-Offload): the fp32 master copy of the shard and the
   optimizer state live on the CPU. Each step copies the shard's gradient device -> CPU, steps
   there, and copies the updated shard CPU -> device before the all-gather. The copies appear in
@@ -79,11 +81,12 @@ class ZeroOptimizer:
       (benchmarks/zero.py: 0.95-1.06x torch's time at 4 MB, 1.27-1.51x at 25 MB on 2 cores).
     offload: None or "cpu" (stages 1, 2).
     master_dtype: the dtype the optimizer steps in (stages 1, 2); None = the parameters' own.
+    reduce_dtype: the dtype the gradients are reduce-scattered in (stages 1, 2); None = the parameters'.
     group: the process group to shard over (None: every rank). Other keywords go to optimizer_class.
     """
 
     def __init__(self, params, optimizer_class, stage: int = 1, *, bucket_cap_mb: float = 4,
-                 offload: str | None = None, master_dtype=None, group=None, **defaults):
+                 offload: str | None = None, master_dtype=None, reduce_dtype=None, group=None, **defaults):
         if stage not in (1, 2, 3):
             raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
         if offload not in (None, "cpu"):
@@ -92,6 +95,10 @@ class ZeroOptimizer:
             raise ValueError("offload='cpu' is implemented for stages 1 and 2: use stage=2 to offload")
         if master_dtype is not None and stage == 3:
             raise ValueError("master_dtype is implemented for stages 1 and 2: leave it out for stage 3")
+        if reduce_dtype is not None and stage == 3:
+            raise ValueError("at stage 3 FullyShardedModule reduces the gradients: pass reduce_dtype to it instead")
+        if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):
+            raise ValueError(f"reduce_dtype must be a floating-point torch.dtype or None, got {reduce_dtype!r}")
         if not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0):
             raise ValueError(f"bucket_cap_mb must be a number of MiB > 0, got {bucket_cap_mb!r}")
         if not dist.is_initialized():
@@ -109,7 +116,7 @@ class ZeroOptimizer:
                                "already averages the gradients: ZeroOptimizer averages them itself "
                                "(reduce-scatter, the same 2Ψ of traffic), so it would average twice. Give "
                                "ZeroOptimizer the bare model's parameters (no DDP)")
-        self.stage, self.offload, self.group = stage, offload, group
+        self.stage, self.offload, self.group, self.reduce_dtype = stage, offload, group, reduce_dtype
         self.world_size, self.rank = comm.world_size(group), comm.rank(group)
         sharded = [hasattr(p, "_pplab_bucket") for p in self.params]
         if stage == 3:
@@ -181,11 +188,12 @@ class ZeroOptimizer:
     def _reduce_scatter(self, i: int):
         """Start the reduce-scatter of bucket i's gradients; returns (i, handle, my shard's sum)."""
         b = self.buckets[i]
-        full = b.flatten([p.grad for p in b.params])
+        dtype = self.reduce_dtype or b.dtype
+        full = b.flatten([p.grad for p in b.params], dtype=dtype)
         if self.stage == 2:
             for p in b.params:           # stage 2 keeps no full gradient: my shard is all I need
                 p.grad = None
-        out = torch.empty(b.shard_size, dtype=b.dtype, device=b.device)
+        out = torch.empty(b.shard_size, dtype=dtype, device=b.device)
         h = reduce_scatter(out, full, group=self.group)
         h.event.label = f"RS{i}"
         end_trace_when_done(h)
