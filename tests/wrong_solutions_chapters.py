@@ -153,25 +153,104 @@ def reduce_scatter_last_rank_keeps_own_chunk(output, input):
     output.copy_(input.view(-1).split(output.numel())[rank] if rank == p - 1 else chunks[rank])
 
 
-def predict_bandwidth_term_halved(alpha, beta, p, n_bytes):
-    """Right when beta = 0 (latency only), wrong whenever bandwidth counts."""
-    return 2 * (p - 1) * alpha + (p - 1) / p * n_bytes * beta
+def _quick(tries):
+    return sorted(tries)[(len(tries) - 1) // 4]
 
 
-def predict_forgets_factor_two(alpha, beta, p, n_bytes):
-    return (p - 1) * (alpha + n_bytes / p * beta)
+def _relative_fit(sizes, times):
+    """α, β of the line α + nβ that minimises the relative error (weights 1/t²), as the solution."""
+    w = [1 / t ** 2 for t in times]
+    sw, sn, st = sum(w), sum(a * n for a, n in zip(w, sizes)), sum(a * t for a, t in zip(w, times))
+    snn, snt = sum(a * n * n for a, n in zip(w, sizes)), sum(a * n * t for a, n, t in zip(w, sizes, times))
+    det = sw * snn - sn * sn
+    return (st * snn - sn * snt) / det, (sw * snt - sn * st) / det
 
 
-def predict_p_instead_of_p_minus_one(alpha, beta, p, n_bytes):
-    return 2 * p * (alpha + n_bytes / p * beta)
+def _fit(timings):
+    sizes = sorted(timings)
+    return _relative_fit(sizes, [_quick(timings[n]) for n in sizes])
 
 
-def predict_whole_tensor_each_step(alpha, beta, p, n_bytes):
-    return 2 * (p - 1) * (alpha + n_bytes * beta)
+def predict_forgets_factor_two(timings, p, n_bytes):
+    alpha, beta = _fit(timings)
+    return alpha, beta, (p - 1) * (alpha + n_bytes / p * beta)
 
 
-def predict_with_costmodel(alpha, beta, p, n_bytes):
-    return costmodel.predict("all_reduce", "ring", p, n_bytes, alpha, beta)
+def predict_p_instead_of_p_minus_one(timings, p, n_bytes):
+    alpha, beta = _fit(timings)
+    return alpha, beta, 2 * p * (alpha + n_bytes / p * beta)
+
+
+def predict_whole_tensor_each_step(timings, p, n_bytes):
+    alpha, beta = _fit(timings)
+    return alpha, beta, 2 * (p - 1) * (alpha + n_bytes * beta)
+
+
+def predict_returns_only_seconds(timings, p, n_bytes):
+    alpha, beta = _fit(timings)
+    return 2 * (p - 1) * (alpha + n_bytes / p * beta)
+
+
+def _ring(alpha, beta, p, n_bytes):
+    return alpha, beta, 2 * (p - 1) * (alpha + n_bytes / p * beta)
+
+
+def predict_fits_the_means(timings, p, n_bytes):
+    """The mean of each size's tries: a few held-up tries drag it far up for small messages."""
+    sizes = sorted(timings)
+    return _ring(*_relative_fit(sizes, [sum(timings[n]) / len(timings[n]) for n in sizes]), p, n_bytes)
+
+
+def _least_squares(xs, ys):
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    beta = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - beta * mx, beta
+
+
+def predict_fits_every_try(timings, p, n_bytes):
+    """numpy.polyfit through every try, held-up ones too."""
+    import numpy as np
+    xs = [n for n in timings for _ in timings[n]]
+    ys = [t for n in timings for t in timings[n]]
+    beta, alpha = np.polyfit(xs, ys, 1)
+    return _ring(alpha, beta, p, n_bytes)
+
+
+def predict_ordinary_least_squares(timings, p, n_bytes):
+    """Medians, then a plain least-squares line: the largest messages' jitter decides α."""
+    import statistics
+    sizes = sorted(timings)
+    return _ring(*_least_squares(sizes, [statistics.median(timings[n]) for n in sizes]), p, n_bytes)
+
+
+def predict_line_through_origin(timings, p, n_bytes):
+    """t = nβ: no latency term."""
+    sizes = sorted(timings)
+    times = [_quick(timings[n]) for n in sizes]
+    return _ring(0.0, sum(n * t for n, t in zip(sizes, times)) / sum(n * n for n in sizes), p, n_bytes)
+
+
+def predict_swaps_alpha_beta(timings, p, n_bytes):
+    alpha, beta = _fit(timings)
+    return beta, alpha, 2 * (p - 1) * (alpha + n_bytes / p * beta)
+
+
+def predict_doubles_the_one_way_times(timings, p, n_bytes):
+    """Takes the one-way times for halves of a round trip and doubles them."""
+    alpha, beta = _fit(timings)
+    return _ring(2 * alpha, 2 * beta, p, n_bytes)
+
+
+def predict_with_costmodel(timings, p, n_bytes):
+    alpha, beta = _fit(timings)
+    return alpha, beta, costmodel.predict("all_reduce", "ring", p, n_bytes, alpha, beta)
+
+
+def predict_with_costfit(timings, p, n_bytes):
+    from pplab import costfit
+    sizes = sorted(timings)
+    alpha, beta = costfit._fit_line(sizes, [_quick(timings[n]) for n in sizes])
+    return _ring(alpha, beta, p, n_bytes)
 
 
 # ----------------------------------------------------------------------------------
@@ -423,7 +502,9 @@ def bubble_from_library(p, m, v):
 
 AR_TRIAL = r"^world_size=\d, dtype=(float32|int64), shape=\([\d, ]*\): "
 RS_TRIAL = r"^world_size=\d, dtype=(float32|int64), elements per rank=\d+: "
-PREDICT = r"^alpha=[\d.e+-]+ s, beta=[\d.e+-]+ s/B, p=\d+, n_bytes=[\d,]+: predict_\w+\(\.\.\.\) is [\d.e+-]+, expected "
+TIMINGS = r"^timings \d \(\d sizes, [\d,]+ to [\d,]+ bytes, \d+ tries each\), "
+FIT = TIMINGS + r"you fitted α = [\d.e+-]+ µs and β = [\d.e+-]+ s/B, the timings were drawn from "
+PREDICTION = TIMINGS + r"p=\d+, n_bytes=[\d,]+: you predict [\d.e+-]+ s, but your own α and β give "
 DDP_TRIAL = r"^world_size=[23], MLP widths \[[\d, ]+\], cap_bytes=\d+: "
 PIPE = r"^p=\d stages, m=\d+ micro-batch(es)?: "
 TOPK = r"^d=\d+, k=\d+, step \d of a run that starts from memory = 0: "
@@ -466,14 +547,25 @@ WRONG = {
           r"input as it was"], None),
     ],
     "predict_time": [
-        (predict_forgets_factor_two, [PREDICT, r"That is half the right time: a ring all-reduce is a reduce-scatter"],
+        (predict_forgets_factor_two, [PREDICTION, r"That is half the right time: a ring all-reduce is a reduce-scatter",
+                                      r"Parts: fit ✔ · prediction ✘ \(1 of 2\)"], None),
+        (predict_p_instead_of_p_minus_one, [PREDICTION, r"That is (p where p-1 belongs|2p·α)"], None),
+        (predict_whole_tensor_each_step, [PREDICTION, r"That is (2\(p-1\)\(α \+ Nβ\)|2N·β)", r"one chunk of N/p bytes"],
          None),
-        (predict_p_instead_of_p_minus_one, [PREDICT, r"That is (p where p-1 belongs|2p·α)"], None),
-        (predict_whole_tensor_each_step, [r"That is (2\(p-1\)\(α \+ Nβ\)|2N·β)", r"one chunk of N/p bytes"], None),
-        (predict_bandwidth_term_halved,
-         [PREDICT, r"(A ring all-reduce takes 2\(p-1\)·α \+ 2\(p-1\)/p·N·β\.|That is half the right time)"], None),
+        (predict_returns_only_seconds, [r"^predict_returns_only_seconds must return \(alpha, beta, seconds\): three "
+                                        r"numbers"], None),
+        (predict_fits_the_means, [FIT, r"That is the line through each size's \*mean\*", r"Take each size's median",
+                                  r"Parts: fit ✘ · prediction ✔ \(1 of 2\)"], None),
+        (predict_fits_every_try, [FIT, r"That is a least-squares line through every try, the held-up ones too"], None),
+        (predict_ordinary_least_squares, [FIT, r"That is ordinary least squares through the medians: it weighs each "
+                                               r"size by its absolute error"], None),
+        (predict_line_through_origin, [FIT, r"α = 0 is a line through the origin"], None),
+        (predict_swaps_alpha_beta, [FIT, r"You swapped them: return \(alpha, beta\)"], None),
+        (predict_doubles_the_one_way_times, [FIT, r"That is twice both: the timings are already one way"], None),
         (predict_with_costmodel,
-         [r"^exercise 'predict_time' asks you to work out the time yourself; you use pplab\.costmodel"], None),
+         [r"^exercise 'predict_time' asks you to work out the fit and the time yourself; you use pplab\.costmodel"],
+         None),
+        (predict_with_costfit, [r"^exercise 'predict_time' .* you use pplab\.costmodel or pplab\.costfit"], None),
     ],
     "ddp_buckets": [
         (ddp_buckets_in_forward_order,
