@@ -160,8 +160,8 @@ def test_wrong_signatures_and_answers_that_are_not_numbers():
         checks.run_check("gpipe_order", gpipe_order).message
     assert "pass your function itself: pplab.check('reduce_scatter', my_reduce_scatter)" in \
         checks.run_check("reduce_scatter", 3).message
-    message = checks.run_check("bubble_fraction", lambda p, m, v: "3/8").message
-    assert "should be a number, got str '3/8'" in message
+    message = checks.run_check("bubble_fraction", lambda timeline: "3/8").message
+    assert "must return a dict with 'per_rank', 'overall' and 'idle'; got '3/8'" in message
     message = checks.run_check("predict_time", lambda timings, p, n_bytes: 1 / 0).message
     assert re.search(r"raised ZeroDivisionError: division by zero \(in <lambda>, line \d+", message)
     message = checks.run_check("1f1b_order", lambda p, m: [["F0"]] * (p - 1)).message

@@ -479,25 +479,88 @@ def one_f_one_b_last_rank_warms_up(num_stages, num_microbatches):
     return _one_f_one_b(num_stages, num_microbatches, lambda p, r: p - 1 - r if r < p - 1 else 1)
 
 
-def bubble_wrong_when_chunked(p, m, v):
-    """Right for v = 1; with v > 1 it adds v - 1 to m instead of multiplying."""
-    return (p - 1) / (m + v - 1)
+def _bubble_report(p, begin, end, busy, first, last, overall=None):
+    """The answer's dict from the step [begin, end] and each rank's busy time and first/last action."""
+    idle = [(end - begin) - b for b in busy]
+    per = [i / b for i, b in zip(idle, busy)]
+    where = [(first[r] - begin, idle[r] - (first[r] - begin) - (end - last[r]), end - last[r]) for r in range(p)]
+    return {"per_rank": per, "overall": sum(idle) / sum(busy) if overall is None else overall, "idle": where}
 
 
-def bubble_ignores_v(p, m, v):
-    return (p - 1) / m
+def _bubble_spans(timeline, keep=lambda e: e.category == "compute"):
+    """(p, begin, end, busy, first, last) over the events `keep` accepts."""
+    spans = [e for e in timeline.events if keep(e)]
+    p = timeline.world_size
+    begin, end = min(e.start for e in spans), max(e.end for e in spans)
+    busy = [sum(e.end - e.start for e in spans if e.rank == r) for r in range(p)]
+    first = [min(e.start for e in spans if e.rank == r) for r in range(p)]
+    last = [max(e.end for e in spans if e.rank == r) for r in range(p)]
+    return p, begin, end, busy, first, last
 
 
-def bubble_p_over_m(p, m, v):
-    return p / (v * m)
+def bubble_from_the_formula(timeline):
+    """(p-1)/m on every rank, m counted from rank 0's forwards: right only for even stages."""
+    p = timeline.world_size
+    m = sum(1 for e in timeline.events if e.rank == 0 and e.kind == "F")
+    right = _bubble_report(*_bubble_spans(timeline))
+    return {**right, "per_rank": [(p - 1) / m] * p, "overall": (p - 1) / m}
 
 
-def bubble_idle_over_total(p, m, v):
-    return (p - 1) / (v * m + p - 1)
+def bubble_own_window(timeline):
+    """Each rank's idle time between its own first and last action: the fill and drain go missing."""
+    p, begin, end, busy, first, last = _bubble_spans(timeline)
+    right = _bubble_report(p, begin, end, busy, first, last)
+    return {**right, "per_rank": [(last[r] - first[r] - busy[r]) / busy[r] for r in range(p)]}
 
 
-def bubble_from_library(p, m, v):
-    return pplab.pipeline.bubble_fraction(p, m, v)
+def bubble_counts_recv_as_busy(timeline):
+    """Every event but memory counted as busy: a rank blocked in recv looks busy."""
+    return _bubble_report(*_bubble_spans(timeline, lambda e: e.category != "memory"))
+
+
+def bubble_from_time_zero(timeline):
+    p, begin, end, busy, first, last = _bubble_spans(timeline)
+    return _bubble_report(p, 0.0, end, busy, first, last)
+
+
+def bubble_idle_over_total(timeline):
+    p, begin, end, busy, first, last = _bubble_spans(timeline)
+    right = _bubble_report(p, begin, end, busy, first, last)
+    idle = [(end - begin) - b for b in busy]
+    return {**right, "per_rank": [i / (end - begin) for i in idle], "overall": sum(idle) / (p * (end - begin))}
+
+
+def bubble_only_forward_and_backward(timeline):
+    """F and B counted, the I and W of a zero-bubble schedule left out."""
+    p, begin, end, busy, first, last = _bubble_spans(timeline)
+    fb = _bubble_spans(timeline, lambda e: e.category == "compute" and e.kind in ("F", "B"))[3]
+    return _bubble_report(p, begin, end, fb, first, last)
+
+
+def bubble_mean_of_ranks(timeline):
+    right = _bubble_report(*_bubble_spans(timeline))
+    return {**right, "overall": sum(right["per_rank"]) / len(right["per_rank"])}
+
+
+def bubble_skips_last_rank(timeline):
+    right = _bubble_report(*_bubble_spans(timeline))
+    return {**right, "per_rank": right["per_rank"][:-1]}
+
+
+def bubble_fill_from_time_zero(timeline):
+    """The fill measured from time 0 instead of from the step's first action."""
+    right = _bubble_report(*_bubble_spans(timeline))
+    p, begin, end, busy, first, last = _bubble_spans(timeline)
+    return {**right, "idle": [(first[r], b, a) for r, (_, b, a) in enumerate(right["idle"])]}
+
+
+def bubble_returns_the_fraction_only(timeline):
+    return _bubble_report(*_bubble_spans(timeline))["overall"]
+
+
+def bubble_with_timeline_busy(timeline):
+    p, begin, end, busy, first, last = _bubble_spans(timeline)
+    return _bubble_report(p, begin, end, [timeline.busy(r) for r in range(p)], first, last)
 
 
 AR_TRIAL = r"^world_size=\d, dtype=(float32|int64), shape=\([\d, ]*\): "
@@ -507,6 +570,7 @@ FIT = TIMINGS + r"you fitted α = [\d.e+-]+ µs and β = [\d.e+-]+ s/B, the timi
 PREDICTION = TIMINGS + r"p=\d+, n_bytes=[\d,]+: you predict [\d.e+-]+ s, but your own α and β give "
 DDP_TRIAL = r"^world_size=[23], MLP widths \[[\d, ]+\], cap_bytes=\d+: "
 PIPE = r"^p=\d stages, m=\d+ micro-batch(es)?: "
+TRACE = r"^(gpipe|1f1b|interleaved-1f1b|zb-h1) trace, p=\d, m=\d+(, v=2)?(, [\d.]+ ms between ranks)?, "
 TOPK = r"^d=\d+, k=\d+, step \d of a run that starts from memory = 0: "
 WRONG = {
     "ring_all_reduce": [
@@ -643,15 +707,24 @@ WRONG = {
           r"micro-batch \d out of range 0\.\.\d"], None),
     ],
     "bubble_fraction": [
-        (bubble_wrong_when_chunked, [r"^p=\d+, m=\d+, v=[2-8]: bubble_wrong_when_chunked\(\d+, \d+, \d\) is ",
-                                     r"The fill and the drain cost \(p-1\)\(t_f\+t_b\)/v"], None),
-        (bubble_ignores_v, [r"^p=\d+, m=\d+, v=[2-8]: bubble_ignores_v\(\d+, \d+, \d\) is [\d.e+-]+, expected ",
-                            r"That is \(p-1\)/m, which leaves out v"], None),
-        (bubble_p_over_m, [r"^p=\d+, m=\d+, v=1: ", r"That is p/\(v·m\): filling a pipeline of p stages takes p-1 "
-                                                    r"steps, not p"], None),
-        (bubble_idle_over_total, [r"That is idle time / total time; the bubble fraction here is idle time / "
-                                  r"useful time"], None),
-        (bubble_from_library, [r"^exercise 'bubble_fraction' asks you to work out the bubble fraction yourself; "
-                               r"you use pplab\.pipeline\.bubble_fraction"], None),
+        (bubble_from_the_formula, [TRACE, r"rank \d's bubble fraction is [\d.]+, the trace says [\d.]+\. That is the "
+                                          r"formula \(p-1\)/\(v·m\)", r"Parts: per rank ✘ · overall ✘"], None),
+        (bubble_own_window, [TRACE, r"That is each rank's idle time between its own first and last action only"],
+         None),
+        (bubble_counts_recv_as_busy, [TRACE, r"That is the recv events counted as busy"], None),
+        (bubble_from_time_zero, [TRACE, r"That is a step that starts at time 0"], None),
+        (bubble_idle_over_total, [TRACE, r"That is idle / total time; the bubble fraction here is idle / useful"],
+         None),
+        (bubble_only_forward_and_backward, [r"^zb-h1 trace, p=\d, m=\d+, ", r"That is only F and B counted as compute"],
+         None),
+        (bubble_mean_of_ranks, [TRACE, r"That is the mean of the ranks' fractions",
+                                r"Parts: per rank ✔ · overall ✘ · fill and drain ✔ \(2 of 3\)"], None),
+        (bubble_skips_last_rank, [TRACE, r"'per_rank' should hold one fraction per rank, \d of them"], None),
+        (bubble_fill_from_time_zero, [TRACE, r"rank 0 idles [\d.]+ s before its first action \(the fill\), the trace "
+                                             r"says 0 s", r"fill and drain ✘ \(2 of 3\)"], None),
+        (bubble_returns_the_fraction_only, [r"^bubble_returns_the_fraction_only must return a dict with 'per_rank', "
+                                            r"'overall' and 'idle'"], None),
+        (bubble_with_timeline_busy, [r"^exercise 'bubble_fraction' asks you to work out the bubble yourself; you use "
+                                     r"pplab's own measure"], None),
     ],
 }
