@@ -59,9 +59,11 @@ def topk_int32_any_order(grad, memory, k):
     return a[indices.long()], indices, new_memory
 
 
-def gpipe_as_strings_backwards_newest_first(num_stages, num_microbatches):
-    m = num_microbatches
-    return [[f"F{i}" for i in range(m)] + [f"B{i}" for i in reversed(range(m))] for _ in range(num_stages)]
+def gpipe_as_strings_backwards_newest_first(num_ranks, num_microbatches, chunks):
+    """Strings "F3.1" (micro-batch 3, chunk 1), and every chunk's backwards newest first."""
+    m, v = num_microbatches, chunks
+    return [[f"F{i}.{c}" for c in range(v) for i in range(m)] +
+            [f"B{i}.{c}" for c in reversed(range(v)) for i in reversed(range(m))] for _ in range(num_ranks)]
 
 
 def one_f_one_b_from_the_library(num_stages, num_microbatches):
@@ -156,7 +158,7 @@ def test_wrong_signatures_and_answers_that_are_not_numbers():
     def gpipe_order(p):
         return []
 
-    assert "gpipe_order must take (num_stages, num_microbatches); yours takes (p)" in \
+    assert "gpipe_order must take (num_ranks, num_microbatches, chunks); yours takes (p)" in \
         checks.run_check("gpipe_order", gpipe_order).message
     assert "pass your function itself: pplab.check('reduce_scatter', my_reduce_scatter)" in \
         checks.run_check("reduce_scatter", 3).message
@@ -166,5 +168,5 @@ def test_wrong_signatures_and_answers_that_are_not_numbers():
     assert re.search(r"raised ZeroDivisionError: division by zero \(in <lambda>, line \d+", message)
     message = checks.run_check("1f1b_order", lambda p, m: [["F0"]] * (p - 1)).message
     assert "must return one list of actions per rank" in message
-    message = checks.run_check("gpipe_order", lambda p, m: [[("X", 0)]] * p).message
-    assert "('X', 0) is not an action: write ('F', i) or ('B', i)" in message
+    message = checks.run_check("gpipe_order", lambda p, m, v: [[("X", 0)]] * p).message
+    assert "('X', 0) is not an action: write ('F', i) or ('F', i, chunk)" in message

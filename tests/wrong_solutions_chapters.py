@@ -400,38 +400,85 @@ def topk_sends_grad_values(grad, memory, k):
 # Chapter 4: pipeline schedules and the bubble
 
 
-def gpipe_backwards_first(num_stages, num_microbatches):
+def _gpipe(p, m, v):
+    """Right: per rank, ("F", i, chunk) through chunk 0, 1, ..., then ("B", i, chunk), chunks in reverse."""
+    return [[("F", i, c) for c in range(v) for i in range(m)] + [("B", i, c) for c in reversed(range(v))
+                                                                  for i in range(m)] for _ in range(p)]
+
+
+def gpipe_backwards_first(num_ranks, num_microbatches, chunks):
     """Backwards listed before forwards: rank 0 waits for its own forward, forever."""
-    m = num_microbatches
-    return [[("B", i) for i in range(m)] + [("F", i) for i in range(m)] for _ in range(num_stages)]
+    return [row[len(row) // 2:] + row[:len(row) // 2] for row in _gpipe(num_ranks, num_microbatches, chunks)]
 
 
-def gpipe_missing_last_microbatch(num_stages, num_microbatches):
-    m = num_microbatches - 1                         # range(m - 1): one short
-    return [[("F", i) for i in range(m)] + [("B", i) for i in range(m)] for _ in range(num_stages)]
+def gpipe_missing_last_microbatch(num_ranks, num_microbatches, chunks):
+    return [[a for a in row if a[1] < num_microbatches - 1] for row in _gpipe(num_ranks, num_microbatches, chunks)]
 
 
-def gpipe_everything_on_stage_zero(num_stages, num_microbatches):
+def gpipe_everything_on_stage_zero(num_ranks, num_microbatches, chunks):
     """pplab.pipeline.Action with stage 0 on every rank: stage r lives on rank r."""
     from pplab.pipeline import Action    # here, not at the top: pplab.pipeline is slow to import
 
     m = num_microbatches
     return [[Action("F", i, 0) for i in range(m)] + [Action("B", i, 0) for i in range(m)]
-            for _ in range(num_stages)]
+            for _ in range(num_ranks)]
 
 
-def gpipe_last_rank_backwards_reversed(num_stages, num_microbatches):
+def gpipe_last_rank_backwards_reversed(num_ranks, num_microbatches, chunks):
     """The last rank runs its backwards newest first, the others oldest first: valid, slower."""
     m = num_microbatches
-    order = [[f"F{i}" for i in range(m)] + [f"B{i}" for i in range(m)] for _ in range(num_stages)]
+    order = [[f"F{i}" for i in range(m)] + [f"B{i}" for i in range(m)] for _ in range(num_ranks)]
     order[-1] = [f"F{i}" for i in range(m)] + [f"B{i}" for i in reversed(range(m))]
     return order
 
 
-def gpipe_drops_last_when_few_microbatches(num_stages, num_microbatches):
+def gpipe_drops_last_when_few_microbatches(num_ranks, num_microbatches, chunks):
     """Right when m >= p; with fewer micro-batches than stages it forgets the last one."""
-    m = num_microbatches - (num_microbatches < num_stages)
-    return [[("F", i) for i in range(m)] + [("B", i) for i in range(m)] for _ in range(num_stages)]
+    m = num_microbatches - (num_microbatches < num_ranks)
+    return _gpipe(num_ranks, m, chunks)
+
+
+def gpipe_as_1f1b(num_ranks, num_microbatches, chunks):
+    return _one_f_one_b(num_ranks, num_microbatches, lambda p, r: p - 1 - r)
+
+
+def gpipe_ignores_chunks(num_ranks, num_microbatches, chunks):
+    return _gpipe(num_ranks, num_microbatches, 1)
+
+
+def gpipe_looped_depth_first(num_ranks, num_microbatches, chunks):
+    """Each micro-batch through all of the rank's chunks before the next one starts."""
+    p, m, v = num_ranks, num_microbatches, chunks
+    return [[("F", i, c) for i in range(m) for c in range(v)] + [("B", i, c) for c in reversed(range(v))
+                                                                  for i in range(m)] for _ in range(p)]
+
+
+def gpipe_looped_consecutive_stages(num_ranks, num_microbatches, chunks):
+    """Rank r holds stages r·v .. r·v + v - 1: a micro-batch crosses all of them before rank r + 1 starts."""
+    from pplab.pipeline import Action, Schedule
+
+    p, m, v = num_ranks, num_microbatches, chunks
+    actions = [[Action(kind, i, r * v + c, c) for kind, i, c in row] for r, row in enumerate(_gpipe(p, m, v))]
+    return Schedule("gpipe", p, m, v, actions, [s // v for s in range(p * v)])
+
+
+def gpipe_looped_backwards_in_chunk_order(num_ranks, num_microbatches, chunks):
+    """Backwards through chunk 0 first: its gradient comes from the last stage, through chunk 1."""
+    p, m, v = num_ranks, num_microbatches, chunks
+    return [[("F", i, c) for c in range(v) for i in range(m)] + [("B", i, c) for c in range(v) for i in range(m)]
+            for _ in range(p)]
+
+
+def gpipe_schedule_with_one_chunk(num_ranks, num_microbatches, chunks):
+    """A Schedule built with chunks=1 whatever it was asked."""
+    from pplab.pipeline import Action, Schedule
+
+    actions = [[Action(kind, i, r) for kind, i, _ in row] for r, row in enumerate(_gpipe(num_ranks, num_microbatches, 1))]
+    return Schedule("gpipe", num_ranks, num_microbatches, 1, actions, list(range(num_ranks)))
+
+
+def gpipe_from_the_library(num_ranks, num_microbatches, chunks):
+    return pplab.pipeline.make_schedule("gpipe", num_ranks, num_microbatches)
 
 
 def _one_f_one_b(p, m, warmup):
@@ -443,10 +490,6 @@ def _one_f_one_b(p, m, warmup):
             acts += [("F", w + i), ("B", i)]
         order.append(acts + [("B", i) for i in range(m - w, m)])
     return order
-
-
-def gpipe_as_1f1b(num_stages, num_microbatches):
-    return _one_f_one_b(num_stages, num_microbatches, lambda p, r: p - 1 - r)
 
 
 def one_f_one_b_as_gpipe(num_stages, num_microbatches):
@@ -570,6 +613,8 @@ FIT = TIMINGS + r"you fitted α = [\d.e+-]+ µs and β = [\d.e+-]+ s/B, the timi
 PREDICTION = TIMINGS + r"p=\d+, n_bytes=[\d,]+: you predict [\d.e+-]+ s, but your own α and β give "
 DDP_TRIAL = r"^world_size=[23], MLP widths \[[\d, ]+\], cap_bytes=\d+: "
 PIPE = r"^p=\d stages, m=\d+ micro-batch(es)?: "
+GPIPE = r"^p=\d stages, m=\d+ micro-batch(es)?, "
+LOOPED = r"^p=\d stages, m=\d+ micro-batch(es)?, v=[23] chunks per rank, "
 TRACE = r"^(gpipe|1f1b|interleaved-1f1b|zb-h1) trace, p=\d, m=\d+(, v=2)?(, [\d.]+ ms between ranks)?, "
 TOPK = r"^d=\d+, k=\d+, step \d of a run that starts from memory = 0: "
 WRONG = {
@@ -675,21 +720,37 @@ WRONG = {
     ],
     "gpipe_order": [
         (gpipe_backwards_first,
-         [PIPE, r"this schedule cannot run as a training step\. deadlock in 'gpipe_backwards_first'",
+         [GPIPE, r"this schedule cannot run as a training step\. deadlock in 'gpipe_backwards_first'",
           r"rank 0 is stuck at step 0 \(B0 of stage 0\), waiting for F0 of stage 0, which it runs itself later"],
          None),
         (gpipe_missing_last_microbatch,
-         [PIPE, r"is not one full training step:\n  F\d+ of stage 0 appears 0 times, not once"], None),
+         [GPIPE, r"is not one full training step:\n  F\d+ of stage 0 appears 0 times, not once"], None),
         (gpipe_everything_on_stage_zero,
-         [PIPE, r"rank 1, step 0: F0 of stage 0 is on rank 1, but stage 0 lives on rank 0"], None),
+         [GPIPE, r"rank 1, step 0: F0 of stage 0 is on rank 1, but stage 0 lives on rank 0"], None),
         (gpipe_last_rank_backwards_reversed,
-         [PIPE, r"your schedule takes \d+ time units \(t_f = 1, t_b = 2\), GPipe takes \(m \+ p - 1\)\(t_f \+ t_b\) "
-          r"= \d+\. Rank \d sits idle for \d+ of them \(GPipe: \d+\)"], None),
+         [GPIPE, r"your schedule takes \d+ time units \(t_f = 1, t_b = 2, a chunk 1/v of them\), GPipe takes "
+          r"\(m \+ p - 1\)\(t_f \+ t_b\) = \d+\. Rank \d sits idle for \d+ of them \(the reference: \d+\)"], None),
         (gpipe_drops_last_when_few_microbatches,
-         [r"^p=(\d) stages, m=\d+ micro-batch(es)?: ", r"F\d+ of stage 0 appears 0 times, not once"], None),
+         [r"^p=(\d) stages, m=\d+ micro-batch(es)?, ", r"F\d+ of stage 0 appears 0 times, not once"], None),
         (gpipe_as_1f1b,
-         [PIPE, r"rank \d holds \d micro-batches' activations at its peak, fewer than GPipe's \d+: GPipe runs all "
-          r"m = \d+ forwards before any backward"], None),
+         [GPIPE, r"rank \d runs B0 before F\d+: GPipe runs every forward of the step before any backward"], None),
+        (gpipe_ignores_chunks,
+         [LOOPED, r"is not one full training step:\n  F0 of stage \d+ appears 0 times",
+          r"Parts: GPipe ✔ · looped GPipe ✘ \(1 of 2\)"], None),
+        (gpipe_looped_depth_first,
+         [LOOPED, r"your schedule takes [\d.]+ time units", r"looped GPipe takes \(v·m \+ p - 1 \+ \(v-1\)·max\(0, p-m\)\)",
+          r"Breadth first: all m micro-batches through chunk 0"], None),
+        (gpipe_looped_consecutive_stages,
+         [LOOPED, r"Rank 0 holds stages 0 to [12], one after another", r"stage = chunk·p \+ rank"], None),
+        (gpipe_looped_backwards_in_chunk_order,
+         [LOOPED, r"this schedule cannot run as a training step\. deadlock", r"waiting for B0 \(or I0\) of stage \d"],
+         None),
+        (gpipe_schedule_with_one_chunk,
+         [LOOPED, r"your Schedule says num_ranks=\d, num_microbatches=\d+, chunks=1; it was asked for \d, \d+, [23]"],
+         None),
+        (gpipe_from_the_library,
+         [r"^exercise 'gpipe_order' asks you to work out GPipe's order yourself; you use pplab\.pipeline's schedules"],
+         None),
     ],
     "1f1b_order": [
         (one_f_one_b_as_gpipe,
