@@ -191,14 +191,14 @@ def predict_returns_only_seconds(timings, p, n_bytes):
     return 2 * (p - 1) * (alpha + n_bytes / p * beta)
 
 
-def _ring(alpha, beta, p, n_bytes):
+def _and_ring_time(alpha, beta, p, n_bytes):
     return alpha, beta, 2 * (p - 1) * (alpha + n_bytes / p * beta)
 
 
 def predict_fits_the_means(timings, p, n_bytes):
     """The mean of each size's tries: a few held-up tries drag it far up for small messages."""
     sizes = sorted(timings)
-    return _ring(*_relative_fit(sizes, [sum(timings[n]) / len(timings[n]) for n in sizes]), p, n_bytes)
+    return _and_ring_time(*_relative_fit(sizes, [sum(timings[n]) / len(timings[n]) for n in sizes]), p, n_bytes)
 
 
 def _least_squares(xs, ys):
@@ -213,21 +213,21 @@ def predict_fits_every_try(timings, p, n_bytes):
     xs = [n for n in timings for _ in timings[n]]
     ys = [t for n in timings for t in timings[n]]
     beta, alpha = np.polyfit(xs, ys, 1)
-    return _ring(alpha, beta, p, n_bytes)
+    return _and_ring_time(alpha, beta, p, n_bytes)
 
 
 def predict_ordinary_least_squares(timings, p, n_bytes):
     """Medians, then a plain least-squares line: the largest messages' jitter decides α."""
     import statistics
     sizes = sorted(timings)
-    return _ring(*_least_squares(sizes, [statistics.median(timings[n]) for n in sizes]), p, n_bytes)
+    return _and_ring_time(*_least_squares(sizes, [statistics.median(timings[n]) for n in sizes]), p, n_bytes)
 
 
 def predict_line_through_origin(timings, p, n_bytes):
     """t = nβ: no latency term."""
     sizes = sorted(timings)
     times = [_quick(timings[n]) for n in sizes]
-    return _ring(0.0, sum(n * t for n, t in zip(sizes, times)) / sum(n * n for n in sizes), p, n_bytes)
+    return _and_ring_time(0.0, sum(n * t for n, t in zip(sizes, times)) / sum(n * n for n in sizes), p, n_bytes)
 
 
 def predict_swaps_alpha_beta(timings, p, n_bytes):
@@ -238,7 +238,7 @@ def predict_swaps_alpha_beta(timings, p, n_bytes):
 def predict_doubles_the_one_way_times(timings, p, n_bytes):
     """Takes the one-way times for halves of a round trip and doubles them."""
     alpha, beta = _fit(timings)
-    return _ring(2 * alpha, 2 * beta, p, n_bytes)
+    return _and_ring_time(2 * alpha, 2 * beta, p, n_bytes)
 
 
 def predict_with_costmodel(timings, p, n_bytes):
@@ -250,7 +250,7 @@ def predict_with_costfit(timings, p, n_bytes):
     from pplab import costfit
     sizes = sorted(timings)
     alpha, beta = costfit._fit_line(sizes, [_quick(timings[n]) for n in sizes])
-    return _ring(alpha, beta, p, n_bytes)
+    return _and_ring_time(alpha, beta, p, n_bytes)
 
 
 # ----------------------------------------------------------------------------------
