@@ -10,11 +10,13 @@
 
 A schedule is a list with one list per rank (stage r lives on rank r) of what that rank
 computes, in order: ("F", i) or ("B", i) for micro-batch i, the strings "F3" / "B3", or
-pplab.pipeline.Action. The checks need no ranks: they play the schedule out with
-pplab.pipeline.validate (every F and B once, on the right rank, no deadlock) and
-simulate (t_f = 1, t_b = 2) for a few seeded (p, m), m < p and m not a multiple of p
-among them, and compare the step's length and each rank's peak activations with the
-library's GPipe and 1F1B.
+pplab.pipeline.Action; gpipe_order may also return a pplab.pipeline.Schedule, and with
+chunks takes ("F", i, chunk) / "F3.1" (stage = chunk·p + rank). The checks need no ranks:
+they play the schedule out with pplab.pipeline.validate (every F and B once, on the right
+rank, no deadlock) and simulate (t_f = 1, t_b = 2) for a few seeded (p, m), m < p and m
+not a multiple of p among them, and compare the step's length and each rank's peak
+activations with the library's GPipe and 1F1B (looped GPipe: the checker's own, below).
+bubble_fraction's answer runs on seeded simulated traces (see its section).
 """
 from __future__ import annotations
 
