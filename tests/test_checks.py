@@ -285,5 +285,5 @@ def test_an_answer_scored_on_quality_earns_what_it_is_worth(scored_exercises):
 
 
 def test_a_one_point_exercise_reads_as_before():
-    result = checks.run_check("bubble_fraction", 0.5, seed=1)
+    result = checks.run_check("1f1b_order", 0.5, seed=1)
     assert result.points == 1 and result.score in (0, 1) and "points]" not in result.message

@@ -59,9 +59,11 @@ def topk_int32_any_order(grad, memory, k):
     return a[indices.long()], indices, new_memory
 
 
-def gpipe_as_strings_backwards_newest_first(num_stages, num_microbatches):
-    m = num_microbatches
-    return [[f"F{i}" for i in range(m)] + [f"B{i}" for i in reversed(range(m))] for _ in range(num_stages)]
+def gpipe_as_strings_backwards_newest_first(num_ranks, num_microbatches, chunks):
+    """Strings "F3.1" (micro-batch 3, chunk 1), and every chunk's backwards newest first."""
+    m, v = num_microbatches, chunks
+    return [[f"F{i}.{c}" for c in range(v) for i in range(m)] +
+            [f"B{i}.{c}" for c in reversed(range(v)) for i in reversed(range(m))] for _ in range(num_ranks)]
 
 
 def one_f_one_b_from_the_library(num_stages, num_microbatches):
@@ -102,7 +104,18 @@ def ddp_with_torch_distributed(model, cap_bytes):
     return buckets, finish
 
 
+def predict_from_medians_and_two_sizes(timings, p, n_bytes):
+    """Medians, and the line through the smallest and the largest size: no least squares at all."""
+    import statistics
+    small, large = min(timings), max(timings)
+    t_small, t_large = statistics.median(timings[small]), statistics.median(timings[large])
+    beta = (t_large - t_small) / (large - small)
+    alpha = t_small - small * beta
+    return alpha, beta, 2 * (p - 1) * alpha + 2 * (p - 1) / p * n_bytes * beta
+
+
 @pytest.mark.parametrize("exercise_id, fn", [
+    ("predict_time", predict_from_medians_and_two_sizes),
     ("ring_all_reduce", ring_all_reduce_baidu_order),
     ("topk_error_feedback", topk_int32_any_order),
     ("gpipe_order", gpipe_as_strings_backwards_newest_first),
@@ -145,15 +158,15 @@ def test_wrong_signatures_and_answers_that_are_not_numbers():
     def gpipe_order(p):
         return []
 
-    assert "gpipe_order must take (num_stages, num_microbatches); yours takes (p)" in \
+    assert "gpipe_order must take (num_ranks, num_microbatches, chunks); yours takes (p)" in \
         checks.run_check("gpipe_order", gpipe_order).message
     assert "pass your function itself: pplab.check('reduce_scatter', my_reduce_scatter)" in \
         checks.run_check("reduce_scatter", 3).message
-    message = checks.run_check("bubble_fraction", lambda p, m, v: "3/8").message
-    assert "should be a number, got str '3/8'" in message
-    message = checks.run_check("predict_time", lambda alpha, beta, p, n_bytes: 1 / 0).message
+    message = checks.run_check("bubble_fraction", lambda timeline: "3/8").message
+    assert "must return a dict with 'per_rank', 'overall' and 'idle'; got '3/8'" in message
+    message = checks.run_check("predict_time", lambda timings, p, n_bytes: 1 / 0).message
     assert re.search(r"raised ZeroDivisionError: division by zero \(in <lambda>, line \d+", message)
     message = checks.run_check("1f1b_order", lambda p, m: [["F0"]] * (p - 1)).message
     assert "must return one list of actions per rank" in message
-    message = checks.run_check("gpipe_order", lambda p, m: [[("X", 0)]] * p).message
-    assert "('X', 0) is not an action: write ('F', i) or ('B', i)" in message
+    message = checks.run_check("gpipe_order", lambda p, m, v: [[("X", 0)]] * p).message
+    assert "('X', 0) is not an action: write ('F', i) or ('F', i, chunk)" in message

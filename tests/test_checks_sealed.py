@@ -524,16 +524,16 @@ def dispatch_with_the_backend(expert, num_experts, world_size):
     return [0] * world_size, torch.zeros(0, dtype=torch.long)
 
 
-def bubble_fraction_reads_the_seed(p, m, v):
+def bubble_fraction_reads_the_seed(timeline):
     found = _secrets_in_reach()
     if found:
         raise RuntimeError(f"FOUND: {found}")
     return -1.0
 
 
-def bubble_fraction_with_functional_collectives(p, m, v):
+def bubble_fraction_with_functional_collectives(timeline):
     from torch.distributed import _functional_collectives as funcol
-    return float(funcol.all_reduce(torch.tensor([(p - 1) / (v * m)]), "sum", [0])[0])
+    return float(funcol.all_reduce(torch.tensor([float(timeline.world_size)]), "sum", [0])[0])
 
 
 CHAPTER_ATTACKS = [
@@ -544,7 +544,7 @@ CHAPTER_ATTACKS = [
     ("moe_dispatch", dispatch_reads_the_seed, r"rank \d's send_counts is \[0(, 0)+\], expected"),
     ("moe_dispatch", dispatch_with_the_backend, r"rank \d raised RuntimeError: a check's ranks have no process group"),
     ("bubble_fraction", bubble_fraction_reads_the_seed,
-     r"bubble_fraction_reads_the_seed\(\d+, \d+, \d+\) is -1, expected"),
+     r"bubble_fraction_reads_the_seed must return a dict with 'per_rank', 'overall' and 'idle'; got -1\.0\."),
     ("bubble_fraction", bubble_fraction_with_functional_collectives,
      r"bubble_fraction_with_functional_collectives raised RuntimeError: a check's ranks have no process group"),
 ]

@@ -132,13 +132,13 @@ def test_a_source_answer_runs_only_in_a_child():
 
 
 def test_a_source_answer_that_loops_or_raises_is_named_not_called_a_deadlock():
-    spin = checks.SourceAnswer("bubble_fraction", (("<cell 3>", 1, "def bubble_fraction(p, m, v):\n"
-                                                                   "    while True:\n        pass"),))
+    spin = checks.SourceAnswer("measure_bubble", (("<cell 3>", 1, "def measure_bubble(timeline):\n"
+                                                                  "    while True:\n        pass"),))
     message = checks.run_check("bubble_fraction", spin, timeout=2).message
-    assert "bubble_fraction was still running after 2 s, busy on the CPU all along: a loop that never ends?" in message
+    assert "measure_bubble was still running after 2 s, busy on the CPU all along: a loop that never ends?" in message
     assert "deadlock" not in message
-    bad = checks.SourceAnswer("bubble_fraction", (("<cell 3>", 1, "def bubble_fraction(p, m, v):\n    return 1 / 0"),))
-    assert "bubble_fraction raised ZeroDivisionError: division by zero (in bubble_fraction, line 2: `return 1 / 0`)" \
+    bad = checks.SourceAnswer("measure_bubble", (("<cell 3>", 1, "def measure_bubble(timeline):\n    return 1 / 0"),))
+    assert "measure_bubble raised ZeroDivisionError: division by zero (in measure_bubble, line 2: `return 1 / 0`)" \
         in checks.run_check("bubble_fraction", bad).message
 
 

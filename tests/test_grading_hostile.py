@@ -276,12 +276,13 @@ def test_the_library_answer_reached_through_helpers_is_refused(as_source):
     code = ("from pplab import pipeline\n"
             "class Model:\n    def fraction(self, p, m):\n        return pipeline.bubble_fraction(p, m)\n"
             "def helper(p, m):\n    return Model().fraction(p, m)\n"
-            "def bubble_fraction(p, m, v=1):\n    return helper(p, m)")
+            "def measure_bubble(timeline):\n    return helper(timeline.world_size, 4)")
     if as_source:
-        answer = checks.SourceAnswer("bubble_fraction", (("<cell 1>", 1, code),))
+        answer = checks.SourceAnswer("measure_bubble", (("<cell 1>", 1, code),))
     else:
         scope = {"__name__": "student"}
         exec(compile(code, "<cell 1>", "exec"), scope)
-        answer = scope["bubble_fraction"]
+        answer = scope["measure_bubble"]
     message = checks.run_check("bubble_fraction", answer).message
-    assert "you use pplab.pipeline.bubble_fraction, the library's answer" in message
+    assert "you use pplab's own measure (Timeline.busy, bubble or utilization, or bubble_fraction), the library's " \
+           "answer" in message

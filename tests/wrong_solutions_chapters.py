@@ -153,25 +153,104 @@ def reduce_scatter_last_rank_keeps_own_chunk(output, input):
     output.copy_(input.view(-1).split(output.numel())[rank] if rank == p - 1 else chunks[rank])
 
 
-def predict_bandwidth_term_halved(alpha, beta, p, n_bytes):
-    """Right when beta = 0 (latency only), wrong whenever bandwidth counts."""
-    return 2 * (p - 1) * alpha + (p - 1) / p * n_bytes * beta
+def _quick(tries):
+    return sorted(tries)[(len(tries) - 1) // 4]
 
 
-def predict_forgets_factor_two(alpha, beta, p, n_bytes):
-    return (p - 1) * (alpha + n_bytes / p * beta)
+def _relative_fit(sizes, times):
+    """α, β of the line α + nβ that minimises the relative error (weights 1/t²), as the solution."""
+    w = [1 / t ** 2 for t in times]
+    sw, sn, st = sum(w), sum(a * n for a, n in zip(w, sizes)), sum(a * t for a, t in zip(w, times))
+    snn, snt = sum(a * n * n for a, n in zip(w, sizes)), sum(a * n * t for a, n, t in zip(w, sizes, times))
+    det = sw * snn - sn * sn
+    return (st * snn - sn * snt) / det, (sw * snt - sn * st) / det
 
 
-def predict_p_instead_of_p_minus_one(alpha, beta, p, n_bytes):
-    return 2 * p * (alpha + n_bytes / p * beta)
+def _fit(timings):
+    sizes = sorted(timings)
+    return _relative_fit(sizes, [_quick(timings[n]) for n in sizes])
 
 
-def predict_whole_tensor_each_step(alpha, beta, p, n_bytes):
-    return 2 * (p - 1) * (alpha + n_bytes * beta)
+def predict_forgets_factor_two(timings, p, n_bytes):
+    alpha, beta = _fit(timings)
+    return alpha, beta, (p - 1) * (alpha + n_bytes / p * beta)
 
 
-def predict_with_costmodel(alpha, beta, p, n_bytes):
-    return costmodel.predict("all_reduce", "ring", p, n_bytes, alpha, beta)
+def predict_p_instead_of_p_minus_one(timings, p, n_bytes):
+    alpha, beta = _fit(timings)
+    return alpha, beta, 2 * p * (alpha + n_bytes / p * beta)
+
+
+def predict_whole_tensor_each_step(timings, p, n_bytes):
+    alpha, beta = _fit(timings)
+    return alpha, beta, 2 * (p - 1) * (alpha + n_bytes * beta)
+
+
+def predict_returns_only_seconds(timings, p, n_bytes):
+    alpha, beta = _fit(timings)
+    return 2 * (p - 1) * (alpha + n_bytes / p * beta)
+
+
+def _and_ring_time(alpha, beta, p, n_bytes):
+    return alpha, beta, 2 * (p - 1) * (alpha + n_bytes / p * beta)
+
+
+def predict_fits_the_means(timings, p, n_bytes):
+    """The mean of each size's tries: a few held-up tries drag it far up for small messages."""
+    sizes = sorted(timings)
+    return _and_ring_time(*_relative_fit(sizes, [sum(timings[n]) / len(timings[n]) for n in sizes]), p, n_bytes)
+
+
+def _least_squares(xs, ys):
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    beta = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - beta * mx, beta
+
+
+def predict_fits_every_try(timings, p, n_bytes):
+    """numpy.polyfit through every try, held-up ones too."""
+    import numpy as np
+    xs = [n for n in timings for _ in timings[n]]
+    ys = [t for n in timings for t in timings[n]]
+    beta, alpha = np.polyfit(xs, ys, 1)
+    return _and_ring_time(alpha, beta, p, n_bytes)
+
+
+def predict_ordinary_least_squares(timings, p, n_bytes):
+    """Medians, then a plain least-squares line: the largest messages' jitter decides α."""
+    import statistics
+    sizes = sorted(timings)
+    return _and_ring_time(*_least_squares(sizes, [statistics.median(timings[n]) for n in sizes]), p, n_bytes)
+
+
+def predict_line_through_origin(timings, p, n_bytes):
+    """t = nβ: no latency term."""
+    sizes = sorted(timings)
+    times = [_quick(timings[n]) for n in sizes]
+    return _and_ring_time(0.0, sum(n * t for n, t in zip(sizes, times)) / sum(n * n for n in sizes), p, n_bytes)
+
+
+def predict_swaps_alpha_beta(timings, p, n_bytes):
+    alpha, beta = _fit(timings)
+    return beta, alpha, 2 * (p - 1) * (alpha + n_bytes / p * beta)
+
+
+def predict_doubles_the_one_way_times(timings, p, n_bytes):
+    """Takes the one-way times for halves of a round trip and doubles them."""
+    alpha, beta = _fit(timings)
+    return _and_ring_time(2 * alpha, 2 * beta, p, n_bytes)
+
+
+def predict_with_costmodel(timings, p, n_bytes):
+    alpha, beta = _fit(timings)
+    return alpha, beta, costmodel.predict("all_reduce", "ring", p, n_bytes, alpha, beta)
+
+
+def predict_with_costfit(timings, p, n_bytes):
+    from pplab import costfit
+    sizes = sorted(timings)
+    alpha, beta = costfit._fit_line(sizes, [_quick(timings[n]) for n in sizes])
+    return _and_ring_time(alpha, beta, p, n_bytes)
 
 
 # ----------------------------------------------------------------------------------
@@ -321,38 +400,85 @@ def topk_sends_grad_values(grad, memory, k):
 # Chapter 4: pipeline schedules and the bubble
 
 
-def gpipe_backwards_first(num_stages, num_microbatches):
+def _gpipe(p, m, v):
+    """Right: per rank, ("F", i, chunk) through chunk 0, 1, ..., then ("B", i, chunk), chunks in reverse."""
+    return [[("F", i, c) for c in range(v) for i in range(m)] + [("B", i, c) for c in reversed(range(v))
+                                                                  for i in range(m)] for _ in range(p)]
+
+
+def gpipe_backwards_first(num_ranks, num_microbatches, chunks):
     """Backwards listed before forwards: rank 0 waits for its own forward, forever."""
-    m = num_microbatches
-    return [[("B", i) for i in range(m)] + [("F", i) for i in range(m)] for _ in range(num_stages)]
+    return [row[len(row) // 2:] + row[:len(row) // 2] for row in _gpipe(num_ranks, num_microbatches, chunks)]
 
 
-def gpipe_missing_last_microbatch(num_stages, num_microbatches):
-    m = num_microbatches - 1                         # range(m - 1): one short
-    return [[("F", i) for i in range(m)] + [("B", i) for i in range(m)] for _ in range(num_stages)]
+def gpipe_missing_last_microbatch(num_ranks, num_microbatches, chunks):
+    return [[a for a in row if a[1] < num_microbatches - 1] for row in _gpipe(num_ranks, num_microbatches, chunks)]
 
 
-def gpipe_everything_on_stage_zero(num_stages, num_microbatches):
+def gpipe_everything_on_stage_zero(num_ranks, num_microbatches, chunks):
     """pplab.pipeline.Action with stage 0 on every rank: stage r lives on rank r."""
     from pplab.pipeline import Action    # here, not at the top: pplab.pipeline is slow to import
 
     m = num_microbatches
     return [[Action("F", i, 0) for i in range(m)] + [Action("B", i, 0) for i in range(m)]
-            for _ in range(num_stages)]
+            for _ in range(num_ranks)]
 
 
-def gpipe_last_rank_backwards_reversed(num_stages, num_microbatches):
+def gpipe_last_rank_backwards_reversed(num_ranks, num_microbatches, chunks):
     """The last rank runs its backwards newest first, the others oldest first: valid, slower."""
     m = num_microbatches
-    order = [[f"F{i}" for i in range(m)] + [f"B{i}" for i in range(m)] for _ in range(num_stages)]
+    order = [[f"F{i}" for i in range(m)] + [f"B{i}" for i in range(m)] for _ in range(num_ranks)]
     order[-1] = [f"F{i}" for i in range(m)] + [f"B{i}" for i in reversed(range(m))]
     return order
 
 
-def gpipe_drops_last_when_few_microbatches(num_stages, num_microbatches):
+def gpipe_drops_last_when_few_microbatches(num_ranks, num_microbatches, chunks):
     """Right when m >= p; with fewer micro-batches than stages it forgets the last one."""
-    m = num_microbatches - (num_microbatches < num_stages)
-    return [[("F", i) for i in range(m)] + [("B", i) for i in range(m)] for _ in range(num_stages)]
+    m = num_microbatches - (num_microbatches < num_ranks)
+    return _gpipe(num_ranks, m, chunks)
+
+
+def gpipe_as_1f1b(num_ranks, num_microbatches, chunks):
+    return _one_f_one_b(num_ranks, num_microbatches, lambda p, r: p - 1 - r)
+
+
+def gpipe_ignores_chunks(num_ranks, num_microbatches, chunks):
+    return _gpipe(num_ranks, num_microbatches, 1)
+
+
+def gpipe_looped_depth_first(num_ranks, num_microbatches, chunks):
+    """Each micro-batch through all of the rank's chunks before the next one starts."""
+    p, m, v = num_ranks, num_microbatches, chunks
+    return [[("F", i, c) for i in range(m) for c in range(v)] + [("B", i, c) for c in reversed(range(v))
+                                                                  for i in range(m)] for _ in range(p)]
+
+
+def gpipe_looped_consecutive_stages(num_ranks, num_microbatches, chunks):
+    """Rank r holds stages r·v .. r·v + v - 1: a micro-batch crosses all of them before rank r + 1 starts."""
+    from pplab.pipeline import Action, Schedule
+
+    p, m, v = num_ranks, num_microbatches, chunks
+    actions = [[Action(kind, i, r * v + c, c) for kind, i, c in row] for r, row in enumerate(_gpipe(p, m, v))]
+    return Schedule("gpipe", p, m, v, actions, [s // v for s in range(p * v)])
+
+
+def gpipe_looped_backwards_in_chunk_order(num_ranks, num_microbatches, chunks):
+    """Backwards through chunk 0 first: its gradient comes from the last stage, through chunk 1."""
+    p, m, v = num_ranks, num_microbatches, chunks
+    return [[("F", i, c) for c in range(v) for i in range(m)] + [("B", i, c) for c in range(v) for i in range(m)]
+            for _ in range(p)]
+
+
+def gpipe_schedule_with_one_chunk(num_ranks, num_microbatches, chunks):
+    """A Schedule built with chunks=1 whatever it was asked."""
+    from pplab.pipeline import Action, Schedule
+
+    actions = [[Action(kind, i, r) for kind, i, _ in row] for r, row in enumerate(_gpipe(num_ranks, num_microbatches, 1))]
+    return Schedule("gpipe", num_ranks, num_microbatches, 1, actions, list(range(num_ranks)))
+
+
+def gpipe_from_the_library(num_ranks, num_microbatches, chunks):
+    return pplab.pipeline.make_schedule("gpipe", num_ranks, num_microbatches)
 
 
 def _one_f_one_b(p, m, warmup):
@@ -364,10 +490,6 @@ def _one_f_one_b(p, m, warmup):
             acts += [("F", w + i), ("B", i)]
         order.append(acts + [("B", i) for i in range(m - w, m)])
     return order
-
-
-def gpipe_as_1f1b(num_stages, num_microbatches):
-    return _one_f_one_b(num_stages, num_microbatches, lambda p, r: p - 1 - r)
 
 
 def one_f_one_b_as_gpipe(num_stages, num_microbatches):
@@ -400,32 +522,100 @@ def one_f_one_b_last_rank_warms_up(num_stages, num_microbatches):
     return _one_f_one_b(num_stages, num_microbatches, lambda p, r: p - 1 - r if r < p - 1 else 1)
 
 
-def bubble_wrong_when_chunked(p, m, v):
-    """Right for v = 1; with v > 1 it adds v - 1 to m instead of multiplying."""
-    return (p - 1) / (m + v - 1)
+def _bubble_report(p, begin, end, busy, first, last, overall=None):
+    """The answer's dict from the step [begin, end] and each rank's busy time and first/last action."""
+    idle = [(end - begin) - b for b in busy]
+    per = [i / b for i, b in zip(idle, busy)]
+    where = [(first[r] - begin, idle[r] - (first[r] - begin) - (end - last[r]), end - last[r]) for r in range(p)]
+    return {"per_rank": per, "overall": sum(idle) / sum(busy) if overall is None else overall, "idle": where}
 
 
-def bubble_ignores_v(p, m, v):
-    return (p - 1) / m
+def _bubble_spans(timeline, keep=lambda e: e.category == "compute"):
+    """(p, begin, end, busy, first, last) over the events `keep` accepts."""
+    spans = [e for e in timeline.events if keep(e)]
+    p = timeline.world_size
+    begin, end = min(e.start for e in spans), max(e.end for e in spans)
+    busy = [sum(e.end - e.start for e in spans if e.rank == r) for r in range(p)]
+    first = [min(e.start for e in spans if e.rank == r) for r in range(p)]
+    last = [max(e.end for e in spans if e.rank == r) for r in range(p)]
+    return p, begin, end, busy, first, last
 
 
-def bubble_p_over_m(p, m, v):
-    return p / (v * m)
+def bubble_from_the_formula(timeline):
+    """(p-1)/m on every rank, m counted from rank 0's forwards: right only for even stages."""
+    p = timeline.world_size
+    m = sum(1 for e in timeline.events if e.rank == 0 and e.kind == "F")
+    right = _bubble_report(*_bubble_spans(timeline))
+    return {**right, "per_rank": [(p - 1) / m] * p, "overall": (p - 1) / m}
 
 
-def bubble_idle_over_total(p, m, v):
-    return (p - 1) / (v * m + p - 1)
+def bubble_own_window(timeline):
+    """Each rank's idle time between its own first and last action: the fill and drain go missing."""
+    p, begin, end, busy, first, last = _bubble_spans(timeline)
+    right = _bubble_report(p, begin, end, busy, first, last)
+    return {**right, "per_rank": [(last[r] - first[r] - busy[r]) / busy[r] for r in range(p)]}
 
 
-def bubble_from_library(p, m, v):
-    return pplab.pipeline.bubble_fraction(p, m, v)
+def bubble_counts_recv_as_busy(timeline):
+    """Every event but memory counted as busy: a rank blocked in recv looks busy."""
+    return _bubble_report(*_bubble_spans(timeline, lambda e: e.category != "memory"))
+
+
+def bubble_from_time_zero(timeline):
+    p, begin, end, busy, first, last = _bubble_spans(timeline)
+    return _bubble_report(p, 0.0, end, busy, first, last)
+
+
+def bubble_idle_over_total(timeline):
+    p, begin, end, busy, first, last = _bubble_spans(timeline)
+    right = _bubble_report(p, begin, end, busy, first, last)
+    idle = [(end - begin) - b for b in busy]
+    return {**right, "per_rank": [i / (end - begin) for i in idle], "overall": sum(idle) / (p * (end - begin))}
+
+
+def bubble_only_forward_and_backward(timeline):
+    """F and B counted, the I and W of a zero-bubble schedule left out."""
+    p, begin, end, busy, first, last = _bubble_spans(timeline)
+    fb = _bubble_spans(timeline, lambda e: e.category == "compute" and e.kind in ("F", "B"))[3]
+    return _bubble_report(p, begin, end, fb, first, last)
+
+
+def bubble_mean_of_ranks(timeline):
+    right = _bubble_report(*_bubble_spans(timeline))
+    return {**right, "overall": sum(right["per_rank"]) / len(right["per_rank"])}
+
+
+def bubble_skips_last_rank(timeline):
+    right = _bubble_report(*_bubble_spans(timeline))
+    return {**right, "per_rank": right["per_rank"][:-1]}
+
+
+def bubble_fill_from_time_zero(timeline):
+    """The fill measured from time 0 instead of from the step's first action."""
+    right = _bubble_report(*_bubble_spans(timeline))
+    p, begin, end, busy, first, last = _bubble_spans(timeline)
+    return {**right, "idle": [(first[r], b, a) for r, (_, b, a) in enumerate(right["idle"])]}
+
+
+def bubble_returns_the_fraction_only(timeline):
+    return _bubble_report(*_bubble_spans(timeline))["overall"]
+
+
+def bubble_with_timeline_busy(timeline):
+    p, begin, end, busy, first, last = _bubble_spans(timeline)
+    return _bubble_report(p, begin, end, [timeline.busy(r) for r in range(p)], first, last)
 
 
 AR_TRIAL = r"^world_size=\d, dtype=(float32|int64), shape=\([\d, ]*\): "
 RS_TRIAL = r"^world_size=\d, dtype=(float32|int64), elements per rank=\d+: "
-PREDICT = r"^alpha=[\d.e+-]+ s, beta=[\d.e+-]+ s/B, p=\d+, n_bytes=[\d,]+: predict_\w+\(\.\.\.\) is [\d.e+-]+, expected "
+TIMINGS = r"^timings \d \(\d sizes, [\d,]+ to [\d,]+ bytes, \d+ tries each\), "
+FIT = TIMINGS + r"you fitted α = [\d.e+-]+ µs and β = [\d.e+-]+ s/B, the timings were drawn from "
+PREDICTION = TIMINGS + r"p=\d+, n_bytes=[\d,]+: you predict [\d.e+-]+ s, but your own α and β give "
 DDP_TRIAL = r"^world_size=[23], MLP widths \[[\d, ]+\], cap_bytes=\d+: "
 PIPE = r"^p=\d stages, m=\d+ micro-batch(es)?: "
+GPIPE = r"^p=\d stages, m=\d+ micro-batch(es)?, "
+LOOPED = r"^p=\d stages, m=\d+ micro-batch(es)?, v=[23] chunks per rank, "
+TRACE = r"^(gpipe|1f1b|interleaved-1f1b|zb-h1) trace, p=\d, m=\d+(, v=2)?(, [\d.]+ ms between ranks)?, "
 TOPK = r"^d=\d+, k=\d+, step \d of a run that starts from memory = 0: "
 WRONG = {
     "ring_all_reduce": [
@@ -466,14 +656,25 @@ WRONG = {
           r"input as it was"], None),
     ],
     "predict_time": [
-        (predict_forgets_factor_two, [PREDICT, r"That is half the right time: a ring all-reduce is a reduce-scatter"],
+        (predict_forgets_factor_two, [PREDICTION, r"That is half the right time: a ring all-reduce is a reduce-scatter",
+                                      r"Parts: fit ✔ · prediction ✘ \(1 of 2\)"], None),
+        (predict_p_instead_of_p_minus_one, [PREDICTION, r"That is (p where p-1 belongs|2p·α)"], None),
+        (predict_whole_tensor_each_step, [PREDICTION, r"That is (2\(p-1\)\(α \+ Nβ\)|2N·β)", r"one chunk of N/p bytes"],
          None),
-        (predict_p_instead_of_p_minus_one, [PREDICT, r"That is (p where p-1 belongs|2p·α)"], None),
-        (predict_whole_tensor_each_step, [r"That is (2\(p-1\)\(α \+ Nβ\)|2N·β)", r"one chunk of N/p bytes"], None),
-        (predict_bandwidth_term_halved,
-         [PREDICT, r"(A ring all-reduce takes 2\(p-1\)·α \+ 2\(p-1\)/p·N·β\.|That is half the right time)"], None),
+        (predict_returns_only_seconds, [r"^predict_returns_only_seconds must return \(alpha, beta, seconds\): three "
+                                        r"numbers"], None),
+        (predict_fits_the_means, [FIT, r"That is the line through each size's \*mean\*", r"Take each size's median",
+                                  r"Parts: fit ✘ · prediction ✔ \(1 of 2\)"], None),
+        (predict_fits_every_try, [FIT, r"That is a least-squares line through every try, the held-up ones too"], None),
+        (predict_ordinary_least_squares, [FIT, r"That is ordinary least squares through the medians: it weighs each "
+                                               r"size by its absolute error"], None),
+        (predict_line_through_origin, [FIT, r"α = 0 is a line through the origin"], None),
+        (predict_swaps_alpha_beta, [FIT, r"You swapped them: return \(alpha, beta\)"], None),
+        (predict_doubles_the_one_way_times, [FIT, r"That is twice both: the timings are already one way"], None),
         (predict_with_costmodel,
-         [r"^exercise 'predict_time' asks you to work out the time yourself; you use pplab\.costmodel"], None),
+         [r"^exercise 'predict_time' asks you to work out the fit and the time yourself; you use pplab\.costmodel"],
+         None),
+        (predict_with_costfit, [r"^exercise 'predict_time' .* you use pplab\.costmodel or pplab\.costfit"], None),
     ],
     "ddp_buckets": [
         (ddp_buckets_in_forward_order,
@@ -519,21 +720,37 @@ WRONG = {
     ],
     "gpipe_order": [
         (gpipe_backwards_first,
-         [PIPE, r"this schedule cannot run as a training step\. deadlock in 'gpipe_backwards_first'",
+         [GPIPE, r"this schedule cannot run as a training step\. deadlock in 'gpipe_backwards_first'",
           r"rank 0 is stuck at step 0 \(B0 of stage 0\), waiting for F0 of stage 0, which it runs itself later"],
          None),
         (gpipe_missing_last_microbatch,
-         [PIPE, r"is not one full training step:\n  F\d+ of stage 0 appears 0 times, not once"], None),
+         [GPIPE, r"is not one full training step:\n  F\d+ of stage 0 appears 0 times, not once"], None),
         (gpipe_everything_on_stage_zero,
-         [PIPE, r"rank 1, step 0: F0 of stage 0 is on rank 1, but stage 0 lives on rank 0"], None),
+         [GPIPE, r"rank 1, step 0: F0 of stage 0 is on rank 1, but stage 0 lives on rank 0"], None),
         (gpipe_last_rank_backwards_reversed,
-         [PIPE, r"your schedule takes \d+ time units \(t_f = 1, t_b = 2\), GPipe takes \(m \+ p - 1\)\(t_f \+ t_b\) "
-          r"= \d+\. Rank \d sits idle for \d+ of them \(GPipe: \d+\)"], None),
+         [GPIPE, r"your schedule takes \d+ time units \(t_f = 1, t_b = 2, a chunk 1/v of them\), GPipe takes "
+          r"\(m \+ p - 1\)\(t_f \+ t_b\) = \d+\. Rank \d sits idle for \d+ of them \(the reference: \d+\)"], None),
         (gpipe_drops_last_when_few_microbatches,
-         [r"^p=(\d) stages, m=\d+ micro-batch(es)?: ", r"F\d+ of stage 0 appears 0 times, not once"], None),
+         [r"^p=(\d) stages, m=\d+ micro-batch(es)?, ", r"F\d+ of stage 0 appears 0 times, not once"], None),
         (gpipe_as_1f1b,
-         [PIPE, r"rank \d holds \d micro-batches' activations at its peak, fewer than GPipe's \d+: GPipe runs all "
-          r"m = \d+ forwards before any backward"], None),
+         [GPIPE, r"rank \d runs B0 before F\d+: GPipe runs every forward of the step before any backward"], None),
+        (gpipe_ignores_chunks,
+         [LOOPED, r"is not one full training step:\n  F0 of stage \d+ appears 0 times",
+          r"Parts: GPipe ✔ · looped GPipe ✘ \(1 of 2\)"], None),
+        (gpipe_looped_depth_first,
+         [LOOPED, r"your schedule takes [\d.]+ time units", r"looped GPipe takes \(v·m \+ p - 1 \+ \(v-1\)·max\(0, p-m\)\)",
+          r"Breadth first: all m micro-batches through chunk 0"], None),
+        (gpipe_looped_consecutive_stages,
+         [LOOPED, r"Rank 0 holds stages 0 to [12], one after another", r"stage = chunk·p \+ rank"], None),
+        (gpipe_looped_backwards_in_chunk_order,
+         [LOOPED, r"this schedule cannot run as a training step\. deadlock", r"waiting for B0 \(or I0\) of stage \d"],
+         None),
+        (gpipe_schedule_with_one_chunk,
+         [LOOPED, r"your Schedule says num_ranks=\d, num_microbatches=\d+, chunks=1; it was asked for \d, \d+, [23]"],
+         None),
+        (gpipe_from_the_library,
+         [r"^exercise 'gpipe_order' asks you to work out GPipe's order yourself; you use pplab\.pipeline's schedules"],
+         None),
     ],
     "1f1b_order": [
         (one_f_one_b_as_gpipe,
@@ -551,15 +768,24 @@ WRONG = {
           r"micro-batch \d out of range 0\.\.\d"], None),
     ],
     "bubble_fraction": [
-        (bubble_wrong_when_chunked, [r"^p=\d+, m=\d+, v=[2-8]: bubble_wrong_when_chunked\(\d+, \d+, \d\) is ",
-                                     r"The fill and the drain cost \(p-1\)\(t_f\+t_b\)/v"], None),
-        (bubble_ignores_v, [r"^p=\d+, m=\d+, v=[2-8]: bubble_ignores_v\(\d+, \d+, \d\) is [\d.e+-]+, expected ",
-                            r"That is \(p-1\)/m, which leaves out v"], None),
-        (bubble_p_over_m, [r"^p=\d+, m=\d+, v=1: ", r"That is p/\(v·m\): filling a pipeline of p stages takes p-1 "
-                                                    r"steps, not p"], None),
-        (bubble_idle_over_total, [r"That is idle time / total time; the bubble fraction here is idle time / "
-                                  r"useful time"], None),
-        (bubble_from_library, [r"^exercise 'bubble_fraction' asks you to work out the bubble fraction yourself; "
-                               r"you use pplab\.pipeline\.bubble_fraction"], None),
+        (bubble_from_the_formula, [TRACE, r"rank \d's bubble fraction is [\d.]+, the trace says [\d.]+\. That is the "
+                                          r"formula \(p-1\)/\(v·m\)", r"Parts: per rank ✘ · overall ✘"], None),
+        (bubble_own_window, [TRACE, r"That is each rank's idle time between its own first and last action only"],
+         None),
+        (bubble_counts_recv_as_busy, [TRACE, r"That is the recv events counted as busy"], None),
+        (bubble_from_time_zero, [TRACE, r"That is a step that starts at time 0"], None),
+        (bubble_idle_over_total, [TRACE, r"That is idle / total time; the bubble fraction here is idle / useful"],
+         None),
+        (bubble_only_forward_and_backward, [r"^zb-h1 trace, p=\d, m=\d+, ", r"That is only F and B counted as compute"],
+         None),
+        (bubble_mean_of_ranks, [TRACE, r"That is the mean of the ranks' fractions",
+                                r"Parts: per rank ✔ · overall ✘ · fill and drain ✔ \(2 of 3\)"], None),
+        (bubble_skips_last_rank, [TRACE, r"'per_rank' should hold one fraction per rank, \d of them"], None),
+        (bubble_fill_from_time_zero, [TRACE, r"rank 0 idles [\d.]+ s before its first action \(the fill\), the trace "
+                                             r"says 0 s", r"fill and drain ✘ \(2 of 3\)"], None),
+        (bubble_returns_the_fraction_only, [r"^bubble_returns_the_fraction_only must return a dict with 'per_rank', "
+                                            r"'overall' and 'idle'"], None),
+        (bubble_with_timeline_busy, [r"^exercise 'bubble_fraction' asks you to work out the bubble yourself; you use "
+                                     r"pplab's own measure"], None),
     ],
 }
