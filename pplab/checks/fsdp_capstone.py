@@ -1,63 +1,59 @@
 """Check of chapter 6's second capstone: fully sharded data parallel (FSDP, ZeRO stage 3) from scratch.
 
-    fsdp    FSDP(units, compute_dtype=torch.float32)      fsdp(ids) -> logits      fsdp.shards
+    fsdp    FSDP(units, compute_dtype=torch.float32)     fsdp(ids) -> logits     fsdp.shards
 
-`units` is the tiny GPT of pplab.models as its list of layers (Embed, the blocks, Head), each
-one unit. Unit k's parameters, in unit.parameters() order, laid end to end and zero-padded to
-N·S_k elements (S_k = ceil(Ψ_k / N)), are cut into N equal pieces: rank r keeps elements
-[r·S_k, (r+1)·S_k) as fsdp.shards[k], an fp32 nn.Parameter (the master). The check trains with
-torch.optim.AdamW(fsdp.shards): after loss.backward() each shards[k].grad is the rank's piece
-of the mean gradient over the ranks, in fp32.
+units: the tiny GPT of pplab.models as its list of layers (Embed, the blocks, Head), one unit
+each. Unit k's Ψ_k parameters (unit.parameters() order) end to end, zero-padded to N·S_k
+(S_k = ceil(Ψ_k/N)), cut in N pieces: rank r keeps elements [r·S_k, (r+1)·S_k) as
+fsdp.shards[k], an fp32 nn.Parameter. The check trains with torch.optim.AdamW(fsdp.shards):
+after loss.backward() shards[k].grad must be the rank's piece of the mean gradient, fp32.
 
-Two sealed launches (N = 2, then 3; a GPT of sizes drawn from the seed, at least one unit that
-N does not divide), each rank on a batch of its own, 3 steps in fp32, then 3 more from a fresh
-model with compute_dtype fp16 (N = 2) or bf16 (N = 3). Five parts (fsdp_probes.py holds what
-runs in the ranks):
+Two sealed launches, N = 2 then 3 (a GPT drawn from the seed, with a unit that N does not
+divide), every rank on a batch of its own: 3 steps in fp32, then 3 from a fresh model with
+compute_dtype fp16 (N = 2) or bf16 (N = 3). fsdp_capstone_rank.py holds what runs in the
+ranks. Five parts, each on every rank and step; the first rank, unit and parameter that
+differ are named:
 
-* forward: the shards start as laid out above, and every rank's loss at every step equals the
-  model's loss on that rank's batch (fp32: 1e-6 relative);
-* backward: every shard's .grad after backward is the piece of the mean gradient, and AdamW
-  moves every shard as single-process AdamW on the whole batch moves the model (fp32: 1e-6 +
-  1e-6·|x|); the first step, rank, unit and parameter that differ are named;
-* memory: (a) while a unit computes (forward or backward), the full parameters held (the
-  storages of every unit's parameters and of every all-gather output still alive) are at most
-  that unit's and the prefetched neighbour's; (b) between steps (after optimizer.step()),
-  everything reachable from the FSDP object plus AdamW's state is at most 16·ΣS_k bytes: per
-  shard element 4 (fp32 master) + 4 (its gradient) + 8 (AdamW's two moments), i.e. 16Ψ/N plus
-  at most N - 1 padding elements per unit (pplab.memory.storage_bytes: each storage once);
-* traffic (fp32 run, from the router's record): per step and rank, one all-gather of every unit
-  in forward, one again in backward, one reduce-scatter of every unit's gradient, nothing else.
-  Run as rings, an all-gather or reduce-scatter of unit k sends (N-1)·S_k·b bytes from each
-  rank, so a step sends 3·(N-1)·ΣS_k·b = 3Ψ·b·(N-1)/N (Ψ padded, b the compute dtype's bytes:
-  parameters gathered and gradients reduced in it). Every unit's all-gather but the first is
-  started (async_op=True) before the unit that runs before it (in forward; after it in
-  backward) has computed: prefetched;
-* low precision: the compute_dtype run judged the same way (shards fp32, memory and traffic in
-  the compute dtype's bytes) against a reference that casts as asked: each unit's fp32 master
-  cast to compute_dtype, forward and backward in it, every rank's gradient summed in it (the
-  reduce-scatter), then cast to fp32 and divided by N. Values to LOW_TOL of each tensor's
-  largest element (a rounding of the compute dtype here and there, not a cast in the wrong place).
+* forward: the shards start laid out as above; each rank's loss equals the model's on its batch
+  with the parameters the ranks hold (1e-6 relative);
+* backward: each shard's .grad is its piece of the mean gradient (from the parameters the ranks
+  hold: 1e-6 of the ranks' terms and of the unit's largest), and the shards after each step
+  equal single-process AdamW's on the whole batch (1e-6·(|x| + the unit's largest));
+* memory: (a) where a unit's compute starts (forward or backward), the full parameters held (the
+  storages of every unit's tensors and of every all-gather output still alive) are at most
+  that unit's and the prefetched neighbour's, in the compute dtype; (b) between steps (after
+  optimizer.step()), what is reachable from the FSDP object plus AdamW's state is at most
+  16·ΣS_k bytes: per shard element 4 (fp32 master) + 4 (its gradient) + 8 (AdamW's moments),
+  16Ψ/N plus at most N - 1 elements of padding per unit (pplab.memory: each storage once);
+* traffic (the router's record): per step and rank, an all-gather of every unit in forward,
+  again in backward, a reduce-scatter of every unit's gradient, nothing else; all in the
+  compute dtype (b bytes). As rings, each sends (N-1)·S_k·b bytes per rank, 3·(N-1)·ΣS_k·b =
+  3Ψ·b·(N-1)/N a step (Ψ padded). Each unit's all-gather but the first starts (async_op=True)
+  before its neighbour (the unit before it in forward, after it in backward) has computed;
+* low precision: the compute_dtype run judged as above, against what casting as asked gives:
+  each fp32 master cast to compute_dtype, forward and backward in it, the ranks' gradients
+  summed in it (the reduce-scatter), then to fp32 and divided by N. Losses to 1e-5; gradients
+  within two roundings of the dtype of the ranks' terms (another legal order of the casts and
+  the division), plus two of its smallest steps (fp16's subnormals).
 """
 from __future__ import annotations
 
-import copy
 import random
+import sys
 
 import torch
 
 from . import sealed
-from .core import Parts, exercise, first_difference, refuse_library, require_function
-from .core import _fmt, Fail, Forbidden
-from .fsdp_probes import fsdp_rank, flat_padded
-from ..models import GPTConfig, gpt_layers, gpt_loss  # noqa: F401
+from .core import Fail, Forbidden, Parts, exercise, refuse_library, require_function
+from .core import _fmt
+from .fsdp_capstone_rank import fsdp_rank
+from .fsdp_capstone_reference import NAMES, LOSS_TOL, one_step, reference, single_threaded
+from ..models import GPTConfig, gpt_layers
 
 PARTS = ("forward", "backward", "memory", "traffic", "low precision")
 STEPS = 3
 LOW = {2: torch.float16, 3: torch.bfloat16}           # the low-precision compute dtype at each world size
-TOL = {torch.float32: 1e-6, torch.float16: 2**-9, torch.bfloat16: 2**-6}     # relative; see the docstring
-LOSS_TOL = {torch.float32: 1e-6, torch.float16: 1e-5, torch.bfloat16: 1e-5}
 _AG, _RS = ("all_gather_into_tensor", "all_gather"), ("reduce_scatter_tensor", "reduce_scatter")
-_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 # ----------------------------------------------------------------------------------
@@ -81,87 +77,8 @@ def _trial(seed, p):
             "adamw": {"lr": rng.choice([0.01, 0.02]), "betas": (0.9, 0.99), "eps": 1e-3, "weight_decay": 0.1}}
 
 
-def _ranks_step(layers, t, p, dtype):
-    """What each rank's forward and backward give with `layers` (in dtype): its loss and, per unit,
-    its gradient as a padded flat vector in dtype."""
-    losses, grads = [], []
-    for r in range(p):
-        for layer in layers:
-            layer.zero_grad(set_to_none=True)
-        x = t["ids"][r]
-        for layer in layers:
-            x = layer(x)
-        loss = gpt_loss(x.float(), t["targets"][r])
-        loss.backward()
-        losses.append(loss.item())
-        grads.append([flat_padded([q.grad for q in layer.parameters()], p, dtype) for layer in layers])
-    return losses, grads
-
-
-def _expected(losses, grads, p, dtype):
-    """One step as FSDP gives it: each rank's loss and own gradient; per unit the mean gradient
-    (summed in dtype, then fp32 / p) and the difference allowed at each element (`slack`)."""
-    units = range(len(grads[0]))
-    mean = [torch.stack([g[k] for g in grads]).sum(0).float() / p for k in units]
-    terms = [torch.stack([g[k].float().abs() for g in grads]).sum(0) / p for k in units]
-    info = torch.finfo(dtype)                      # + two of the dtype's smallest steps (fp16's subnormals)
-    slack = [TOL[dtype] * (a + (m.abs().max() if dtype == torch.float32 else 0)) + 2 * info.tiny * info.eps
-             for a, m in zip(terms, mean)]
-    return {"losses": losses, "grads": mean, "slack": slack, "local": [[x.float() for x in g] for g in grads]}
-
-
-def _single_threaded(compute):
-    """compute() on one thread, as in the ranks: the same roundings."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return compute()
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _reference(t, p):
-    """fp32: single-process AdamW on the whole batch, every step, per unit as padded flat vectors."""
-    layers = gpt_layers(t["cfg"], seed=t["model_seed"], dtype=torch.float32)
-    params = [list(layer.parameters()) for layer in layers]
-    optimizer = torch.optim.AdamW([q for ps in params for q in ps], **t["adamw"])
-    ref = {"start": [flat_padded(ps, p) for ps in params], "steps": [],
-           "names": [[(n, q.shape) for n, q in layer.named_parameters()] for layer in layers],
-           "kinds": [type(layer).__name__ for layer in layers]}
-    for _ in range(STEPS):
-        step = _expected(*_ranks_step(layers, t, p, torch.float32), p, torch.float32)
-        for ps, g in zip(params, step["grads"]):
-            _unflatten(ps, g, grad=True)
-        optimizer.step()
-        after = [flat_padded(ps, p) for ps in params]
-        ref["steps"].append({"after": after, "slack": [TOL[torch.float32] * (a.abs() + a.abs().max()) for a in after]})
-    return ref
-
-
-def _one_step(t, p, dtype, masters):
-    """One step's losses and gradients from the fp32 masters the ranks hold, cast to dtype as the
-    docstring says (a drift of the masters within tolerance does not pile up over the steps)."""
-    layers = gpt_layers(t["cfg"], seed=t["model_seed"], dtype=torch.float32)
-    for layer, flat in zip(layers, masters):
-        _unflatten(list(layer.parameters()), flat)
-    return _expected(*_ranks_step([layer.to(dtype) for layer in layers], t, p, dtype), p, dtype)
-
-
-def _unflatten(params, flat, grad=False):
-    at = 0
-    with torch.no_grad():
-        for q in params:
-            piece = flat[at:at + q.numel()].view_as(q).clone()
-            if grad:
-                q.grad = piece
-            else:
-                q.copy_(piece)
-            at += q.numel()
-
-
 def _refuse_library_fsdp(fn) -> None:
     """In the sealed rank: Forbidden if the answer uses a library's FSDP (torch's only if imported)."""
-    import sys
     from ..zero import FlatBucket, FullyShardedModule, ZeroOptimizer
     fsdp = sys.modules.get("torch.distributed.fsdp")
     library = {"FullyShardedModule": FullyShardedModule, "FlatBucket": FlatBucket, "ZeroOptimizer": ZeroOptimizer}
@@ -207,8 +124,6 @@ def _values_problem(what, got, want, slack, p, sizes, ref, hint=None):
 def _layout_problem(obs, ref, p, sizes):
     for r in range(p):
         shards = obs[r]["shards"]
-        if isinstance(shards, str):
-            return f"rank {r}: {shards}"
         if len(shards) != len(sizes):
             return f"rank {r} has {len(shards)} shards; the model has {len(sizes)} units: one shard per unit."
         for k, (dtype, shard) in enumerate(shards):
@@ -249,12 +164,13 @@ def _training_problems(obs, t, ref, p, sizes, dtype):
     for step in range(STEPS):
         masters = ref["start"] if step == 0 else \
             [torch.cat([obs[r]["steps"][step - 1]["after"][k].float() for r in range(p)]) for k in range(len(sizes))]
-        want = _single_threaded(lambda: _one_step(t, p, dtype, masters))
+        want = single_threaded(lambda: one_step(t, p, dtype, masters))
         for r in range(p):
             got, loss = obs[r]["steps"][step]["loss"], want["losses"][r]
             if abs(got - loss) > LOSS_TOL[dtype] * abs(loss):
-                return (f"step {step + 1}, rank {r}'s loss is {_fmt(got)}, expected {_fmt(loss)} (the model's loss on "
-                        f"rank {r}'s batch, with every unit's full parameters)."), "not judged: the forward differs."
+                return (f"step {step + 1}, rank {r}'s loss is {got:.7f}, expected {loss:.7f} (relative difference "
+                        f"{abs(got - loss) / abs(loss):.1e}): the model's loss on rank {r}'s batch, computed in "
+                        f"{NAMES[dtype]} with the parameters the ranks hold."), "not judged: the forward differs."
         grads = {r: obs[r]["steps"][step]["grads"] for r in range(p)}
         problem = _values_problem(".grad", grads, want["grads"], want["slack"], p, sizes, ref,
                                   _grad_hint(p, sizes, want))
@@ -322,19 +238,16 @@ def _traffic_problem(traffic, order, p, sizes, b):
                 if len(got) != n:
                     return f"{say} made {len(got)} {what}(s); the model has {n} units: one each."
                 scale = p if what == "reduce-scatter" else 1
-                for c, s in zip(got, want):
-                    if c["bytes"] != scale * s * b:
-                        per = c["bytes"] / (scale * s)
-                        return (f"{say}'s {what} of a unit of {s} elements per shard put in {c['bytes']:,} bytes, "
-                                f"{per:g} per element, expected {b} (the compute dtype's); "
-                                f"{'cast the shard to compute_dtype before the all-gather' if per > b else ''}"
-                                f"{'reduce the gradients in compute_dtype' if per > b and scale > 1 else ''}.")
+                for c, size in zip(got, want):
+                    if c["bytes"] != scale * size * b:
+                        fix = "reduce-scatter the gradients in" if scale > 1 else "all-gather the shard cast to"
+                        return (f"{say}'s {what} of a unit of {size} elements per shard put in {c['bytes']:,} bytes, "
+                                f"{c['bytes'] / (scale * size):g} per element, expected {b}: {fix} compute_dtype.")
             for k, c in enumerate(forward[1:], 1):
                 if at[c["phase"]] >= at[f"{step}:F{k - 1}/"] or not c["async"]:
-                    return (f"{say} did not prefetch unit {k} in forward: its all-gather started "
-                            f"{'without async_op=True' if c['async'] is False else 'after unit ' + str(k - 1) + ' computed'}. "
-                            f"Start unit k+1's all-gather (async_op=True) before unit k computes, wait for it when "
-                            f"unit k+1 starts.")
+                    when = "without async_op=True" if not c["async"] else f"after unit {k - 1} computed"
+                    return (f"{say} did not prefetch unit {k} in forward: its all-gather started {when}. Start unit "
+                            f"k+1's all-gather (async_op=True) before unit k computes; wait for it when k+1 starts.")
             for i, c in enumerate(backward[1:], 1):
                 k = n - 1 - i
                 if at[c["phase"]] >= at[f"{step}:B{k + 1}/"] or not c["async"]:
@@ -349,7 +262,7 @@ def _traffic_problem(traffic, order, p, sizes, b):
 
 def _describe(t, p, dtype):
     c = t["cfg"]
-    return (f"world_size={p}, compute_dtype={_NAMES[dtype]}, GPT(vocab={c.vocab}, seq={c.seq}, hidden={c.hidden}, "
+    return (f"world_size={p}, compute_dtype={NAMES[dtype]}, GPT(vocab={c.vocab}, seq={c.seq}, hidden={c.hidden}, "
             f"heads={c.heads}, ffn={c.ffn}, {c.layers} block(s)), {t['rows']} sequence(s) per rank")
 
 
@@ -361,7 +274,7 @@ def check_fsdp(fn, seed: int, timeout: float) -> str:
     parts = Parts(PARTS)
     for p in (2, 3):
         t = _trial(seed, p)
-        ref = _single_threaded(lambda: _reference(t, p))
+        ref = single_threaded(lambda: reference(t, p, STEPS))
         dtypes = (torch.float32, LOW[p])
         sizes = [v.numel() // p for v in ref["start"]]             # S_k: the padded flat is p·S_k long
         judged, layout = set(), {}
@@ -393,11 +306,11 @@ def check_fsdp(fn, seed: int, timeout: float) -> str:
             sealed.run_sealed(fsdp_rank, fn, inputs, world_size=p, timeout=timeout, exercise=("fsdp", "FSDP"),
                               forbidden=(), probe=_refuse_library_fsdp, check=judge,
                               describe=lambda w, i: _describe(t, p, dtypes[i // 2]))
-        except Forbidden:
-            raise
         except Fail as failure:
+            if isinstance(failure, Forbidden) or not (judged or any(parts.problems.values())):
+                raise                                        # nothing judged yet: the failure is the message
             for part in PARTS:
-                if part not in judged:
+                if part not in judged:                       # what the launch could not show
                     parts.note(part, str(failure))
     return parts.finish("on world sizes 2 and 3 (a tiny GPT, every unit a shard per rank with padding, 3 AdamW steps "
                         "in fp32 then in fp16 / bf16: losses, gradients and updates equal single-process AdamW, fp32 "
