@@ -129,3 +129,17 @@ def test_memory_bounds_by_hand():
     kept = capstone._memory_problem(obs([], {**held, "units' parameters and gradients": 40}), 2, sizes, b)
     assert re.search(r"^after step 1, rank 0 held 168 bytes .* 16 × 8 = 128\. The units' full parameters or "
                      r"gradients are still held", kept)
+
+
+class ReturnsSequenceFirst(FlatViews):
+    """Returns the logits as the blocks hold them, [s, b, vocab], not batch first."""
+
+    def __call__(self, ids):
+        return super().__call__(ids).transpose(0, 1)
+
+
+def test_logits_of_the_wrong_shape_are_named():
+    result = checks.run_check("fsdp", ReturnsSequenceFirst)
+    assert re.search(r"^world_size=2, compute_dtype=fp32, .*: fsdp\(ids\) returned \[\d, [12], \d+\]; expected the "
+                     r"logits, a tensor of shape \[[12], \d, \d+\]\.", result.message), result.message
+    assert result.score == 0

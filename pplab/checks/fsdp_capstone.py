@@ -11,8 +11,9 @@ after loss.backward() shards[k].grad must be the rank's piece of the mean gradie
 Two sealed launches, N = 2 then 3 (a GPT drawn from the seed, with a unit that N does not
 divide), every rank on a batch of its own: 3 steps in fp32, then 3 from a fresh model with
 compute_dtype fp16 (N = 2) or bf16 (N = 3). fsdp_capstone_rank.py holds what runs in the
-ranks. Five parts, each on every rank and step; the first rank, unit and parameter that
-differ are named:
+ranks, fsdp_capstone_reference.py what they should give. Five parts, each judged on every rank
+and step (the fp32 runs give the first four, the others the fifth); the first rank, unit and
+parameter that differ are named:
 
 * forward: the shards start laid out as above; each rank's loss equals the model's on its batch
   with the parameters the ranks hold (1e-6 relative);
@@ -197,8 +198,8 @@ def _memory_problem(obs, p, sizes, b):
                     return (f"step {step + 1}, rank {r}: while unit {k} computed its {phase}, it held "
                             f"{sum(per_unit) + other:,} bytes of full parameters (the parameters of units {units}, "
                             f"and {other:,} bytes of all-gather output not in any unit's), more than the {bound:,} of "
-                            f"unit {k} and {'the prefetched unit ' + str(nxt) if 0 <= nxt < len(sizes) else 'none'}"
-                            f": free each unit's full parameters after its use.")
+                            f"unit {k}{f' and the prefetched unit {nxt}' if 0 <= nxt < len(sizes) else ''}: free each "
+                            f"unit's full parameters after its use.")
             held, bound = obs[r]["steps"][step]["held"], 16 * sum(sizes)
             if sum(held.values()) > bound:
                 parts = ", ".join(f"{what} {n:,}" for what, n in held.items())
@@ -230,8 +231,9 @@ def _traffic_problem(traffic, order, p, sizes, b):
                 why = (" on the gradients: an all-reduce sends twice a reduce-scatter's bytes and leaves every rank "
                        "the whole gradient, when its shard needs only its piece" if kind == "all_reduce" else "")
                 return f"{say} called {kind}{why}; FSDP needs only all-gathers and reduce-scatters."
+            reduced.sort(key=lambda c: c["bytes"])            # in whatever order the units' backwards end
             for what, got, want in (("all-gather in forward", forward, sizes), ("all-gather in backward", backward,
-                                    sizes[::-1]), ("reduce-scatter", reduced, sizes[::-1])):
+                                    sizes[::-1]), ("reduce-scatter", reduced, sorted(sizes))):
                 if not got and what == "all-gather in backward":
                     return (f"{say} made no all-gather in backward: the full parameters were kept from forward. Free "
                             f"each unit after its forward, and gather it again before its backward.")
@@ -312,8 +314,8 @@ def check_fsdp(fn, seed: int, timeout: float) -> str:
             for part in PARTS:
                 if part not in judged:                       # what the launch could not show
                     parts.note(part, str(failure))
-    return parts.finish("on world sizes 2 and 3 (a tiny GPT, every unit a shard per rank with padding, 3 AdamW steps "
-                        "in fp32 then in fp16 / bf16: losses, gradients and updates equal single-process AdamW, fp32 "
-                        "to 1e-6; full parameters held only for the unit computing and the prefetched one; 16·ΣS bytes "
-                        "held between steps; per step 3·(N-1)·ΣS·b bytes sent: an all-gather per unit in forward and "
-                        "in backward, prefetched, and a reduce-scatter)")
+    return parts.finish("on world sizes 2 and 3 (a tiny GPT, every unit a shard per rank with padding, 3 AdamW "
+                        "steps in fp32 then in fp16 / bf16: losses, gradients and updates equal single-process AdamW, "
+                        "fp32 to 1e-6; full parameters held only for the unit computing and the prefetched one; "
+                        "16·ΣS bytes held between steps; per step 3·(N-1)·ΣS·b bytes sent: an all-gather per unit in "
+                        "forward and in backward, prefetched, and a reduce-scatter)")
