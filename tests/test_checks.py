@@ -22,15 +22,18 @@ from wrong_solutions_planner import WRONG as WRONG_PLANNER
 from wrong_solutions_capstone_sp import WRONG as WRONG_CAPSTONE_SP
 from wrong_solutions_capstone_ring import WRONG as WRONG_CAPSTONE_RING
 from wrong_solutions_capstone_hybrid import WRONG as WRONG_CAPSTONE_HYBRID
+from wrong_solutions_capstone_fsdp import WRONG as WRONG_CAPSTONE_FSDP
 from wrong_solutions_scored import WRONG as WRONG_SCORED
 from wrong_solutions_grad_clip import WRONG as WRONG_GRAD_CLIP
 from wrong_solutions_recompute import WRONG as WRONG_RECOMPUTE
 from wrong_solutions_mixed_precision import WRONG as WRONG_MIXED_PRECISION
 
+
+
 WRONG_CHAPTERS = {**WRONG_CHAPTERS, **WRONG_TENSOR_PARALLEL, **WRONG_ZERO, **WRONG_SEQUENCE_PARALLEL,
                   **WRONG_HARD, **WRONG_HYBRID, **WRONG_EXPERTS, **WRONG_PLANNER, **WRONG_CAPSTONE_SP,
                   **WRONG_SCORED, **WRONG_CAPSTONE_ZERO, **WRONG_CAPSTONE_RING, **WRONG_CAPSTONE_HYBRID,
-                  **WRONG_GRAD_CLIP, **WRONG_RECOMPUTE, **WRONG_MIXED_PRECISION}
+                  **WRONG_GRAD_CLIP, **WRONG_RECOMPUTE, **WRONG_MIXED_PRECISION, **WRONG_CAPSTONE_FSDP}
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
