@@ -118,8 +118,8 @@ def _own(flat, psi, c, rank, n):
 
 
 def state_chunks_without_padding(params, grads, stage):
-    """flat.chunk(n) of the unpadded buffer: right on rank 0, one element short on the last rank."""
-    return _state(params, grads, stage, lambda flat, psi, c, rank, n: flat[:psi].chunk(n)[rank].clone())
+    """flat.tensor_split(n) of the unpadded buffer: right on rank 0, one element short on a later rank."""
+    return _state(params, grads, stage, lambda flat, psi, c, rank, n: flat[:psi].tensor_split(n)[rank].clone())
 
 
 def state_shard_is_a_view(params, grads, stage):

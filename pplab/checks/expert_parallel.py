@@ -288,8 +288,9 @@ def _traffic_hint(part, got, r, t, p) -> str:
     candidates = []
     if cf is not None:
         candidates.append((pick(_kept_rows(t, p, no_limit=True), r),
-                           f" That counts every choice: an expert takes at most ⌈capacity_factor·n·k/E⌉ of a rank's "
-                           f"choices, and the rest are dropped, never sent."))
+                           " That counts every choice: an expert takes at most ⌈capacity_factor·n·k/E⌉ of a rank's "
+                           "choices" + (f" (here {math.ceil(cf * n * k / E)} of rank {r}'s)" if part == "dispatch" else "")
+                           + ", and the rest are dropped, never sent."))
         n0 = len(t["choices"][0])
         candidates.append((pick(_kept_rows(t, p, capacity_of=lambda i: math.ceil(cf * n0 * k / E)), r),
                            f" Capacity is per rank-local batch: ⌈capacity_factor·n·k/E⌉ with each rank's own n "
