@@ -4,6 +4,8 @@ WRONG[exercise_id] lists (function, regular expressions the check's message must
 timeout for the check or None for the default), as in wrong_solutions.py:
 tests/test_checks.py checks that every one of them fails with that message.
 """
+import math
+
 import torch
 
 from pplab import comm
@@ -68,34 +70,70 @@ def dispatch_from_the_library(expert, num_experts, world_size):
 
 
 # ----------------------------------------------------------------------------------
-# 8b: the bytes
+# 8b: every rank's bytes under a skewed routing
 
 
-def bytes_without_counts(tokens, k, experts, ranks, hidden, element_size):
-    return 2 * tokens * k * (ranks - 1) / ranks * hidden * element_size
+def _rows(choices, E, capacity_factor, capacity=None):
+    """rows[r][j]: rank r's kept choices for rank j's experts (the right rule, with knobs)."""
+    p, rows = len(choices), []
+    for c in choices:
+        n, k = c.shape
+        cap = capacity(c) if capacity else n * k if capacity_factor is None else math.ceil(capacity_factor * n * k / E)
+        taken, to = [0] * E, [0] * p
+        for e in c.T.flatten().tolist():
+            if taken[e] < cap:
+                taken[e] += 1
+                to[e // (E // p)] += 1
+        rows.append(to)
+    return rows
 
 
-def bytes_dispatch_only(tokens, k, experts, ranks, hidden, element_size):
-    return (ranks - 1) * experts // ranks * 8 + tokens * k * (ranks - 1) / ranks * hidden * element_size
+def _bytes(rows, E, row, counts=None):
+    p = len(rows)
+    return [(counts if counts is not None else (p - 1) * (E // p) * 8,
+             sum(rows[r][j] for j in range(p) if j != r) * row, sum(rows[i][r] for i in range(p) if i != r) * row)
+            for r in range(p)]
 
 
-def bytes_forgets_k(tokens, k, experts, ranks, hidden, element_size):
-    return (ranks - 1) * experts // ranks * 8 + 2 * tokens * (ranks - 1) / ranks * hidden * element_size
+def traffic_even_formula(choices, num_experts, capacity_factor, hidden, element_size):
+    """The formula of an even router, whatever the routing: right only where the router is even."""
+    p = len(choices)
+    return [((p - 1) * (num_experts // p) * 8,) + (len(c) * c.shape[1] * (p - 1) / p * hidden * element_size,) * 2
+            for c in choices]
 
 
-def bytes_sends_own_rows(tokens, k, experts, ranks, hidden, element_size):
-    return (ranks - 1) * experts // ranks * 8 + 2 * tokens * k * hidden * element_size
+def traffic_ignores_capacity(choices, num_experts, capacity_factor, hidden, element_size):
+    """Every choice sent, as if no expert had a capacity."""
+    return _bytes(_rows(choices, num_experts, None), num_experts, hidden * element_size)
 
 
-def bytes_all_counts_to_everyone(tokens, k, experts, ranks, hidden, element_size):
-    return (ranks - 1) * experts * 8 + 2 * tokens * k * (ranks - 1) / ranks * hidden * element_size
+def traffic_combine_is_own_dispatch(choices, num_experts, capacity_factor, hidden, element_size):
+    """The combine taken as the same rows as this rank's dispatch, coming back."""
+    return [(c, d, d) for c, d, _ in _bytes(_rows(choices, num_experts, capacity_factor), num_experts,
+                                            hidden * element_size)]
 
 
-def bytes_from_the_library(tokens, k, experts, ranks, hidden, element_size):
+def traffic_capacity_of_rank_0(choices, num_experts, capacity_factor, hidden, element_size):
+    """Every rank's capacity computed from rank 0's number of tokens: right on rank 0."""
+    n0, k = choices[0].shape
+    cap = None if capacity_factor is None else (lambda c: math.ceil(capacity_factor * n0 * k / num_experts))
+    return _bytes(_rows(choices, num_experts, capacity_factor, capacity=cap), num_experts, hidden * element_size)
+
+
+def traffic_all_counts_to_everyone(choices, num_experts, capacity_factor, hidden, element_size):
+    """Sends every other rank the counts of all E experts."""
+    return _bytes(_rows(choices, num_experts, capacity_factor), num_experts, hidden * element_size,
+                  counts=(len(choices) - 1) * num_experts * 8)
+
+
+def traffic_from_the_library(choices, num_experts, capacity_factor, hidden, element_size):
     from pplab import expert_parallel
-    return expert_parallel.all_to_all_bytes(tokens, k, experts, ranks, hidden, element_size)
+    b = expert_parallel.all_to_all_bytes(len(choices[0]), choices[0].shape[1], num_experts, len(choices), hidden,
+                                         element_size)
+    return [(0, b, 0)] * len(choices)
 
 
+TRAFFIC = r"^p=[234], E=\d+, k=[12], .*, tokens per rank \[[\d, ]+\], "
 WHERE = r"^world_size=2, E=\d+ experts, \[\d+, \d+\] choices per rank: rank \d"
 WRONG = {
     "moe_dispatch": [
@@ -108,12 +146,18 @@ WRONG = {
         (dispatch_from_the_library, [r"pplab\.expert_parallel\.dispatch_plan, the library's answer"], None),
     ],
     "moe_bytes": [
-        (bytes_without_counts, [r"^tokens=4096, k=2, experts=8, ranks=4, hidden=1024, element_size=2: bytes one "
-                                r"rank sends is", r"The counts are missing"], None),
-        (bytes_dispatch_only, [r"That is the dispatch only"], None),
-        (bytes_forgets_k, [r"k rows per token"], None),
-        (bytes_sends_own_rows, [r"only \(ranks-1\)/ranks"], None),
-        (bytes_all_counts_to_everyone, [r"only the counts of that rank's E/ranks experts"], None),
-        (bytes_from_the_library, [r"pplab\.expert_parallel\.all_to_all_bytes, the library's answer"], None),
+        (traffic_even_formula, [TRAFFIC + r"rank \d sends [\d,.]+ bytes in the (dispatch|combine), measured",
+                                r"That is the even router's formula", r"counts ✔"], None),
+        (traffic_ignores_capacity, [r"capacity factor [\d.]+, .*, rank \d sends [\d,]+ bytes in the dispatch",
+                                    r"That counts every choice", r"counts ✔ · dispatch ✘ · combine ✘ \(1 of 3\)"],
+         None),
+        (traffic_combine_is_own_dispatch, [TRAFFIC + r"rank \d sends [\d,]+ bytes in the combine",
+                                           r"That is what rank \d dispatched", r"\(2 of 3\)"], None),
+        (traffic_capacity_of_rank_0, [TRAFFIC + r"rank \d sends [\d,]+ bytes in the (dispatch|combine)",
+                                      r"Capacity is per rank-local batch"], None),
+        (traffic_all_counts_to_everyone, [TRAFFIC + r"rank \d sends [\d,]+ bytes in the counts",
+                                          r"only the counts for that rank's E/p experts",
+                                          r"counts ✘ · dispatch ✔ · combine ✔ \(2 of 3\)"], None),
+        (traffic_from_the_library, [r"pplab\.expert_parallel\.all_to_all_bytes, the library's answer"], None),
     ],
 }

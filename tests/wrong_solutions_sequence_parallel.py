@@ -11,38 +11,83 @@ import torch.distributed as dist
 from pplab import comm
 
 # ----------------------------------------------------------------------------------
-# 5a: the online-softmax merge
+# 5a: blockwise (flash) attention
 
 
-def merge_average(o1, lse1, o2, lse2):
-    """Averages the two outputs: right only when both parts have the same denominator."""
-    return (o1 + o2) / 2, torch.logaddexp(lse1, lse2)
+def _scores(q, kb, j, causal):
+    s = q @ kb.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if causal:
+        s = s.masked_fill(torch.arange(j, j + kb.shape[-2]) > torch.arange(q.shape[-2])[:, None], -math.inf)
+    return s
 
 
-def merge_exp_of_lse(o1, lse1, o2, lse2):
-    """Right in exact arithmetic, but exp(lse) overflows for large scores."""
-    e1, e2 = torch.exp(lse1), torch.exp(lse2)
-    return (e1[..., None] * o1 + e2[..., None] * o2) / (e1 + e2)[..., None], torch.log(e1 + e2)
+def _online(q, k, v, block, causal, blocks=None, rescale=True, lse_of=None):
+    """The right loop, with the knobs the mistakes below turn."""
+    m = torch.full(q.shape[:-1], -math.inf, dtype=q.dtype)
+    total = torch.zeros(q.shape[:-1], dtype=q.dtype)
+    acc = torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=q.dtype)
+    for j in blocks if blocks is not None else range(0, k.shape[-2], block):
+        s = _scores(q, k[..., j:j + block, :], j, causal)
+        m_new = torch.maximum(m, s.amax(-1))
+        shrink = torch.exp(m - m_new) if rescale else torch.ones_like(m)
+        e = torch.exp(s - m_new[..., None])
+        total, acc, m = shrink * total + e.sum(-1), shrink[..., None] * acc + e @ v[..., j:j + block, :], m_new
+    return acc / total[..., None], (lse_of or (lambda m, total: m + torch.log(total)))(m, total)
 
 
-def merge_lse_is_max(o1, lse1, o2, lse2):
-    """The output is right; the merged log-sum-exp is taken as the larger of the two."""
-    lse = torch.logaddexp(lse1, lse2)
-    ref = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    o = torch.exp(lse1 - ref)[..., None] * o1 + torch.exp(lse2 - ref)[..., None] * o2
-    return o, torch.maximum(lse1, lse2)
+def attention_all_at_once(q, k, v, block, causal=False):
+    """Right values, but the whole n x S score matrix at once: no blocks at all."""
+    s = _scores(q, k, 0, causal)
+    return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
 
 
-def merge_nan_on_empty_rows(o1, lse1, o2, lse2):
-    """The textbook formula: -inf - (-inf) = nan for rows that have seen no key yet."""
-    lse = torch.logaddexp(lse1, lse2)
-    return torch.exp(lse1 - lse)[..., None] * o1 + torch.exp(lse2 - lse)[..., None] * o2, lse
+def blockwise_drops_the_last_block(q, k, v, block, causal=False):
+    """range(S // block) blocks: the keys of a last, shorter block are never seen."""
+    return _online(q, k, v, block, causal, blocks=range(0, k.shape[-2] // block * block, block))
 
 
-def merge_weights_swapped(o1, lse1, o2, lse2):
-    lse = torch.logaddexp(lse1, lse2)
-    ref = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    return torch.exp(lse2 - ref)[..., None] * o1 + torch.exp(lse1 - ref)[..., None] * o2, lse
+def blockwise_without_running_max(q, k, v, block, causal=False):
+    """exp(s) summed directly: right in exact arithmetic, overflows for large scores."""
+    total = torch.zeros(q.shape[:-1], dtype=q.dtype)
+    acc = torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=q.dtype)
+    for j in range(0, k.shape[-2], block):
+        e = torch.exp(_scores(q, k[..., j:j + block, :], j, causal))
+        total, acc = total + e.sum(-1), acc + e @ v[..., j:j + block, :]
+    return acc / total[..., None], torch.log(total)
+
+
+def blockwise_softmax_per_block(q, k, v, block, causal=False):
+    """Each block's softmax and lse, merged: a block entirely in a causal row's future is nan."""
+    out = torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=q.dtype)
+    lse = torch.full(q.shape[:-1], -math.inf, dtype=q.dtype)
+    for j in range(0, k.shape[-2], block):
+        s = _scores(q, k[..., j:j + block, :], j, causal)
+        o_b, lse_b = torch.softmax(s, -1) @ v[..., j:j + block, :], torch.logsumexp(s, -1)
+        new = torch.logaddexp(lse, lse_b)
+        out = torch.exp(lse - new)[..., None] * out + torch.exp(lse_b - new)[..., None] * o_b
+        lse = new
+    return out, lse
+
+
+def blockwise_without_mask(q, k, v, block, causal=False):
+    """Forgets the causal mask: every query sees every key."""
+    return _online(q, k, v, block, False)
+
+
+def blockwise_forgets_the_rescale(q, k, v, block, causal=False):
+    """Keeps the running max, but never rescales what it accumulated when the max grows."""
+    return _online(q, k, v, block, causal, rescale=False)
+
+
+def blockwise_lse_is_the_max(q, k, v, block, causal=False):
+    """The output is right; the log-sum-exp returned is the running max alone."""
+    return _online(q, k, v, block, causal, lse_of=lambda m, total: m)
+
+
+def blockwise_with_torch(q, k, v, block, causal=False):
+    """torch's own attention for the output."""
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return out, _online(q, k, v, block, causal)[1]
 
 
 # ----------------------------------------------------------------------------------
@@ -213,12 +258,18 @@ STEP = r"^world_size=\d, \d tokens per rank, q/k/v of .*: rank \d, step \d: "
 A2A = r"^world_size=\d, x of \d x \d+ heads x \d tokens per rank x \d: rank \d's "
 WRONG = {
     "online_softmax_merge": [
-        (merge_average, [r"^trial 0 \(random scores", r"o differs at index", r"plain average of o1 and o2"], None),
-        (merge_exp_of_lse, [r"^trial 1 \(large scores", r"contains nan|differs", r"exp\(lse\) overflows"], None),
-        (merge_lse_is_max, [r"lse differs at index", r"It is max\(lse1, lse2\)", r"torch\.logaddexp"], None),
-        (merge_nan_on_empty_rows, [r"^trial 3 \(rows that saw no key in either part", r"contains nan",
-                                   r"-inf - \(-inf\) = nan"], None),
-        (merge_weights_swapped, [r"^trial 0 .*o differs at index"], None),
+        (attention_all_at_once, [r"^trial 3 \(memory; .*\), the call held [\d,]+ bytes",
+                                 r"one block of scores at a time", r"memory ✘ \(2 of 3\)"], None),
+        (blockwise_drops_the_last_block, [r"^trial 0 .*\), out differs at index", r"the last, shorter block of \d keys",
+                                          r"output ✘ · log-sum-exp ✘ · memory ✔ \(1 of 3\)"], None),
+        (blockwise_without_running_max, [r"^trial 1 \(large scores", r"exp of scores this large overflows",
+                                         r"\(1 of 3\)"], None),
+        (blockwise_softmax_per_block, [r"^trial 2 \(causal", r"got nan", r"its own max is -inf"], None),
+        (blockwise_without_mask, [r"^trial 2 \(causal", r"It is attention without the mask"], None),
+        (blockwise_forgets_the_rescale, [r"^trial [0-3] .*out differs", r"exp\(m_old - m_new\)"], None),
+        (blockwise_lse_is_the_max, [r"^trial 0 .*lse differs", r"It is the row's max score",
+                                    r"output ✔ · log-sum-exp ✘ · memory ✔ \(2 of 3\)"], None),
+        (blockwise_with_torch, [r"you use torch\.nn\.functional\.scaled_dot_product_attention"], None),
     ],
     "ulysses_all_to_all": [
         (a2a_relative_places, [A2A.replace(r"rank \d's", r"rank [1-3]'s"), r"differs at index .*got head \d+, token",

@@ -93,28 +93,65 @@ def zero1_steps_a_copy(flat_param, optimizer_class):
 
 
 # ----------------------------------------------------------------------------------
-# 6b: bytes per rank
+# 6b: what one rank holds, stage by stage
 
 
-def bytes_divides_everything(stage, psi, n, k):
-    return (2 + 2 + k) * psi / (n if stage else 1)
+def _state(params, grads, stage, shard_of, master_dtype=torch.float32, grads_from=2, moments=2):
+    """The right layout, with the knobs the mistakes below turn; shard_of(flat, c, rank, n) cuts a shard."""
+    rank, n = comm.rank(), comm.world_size()
+    psi = sum(p.numel() for p in params)
+    c = -(-psi // n)
+
+    def shard(tensors):
+        flat = torch.zeros(c * n, dtype=tensors[0].dtype)
+        flat[:psi] = torch.cat([t.flatten() for t in tensors])
+        return shard_of(flat, psi, c, rank, n)
+    master = (shard(params) if stage >= 1 else torch.cat([p.flatten() for p in params])).to(master_dtype)
+    zeros = torch.zeros_like(master)
+    return {"params": [shard(params)] if stage >= 3 else list(params),
+            "grads": [shard(grads)] if stage >= grads_from else list(grads),
+            "optimizer": [master, zeros, zeros if moments == 1 else torch.zeros_like(master)]}
 
 
-def bytes_stage1_splits_gradients(stage, psi, n, k):
-    return 2 * psi / (n if stage >= 3 else 1) + 2 * psi / (n if stage >= 1 else 1) + k * psi / (n if stage >= 1 else 1)
+def _own(flat, psi, c, rank, n):
+    return flat[rank * c:(rank + 1) * c].clone()
 
 
-def bytes_ignores_stage(stage, psi, n, k):
-    return (2 + 2 + k) * psi
+def state_chunks_without_padding(params, grads, stage):
+    """flat.tensor_split(n) of the unpadded buffer: right on rank 0, one element short on a later rank."""
+    return _state(params, grads, stage, lambda flat, psi, c, rank, n: flat[:psi].tensor_split(n)[rank].clone())
 
 
-def bytes_fp32_parameters(stage, psi, n, k):
-    return 4 * psi / (n if stage >= 3 else 1) + 4 * psi / (n if stage >= 2 else 1) + k * psi / (n if stage >= 1 else 1)
+def state_shard_is_a_view(params, grads, stage):
+    """Right values, but each shard a slice of the padded buffer: it keeps the whole buffer alive."""
+    return _state(params, grads, stage, lambda flat, psi, c, rank, n: flat[rank * c:(rank + 1) * c])
 
 
-def bytes_from_the_library(stage, psi, n, k):
-    import pplab
-    return pplab.zero.model_state_bytes(stage, psi, n, 2, 2, k)
+def state_rank0_shard(params, grads, stage):
+    """Every rank keeps rank 0's shard: right on rank 0 only."""
+    return _state(params, grads, stage, lambda flat, psi, c, rank, n: flat[:c].clone())
+
+
+def state_master_in_bf16(params, grads, stage):
+    """The master weights and moments in bf16: K = 6, not 12."""
+    return _state(params, grads, stage, _own, master_dtype=torch.bfloat16)
+
+
+def state_stage1_shards_gradients(params, grads, stage):
+    """Shards the gradients from stage 1 on (that is stage 2)."""
+    return _state(params, grads, stage, _own, grads_from=1)
+
+
+def state_one_tensor_for_both_moments(params, grads, stage):
+    """exp_avg and exp_avg_sq are the same tensor: half the optimizer's moments."""
+    return _state(params, grads, stage, _own, moments=1)
+
+
+def state_as_the_formula(params, grads, stage):
+    """The formula's numbers instead of the tensors."""
+    psi, n = sum(p.numel() for p in params), comm.world_size()
+    return {"params": 2 * psi / (n if stage >= 3 else 1), "grads": 2 * psi / (n if stage >= 2 else 1),
+            "optimizer": 12 * psi / (n if stage >= 1 else 1)}
 
 
 # ----------------------------------------------------------------------------------
@@ -211,6 +248,7 @@ def linear_without_gather(x, shard, out_features, in_features):
     return x @ full[:o * i].view(o, i).T + full[o * i:o * i + o]
 
 
+STATE = r"^world_size=[23], stage \d, Ψ = \d+ parameters .*: rank \d, "
 SHAPE = r"^world_size=[23], Linear\(\d, \d\), local batch \d: "
 WRONG = {
     "zero1_step": [
@@ -228,13 +266,21 @@ WRONG = {
         (zero1_steps_a_copy, [r"after step 1, rank 0's flat_param\[\d+\] \(in rank 0's shard\) is"], None),
     ],
     "zero_bytes": [
-        (bytes_divides_everything, [r"^stage=1, Ψ=7\.5e\+09, N=64, K=12: bytes per rank is",
-                                    r"only stage 3 shards the parameters"], None),
-        (bytes_stage1_splits_gradients, [r"^stage=1, ", r"At stage 1 each rank still holds every gradient"], None),
-        (bytes_ignores_stage, [r"^stage=1, ", r"That is every rank holding everything, DDP"], None),
-        (bytes_fp32_parameters, [r"^stage=0, ", r"expected 1\.2e\+11"], None),
-        (bytes_from_the_library, [r"asks you to work out the bytes per rank yourself; you use "
-                                  r"pplab\.zero\.model_state_bytes"], None),
+        (state_chunks_without_padding, [STATE.replace("rank \\d", "rank [12]") + r"the (parameters|gradients|optimizer "
+                                        r"state) hold \d+ elements, expected \d+", r"Pad: Ψ = \d+ is not a multiple of N"],
+         None),
+        (state_shard_is_a_view, [STATE + r"the (parameters|gradients) occupy [\d,]+ bytes of storage",
+                                 r"a view keeps its whole storage alive", r"\.clone\(\) the shard"], None),
+        (state_rank0_shard, [STATE.replace("rank \\d", "rank [12]") + r"the .* differ at element",
+                             r"It is rank 0's shard"], None),
+        (state_master_in_bf16, [STATE + r"the optimizer state include a torch\.bfloat16 tensor",
+                                r"K = 12 bytes per parameter", r"params ✔ · grads ✔ · optimizer ✘ \(2 of 3\)"], None),
+        (state_stage1_shards_gradients, [r"stage 1, .*: rank \d, the gradients hold \d+ elements",
+                                         r"That is one shard: at stage 1 the gradients are not split yet",
+                                         r"params ✔ · grads ✘ · optimizer ✔"], None),
+        (state_one_tensor_for_both_moments, [STATE + r"the optimizer state occupy [\d,]+ bytes",
+                                             r"exp_avg and exp_avg_sq are two moments"], None),
+        (state_as_the_formula, [r"zero_state must return a dict", r"\(0 of 3\)"], None),
     ],
     "stage3_unit": [
         (linear_keeps_full_parameters,

@@ -1,7 +1,8 @@
 """Checks of chapter 8's exercises: the MoE dispatch, and the all-to-all's bytes per rank.
 
     moe_dispatch     dispatch(expert, num_experts, world_size) -> (send_counts, order)
-    moe_bytes        moe_bytes(tokens, k, experts, ranks, hidden, element_size) -> bytes one rank sends
+    moe_bytes        moe_bytes(choices, num_experts, capacity_factor, hidden, element_size)
+                     -> [(counts, dispatch, combine) bytes rank r sends, for every rank r]
 
 moe_dispatch runs on 2, 3 and 4 sealed ranks (sealed.py). Every rank gets its own random choices
 (expert[s] in 0..E-1, or -1 where the choice was dropped; E a multiple of p, a different
@@ -11,18 +12,22 @@ their rank and choice. Checked here: send_counts (one per rank, experts in conti
 of E/p), order (the kept choices sorted by expert, ties in choice order), and on every rank
 the rows that arrived, against `pplab.expert_parallel.dispatch_plan` on the same choices.
 
-moe_bytes needs no ranks: random sizes; an even router, nothing dropped: the counts'
-all-to-all (int64) + dispatch + combine, what one rank sends in one forward.
+moe_bytes calls the answer in one sealed rank on skewed routings (a popular expert, k = 1 or 2,
+a different number of tokens per rank, with and without a capacity limit) over 2, 3 and 4
+ranks; then, for each, runs the library's MoE layer on that many sealed ranks, steered to the
+same routing, and takes the router's record of what each rank really sent in each of the
+forward's three all-to-alls. A point each for counts, dispatch and combine, on every rank.
 """
 from __future__ import annotations
 
+import math
 import random
 
 import torch
 import torch.distributed as dist
 
 from . import sealed
-from .core import Fail, check_number, exercise, refuse_library, require_function
+from .core import Fail, Parts, exercise, refuse_library, require_function
 
 
 # ----------------------------------------------------------------------------------
@@ -188,13 +193,164 @@ def _check_received(seen, rank, experts, plans, p, where):
 
 
 # ----------------------------------------------------------------------------------
-# Exercise "moe_bytes"
+# Exercise "moe_bytes": every rank's bytes under a skewed routing, against the measured layer
+
+PHASES = ("counts", "dispatch", "combine")
+_DTYPES = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
 
 
-def _moe_bytes(tokens, k, experts, ranks, hidden, element_size):
-    counts = (ranks - 1) * (experts // ranks) * 8                   # int64 counts for the other ranks' experts
-    rows = 2 * tokens * k * (ranks - 1) / ranks                     # dispatch out + combine back
-    return counts + rows * hidden * element_size
+def _traffic_trials(seed, p):
+    """Two skewed routings on p ranks, a different number of tokens on each: one with a capacity
+    limit that must drop (k = 2; three tokens in four pick the popular expert first), one without."""
+    rng = random.Random(seed * 13 + p)
+    trials = []
+    for capacity_factor in (rng.choice([0.5, 0.75]), None):
+        E, k = p * rng.randint(2 if p == 2 else 1, 2), 2 if capacity_factor else rng.choice([1, 2])   # E > k: room to skew
+        g = torch.Generator().manual_seed(rng.randrange(2**31))
+        popular = rng.randrange(E)
+        choices = []
+        for _ in range(p):
+            n = rng.randint(6, 14)
+            first = torch.randint(0, E, (n,), generator=g)
+            first[torch.randperm(n, generator=g)[:math.ceil(0.75 * n) if capacity_factor else n // 2]] = popular
+            second = (first + torch.randint(1, E, (n,), generator=g)) % E          # another expert
+            choices.append(torch.stack([first, second], 1)[:, :k])
+        trials.append({"choices": choices, "E": E, "k": k, "capacity_factor": capacity_factor,
+                       "hidden": E + rng.randint(0, 3), "element_size": rng.choice([2, 4, 8])})
+    return trials
+
+
+def _describe_traffic(p, t):
+    cf = "no capacity limit" if t["capacity_factor"] is None else f"capacity factor {t['capacity_factor']}"
+    return (f"p={p}, E={t['E']}, k={t['k']}, {cf}, hidden={t['hidden']}, element_size={t['element_size']}, "
+            f"tokens per rank {[len(c) for c in t['choices']]}")
+
+
+def _measure_rank(fn, trials):
+    """In every sealed rank: the library's MoE layer (not the answer) on this rank's tokens, steered to the
+    trial's routing, one forward; each of its three all-to-alls in a phase of its own, so that the
+    router's record of what was really sent splits into counts, dispatch and combine."""
+    from .. import collectives
+    from ..expert_parallel import MoE, steer
+    original = collectives.all_to_all_single
+    for i, t in enumerate(trials):
+        sealed.begin(i)
+        layer = MoE(t["hidden"], 4, t["E"], t["k"], t["capacity_factor"]).to(_DTYPES[t["element_size"]])
+        x = steer(layer, t["choices"])
+        names = iter(PHASES)
+
+        def in_its_phase(*args, **kwargs):
+            sealed.phase(next(names))
+            return original(*args, **kwargs)
+        collectives.all_to_all_single = in_its_phase
+        try:
+            with torch.no_grad(), collectives.unchecked():
+                layer(x)
+        finally:
+            collectives.all_to_all_single = original
+            sealed.phase("")
+        sealed.observe(i, {"dropped": layer.dropped})
+
+
+def _kept_rows(t, p, capacity_of=None, no_limit=False):
+    """rows[r][j]: the kept choices of rank r whose expert lives on rank j (for the hints only; the
+    verdict is the measurement). capacity_of(r): the capacity rank r uses."""
+    E, k, cf = t["E"], t["k"], t["capacity_factor"]
+    rows = []
+    for r, c in enumerate(t["choices"]):
+        n = len(c)
+        cap = capacity_of(r) if capacity_of else (n * k if cf is None or no_limit else math.ceil(cf * n * k / E))
+        taken, to = [0] * E, [0] * p
+        for e in c.T.flatten().tolist():
+            if taken[e] < cap:
+                taken[e] += 1
+                to[e // (E // p)] += 1
+        rows.append(to)
+    return rows
+
+
+def _traffic_hint(part, got, r, t, p) -> str:
+    E, k, row = t["E"], t["k"], t["hidden"] * t["element_size"]
+    n = len(t["choices"][r])
+    cf = t["capacity_factor"]
+    off = lambda rows, who: sum(rows[who][j] for j in range(p) if j != who) * row          # noqa: E731
+    back = lambda rows, who: sum(rows[i][who] for i in range(p) if i != who) * row         # noqa: E731
+    right = _kept_rows(t, p)
+    if part == "counts":
+        for value, hint in (((p - 1) * E * 8, " Each rank sends another rank only the counts for that rank's E/p "
+                                             "experts."),
+                            (p * (E // p) * 8, " A rank keeps its own experts' counts: p - 1 pieces leave it."),
+                            ((p - 1) * (E // p) * 4, " The counts are int64: 8 bytes each.")):
+            if got == value:
+                return hint
+        return " Before any row, every rank tells every other rank how many rows each of that rank's E/p experts gets."
+    pick = off if part == "dispatch" else back
+    candidates = []
+    if cf is not None:
+        candidates.append((pick(_kept_rows(t, p, no_limit=True), r),
+                           " That counts every choice: an expert takes at most ⌈capacity_factor·n·k/E⌉ of a rank's "
+                           "choices" + (f" (here {math.ceil(cf * n * k / E)} of rank {r}'s)" if part == "dispatch" else "")
+                           + ", and the rest are dropped, never sent."))
+        n0 = len(t["choices"][0])
+        candidates.append((pick(_kept_rows(t, p, capacity_of=lambda i: math.ceil(cf * n0 * k / E)), r),
+                           f" Capacity is per rank-local batch: ⌈capacity_factor·n·k/E⌉ with each rank's own n "
+                           f"(here n = {[len(c) for c in t['choices']]}), not rank 0's."))
+    if part == "dispatch":
+        candidates.append((n * k * (p - 1) / p * row,
+                           f" That is the even router's formula, n·k·(p-1)/p rows: this router is skewed, so count the "
+                           f"rows of rank {r}'s kept choices whose expert lives on another rank."))
+        candidates.append((sum(right[r]) * row, f" Rows for rank {r}'s own experts stay on rank {r}: they are not sent."))
+    else:
+        candidates.append((off(right, r), f" That is what rank {r} dispatched. The combine sends back the outputs rank "
+                                          f"{r}'s experts computed for other ranks' tokens: the rows other ranks "
+                                          f"dispatched to rank {r}, which a skewed router makes a different number."))
+        candidates.append((n * k * (p - 1) / p * row, " That is the even router's formula, n·k·(p-1)/p rows: this "
+                                                     "router is skewed."))
+    want = pick(right, r)
+    hints = [hint for value, hint in candidates if abs(got - value) < 1e-6 and abs(value - want) > 1e-6]
+    return " Or:".join(hints[:2])                   # two mistakes can give the same count: name both
+
+
+@exercise("moe_bytes", "An MoE layer's bytes per rank under a skewed router with capacity, against the measured layer",
+          answer="moe_bytes", notebook="08b_moe_bytes", sealed=True, points=len(PHASES),
+          preload=('pplab.expert_parallel',))
+def check_moe_bytes(fn, seed: int, timeout: float) -> str:
+    """moe_bytes(choices, num_experts, capacity_factor, hidden, element_size) -> [(counts, dispatch, combine)
+    bytes rank r sends in one forward, for each rank r]."""
+    one = [torch.zeros(1, 1, dtype=torch.long)]
+    require_function(fn, "moe_bytes", "choices, num_experts, capacity_factor, hidden, element_size", one, 1, None, 1, 4)
+    trials = [(p, t) for p in (2, 3, 4) for t in _traffic_trials(seed, p)]
+    cases = [(t["choices"], t["E"], t["capacity_factor"], t["hidden"], t["element_size"]) for _, t in trials]
+    answers = list(sealed.call_each(fn, cases, where=lambda i: _describe_traffic(*trials[i]) + ": ", timeout=timeout,
+                                    probe=_refuse_all_to_all_bytes))
+    parts = Parts(PHASES)
+    for p in (2, 3, 4):
+        mine = [(i, t) for i, (q, t) in enumerate(trials) if q == p]
+
+        def check(world_size, j, observed, traffic, mine=mine):
+            i, t = mine[j]
+            where = _describe_traffic(p, t)
+            got = answers[i]
+            if not (isinstance(got, (list, tuple)) and len(got) == p and all(
+                    isinstance(x, (list, tuple)) and len(x) == 3 and all(isinstance(v, (int, float)) and
+                                                                         not isinstance(v, bool) for v in x)
+                    for x in got)):
+                raise Fail(f"moe_bytes must return one (counts, dispatch, combine) triple of numbers per rank, "
+                           f"{p} of them, got {got!r:.200}.")
+            for r in range(p):
+                for part, value in zip(PHASES, got[r]):
+                    measured = sum(n for _, n in traffic[r]["sends_in"].get(part, []))
+                    if abs(value - measured) > 1e-6:
+                        parts.note(part, f"rank {r} sends {value:,} bytes in the {part}, measured {measured:,} "
+                                         f"(what the layer really sent).{_traffic_hint(part, value, r, t, p)}", where)
+        inputs = [[{**{key: t[key] for key in ("E", "k", "capacity_factor", "hidden", "element_size")},
+                    "choices": t["choices"][r]} for r in range(p)] for _, t in mine]
+        sealed.run_sealed(_measure_rank, fn, inputs, world_size=p, timeout=timeout, exercise=("moe_bytes", "MoE"),
+                          forbidden=(), describe=lambda world, j, mine=mine: _describe_traffic(p, mine[j][1]),
+                          check=check)
+    return parts.finish(f"on {len(trials)} skewed routings over 2, 3 and 4 ranks (capacity limits that drop tokens, "
+                        f"k = 1 and 2, a different number of tokens on every rank; every rank's counts, dispatch and "
+                        f"combine equal to the bytes the library's layer really sent)")
 
 
 def _refuse_all_to_all_bytes(fn) -> None:
@@ -202,48 +358,3 @@ def _refuse_all_to_all_bytes(fn) -> None:
     from ..expert_parallel import all_to_all_bytes            # loaded only when this check runs
     refuse_library(fn, "moe_bytes", "the bytes per rank", {"all_to_all_bytes": all_to_all_bytes},
                    "pplab.expert_parallel.all_to_all_bytes")
-
-
-@exercise("moe_bytes", "Predict the bytes one rank sends in an MoE layer's forward", answer="moe_bytes",
-          notebook="08b_moe_bytes", sealed=True,
-          preload=('pplab.expert_parallel',))
-def check_moe_bytes(fn, seed: int, timeout: float) -> str:
-    """moe_bytes(tokens, k, experts, ranks, hidden, element_size) = counts + dispatch + combine bytes."""
-    require_function(fn, "moe_bytes", "tokens, k, experts, ranks, hidden, element_size", 8, 1, 4, 2, 16, 4)
-    rng = random.Random(seed)
-    cases = [(4096, 2, 8, 4, 1024, 2)]
-    for _ in range(12):
-        ranks = rng.choice([1, 2, 3, 4, 8, 16, 64])
-        experts = ranks * rng.choice([1, 2, 4])
-        cases.append((experts * rng.randint(1, 512), rng.choice([1, 2]), experts, ranks, rng.choice([64, 512, 4096]),
-                      rng.choice([2, 4])))
-    def what_of(tokens, k, experts, ranks, hidden, es):
-        return f"tokens={tokens}, k={k}, experts={experts}, ranks={ranks}, hidden={hidden}, element_size={es}"
-    outs = sealed.call_each(fn, cases, where=lambda i: what_of(*cases[i]) + ": ", timeout=timeout,
-                            probe=_refuse_all_to_all_bytes)
-    for case, got in zip(cases, outs):
-        what = what_of(*case)
-        try:
-            check_number(got, _moe_bytes(*case), what=f"{what}: bytes one rank sends")
-        except Fail as fail:
-            raise Fail(f"{fail}{_bytes_hint(got, *case)}") from None
-    return f"on {len(cases)} cases (1 to 64 ranks, k = 1 and 2, counts + dispatch + combine)"
-
-
-def _bytes_hint(got, tokens, k, experts, ranks, hidden, es) -> str:
-    if isinstance(got, bool) or not isinstance(got, (int, float)):
-        return ""
-    counts, row = (ranks - 1) * (experts // ranks) * 8, hidden * es
-    off = (ranks - 1) / ranks
-    hints = [(2 * tokens * k * off * row, " The counts are missing: before the tokens, each rank tells every other "
-                                          "rank how many rows to expect for each of its experts (int64, 8 bytes)."),
-             (counts + tokens * k * off * row, " That is the dispatch only: the outputs come back by a second "
-                                                 "all-to-all of the same size (combine)."),
-             (counts + 2 * tokens * off * row, " Each token goes to k experts: k rows per token."),
-             (counts + 2 * tokens * k * row, " A rank keeps the rows for its own experts: only (ranks-1)/ranks "
-                                              "of them cross the wire."),
-             ((ranks - 1) * experts * 8 + 2 * tokens * k * off * row,
-              " Each rank sends another rank only the counts of that rank's E/ranks experts.")]
-    right = _moe_bytes(tokens, k, experts, ranks, hidden, es)
-    return "".join(hint for value, hint in hints                 # k = 2: forgetting k = forgetting the combine
-                   if abs(got - value) <= 1e-6 * max(1.0, abs(value)) and abs(value - right) > 1e-9)

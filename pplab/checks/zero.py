@@ -1,7 +1,7 @@
 """Checks of chapter 6's exercises: ZeRO stage 1's step, its memory formula, stage 3's gathered layer.
 
     zero1_step       make_zero1(flat_param, optimizer_class) -> step(flat_grad)
-    zero_bytes       zero_bytes(stage, psi, n, k) -> model-state bytes per rank
+    zero_bytes       zero_state(params, grads, stage) -> the tensors one rank holds
     stage3_unit      sharded_linear(x, shard, out_features, in_features) -> y
 
 zero1_step runs on 2 and 3 sealed ranks (sealed.py): a random flat float64 parameter vector (the same on
@@ -11,7 +11,12 @@ on the mean gradient (to 1e-9); the optimizer each rank creates must be given on
 (n/p elements); and no all-reduce may run (ZeRO-1 reduce-scatters the gradient: an all-reduce
 would send twice the bytes and give every rank the full gradient it does not need).
 
-zero_bytes needs no ranks: random Ψ, N, K, every stage 0 (DDP) to 3.
+zero_bytes runs on 2 and 3 sealed ranks, stages 0 (DDP) to 3, on random bf16 models whose Ψ the
+world size never divides. Each rank builds what it holds (parameters, gradients, optimizer state:
+an fp32 master and Adam's two moments); in the rank, pplab.memory.storage_bytes counts the bytes
+of their storages, each once. Checked here, a point per kind: dtypes, values (each shard the
+rank's ⌈Ψ/N⌉ elements of the zero-padded flat buffer) and bytes (a slice that keeps the whole
+buffer alive is counted as what it keeps).
 
 stage3_unit runs on 2 and 3 ranks: a Linear layer whose flat [weight, bias] (zero-padded to a
 multiple of p) is sharded over the ranks; each rank calls sharded_linear on its own input,
@@ -34,7 +39,7 @@ import random
 import torch
 
 from . import sealed
-from .core import Fail, Forbidden, check_number, exercise, first_difference, refuse_library, require_function
+from .core import Fail, Forbidden, Parts, exercise, first_difference, require_function
 from .core import _fmt
 
 TOL = 1e-9
@@ -154,63 +159,160 @@ def check_zero1_step(fn, seed: int, timeout: float) -> str:
 
 
 # ----------------------------------------------------------------------------------
-# Exercise "zero_bytes"
+# Exercise "zero_bytes": build what one rank holds at each stage, and count its bytes
+
+STATE_PARTS = ("params", "grads", "optimizer")
+_DTYPE = {"params": torch.bfloat16, "grads": torch.bfloat16, "optimizer": torch.float32}
+_SHARDED_FROM = {"optimizer": 1, "grads": 2, "params": 3}       # the stage that first shards each kind
 
 
-def _zero_bytes(stage, psi, n, k):
-    """Mixed precision: 2 bytes of parameter, 2 of gradient, k of optimizer state, per parameter."""
-    return 2 * psi / (n if stage >= 3 else 1) + 2 * psi / (n if stage >= 2 else 1) + k * psi / (n if stage >= 1 else 1)
+def _state_trials(seed, p):
+    """One random bf16 model per stage 0..3: its parameters and its (already averaged) gradients.
+    Ψ is never a multiple of p, so every shard layout needs padding."""
+    rng = random.Random(seed * 11 + p)
+    trials = []
+    for stage in range(4):
+        shapes = [tuple(rng.randint(1, 6) for _ in range(rng.randint(1, 2))) for _ in range(rng.randint(2, 4))]
+        if sum(math.prod(sh) for sh in shapes) % p == 0:
+            shapes.append((1,))                          # a bias of one: Ψ no longer a multiple of p
+        trials.append({"stage": stage, "shapes": shapes, "seed": rng.randrange(2**31)})
+    return trials
 
 
-def _refuse_model_state_bytes(fn) -> None:
-    """In the sealed rank: Forbidden if the answer asks pplab.zero for the bytes."""
-    from ..zero import model_state_bytes              # loaded only when this check runs
-    refuse_library(fn, "zero_bytes", "the bytes per rank", {"model_state_bytes": model_state_bytes},
-                   "pplab.zero.model_state_bytes")
+def _state_tensors(trial):
+    g = torch.Generator().manual_seed(trial["seed"])
+    params = [torch.randn(sh, generator=g).to(torch.bfloat16) for sh in trial["shapes"]]
+    grads = [torch.randn(sh, generator=g).to(torch.bfloat16) for sh in trial["shapes"]]
+    return params, grads
 
 
-@exercise("zero_bytes", "ZeRO's model-state bytes per rank, stage by stage", answer="zero_bytes",
-          notebook="06b_zero_bytes", sealed=True,
-          preload=('pplab.zero',))
+def _state_rank(fn, trials):
+    """In every sealed rank: the answer on this rank's copy of the model; the bytes of what it returned,
+    each storage counted once (pplab.memory.storage_bytes), and the values, for the checker."""
+    from ..memory import storage_bytes
+    for i, t in enumerate(trials):
+        sealed.begin(i)
+        got = fn(t["params"], t["grads"], t["stage"])
+        seen, record = set(), {}
+        for kind in STATE_PARTS:
+            tensors = got.get(kind) if isinstance(got, dict) else None
+            if not isinstance(tensors, (list, tuple)) or not all(isinstance(x, torch.Tensor) for x in tensors):
+                record[kind] = f"{type(got).__name__}" if not isinstance(got, dict) else \
+                    f"{kind}: {type(tensors).__name__}"
+                continue
+            record[kind] = {"bytes": storage_bytes(tensors, seen), "dtypes": [str(x.dtype) for x in tensors],
+                            "values": torch.cat([x.detach().flatten().double() for x in tensors])
+                            if tensors else torch.zeros(0, dtype=torch.float64),
+                            "views": [x.untyped_storage().nbytes() > x.numel() * x.element_size() for x in tensors]}
+        sealed.observe(i, record)
+
+
+def _expected_state(trial, p, rank):
+    """{kind: (values as float64, bytes)} that rank holds: Ψ elements, or its ⌈Ψ/p⌉-element shard of
+    the flat buffer padded with zeros to a multiple of p."""
+    params, grads = _state_tensors(trial)
+    flat = {"params": torch.cat([x.flatten() for x in params]).double(),
+            "grads": torch.cat([x.flatten() for x in grads]).double()}
+    psi, c = flat["params"].numel(), -(-flat["params"].numel() // p)
+
+    def shard(v):
+        padded = torch.zeros(c * p, dtype=torch.float64)
+        padded[:psi] = v
+        return padded[rank * c:(rank + 1) * c]
+    held = {kind: shard(v) if trial["stage"] >= _SHARDED_FROM[kind] else v for kind, v in flat.items()}
+    master = shard(flat["params"]) if trial["stage"] >= 1 else flat["params"]
+    held["optimizer"] = torch.cat([master, torch.zeros_like(master), torch.zeros_like(master)])
+    return {kind: (v, v.numel() * (2 if kind != "optimizer" else 4)) for kind, v in held.items()}
+
+
+def _state_problem(kind, got, want, want_bytes, trial, p, rank):
+    """What is wrong with one kind of one rank's state, or None."""
+    stage, sharded = trial["stage"], trial["stage"] >= _SHARDED_FROM[kind]
+    params, _ = _state_tensors(trial)
+    psi = sum(x.numel() for x in params)
+    c, per = -(-psi // p), 3 if kind == "optimizer" else 1
+    which = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer state"}[kind]
+    rule = (f" Stage {stage}: " + ("stage 1 splits the optimizer state over the ranks, stage 2 the gradients too, "
+                                   "stage 3 the parameters too."))
+    if isinstance(got, str):
+        return (f"zero_state must return a dict {{'params': [...], 'grads': [...], 'optimizer': [...]}} of lists of "
+                f"tensors, got {got}.")
+    wrong_dtype = [d for d in got["dtypes"] if d != str(_DTYPE[kind])]
+    if wrong_dtype:
+        hint = (" The master weights and Adam's two moments are fp32, 4 bytes each: K = 12 bytes per parameter "
+                "(in bf16 the small updates would round away)." if kind == "optimizer" else
+                " The model's parameters and gradients stay bf16 (2 bytes each).")
+        return f"the {which} include a {wrong_dtype[0]} tensor, expected {_DTYPE[kind]}.{hint}"
+    values = got["values"]
+    if values.numel() != want.numel():
+        n = values.numel() // per
+        if sharded and n == psi:
+            hint = f" That is all of them: at stage {stage} each rank keeps only its shard, ⌈Ψ/N⌉ = {c} elements." + rule
+        elif not sharded and n == c:
+            hint = f" That is one shard: at stage {stage} the {which} are not split yet, every rank holds all Ψ." + rule
+        elif sharded and n in (psi // p, psi - (p - 1) * (psi // p), psi - (p - 1) * c):
+            hint = (f" Pad: Ψ = {psi} is not a multiple of N = {p}, so the flat buffer is padded with zeros to "
+                    f"N·⌈Ψ/N⌉ = {p * c} elements and every rank's shard holds ⌈Ψ/N⌉ = {c} of them (the last rank's "
+                    f"ending in padding).")
+        else:
+            hint = rule
+        return (f"the {which} hold {values.numel()} elements, expected {want.numel()}"
+                + (f" ({per} × {want.numel() // per})" if per > 1 else "") + f".{hint}")
+    diff = first_difference(values, want)
+    if diff is not None:
+        j, a, b = diff
+        hint = ""
+        if sharded and rank and torch.equal(values[:c], _expected_state(trial, p, 0)[kind][0][:c]):
+            hint = (f" It is rank 0's shard: rank {rank} holds elements {rank}·⌈Ψ/N⌉ .. {rank + 1}·⌈Ψ/N⌉ - 1 "
+                    f"({rank * c}..{(rank + 1) * c - 1}) of the flat buffer.")
+        elif kind == "optimizer":
+            hint = (" The optimizer state is [master weights (an fp32 copy of the parameters it covers), exp_avg, "
+                    "exp_avg_sq (zeros before Adam's first step)], each flattened, in that order.")
+        return (f"the {which}, flattened and concatenated, differ at element {j} (got {_fmt(a)}, expected {_fmt(b)})."
+                f"{hint}")
+    if got["bytes"] != want_bytes:
+        if got["bytes"] > want_bytes and any(got["views"]):
+            hint = (" A tensor returned is a view (a slice) of a larger tensor, and a view keeps its whole storage "
+                    "alive: the shard of a flat buffer still holds the whole buffer. .clone() the shard.")
+        elif got["bytes"] < want_bytes:
+            hint = (" Some tensors returned share one storage (torch.zeros_like twice, not the same tensor twice: "
+                    "exp_avg and exp_avg_sq are two moments).")
+        else:
+            hint = ""
+        return (f"the {which} occupy {got['bytes']:,} bytes of storage (pplab.memory.storage_bytes), expected "
+                f"{want_bytes:,}.{hint}")
+    return None
+
+
+@exercise("zero_bytes", "ZeRO's model state per rank, stage by stage: build the shards and count their bytes",
+          answer="zero_state", notebook="06b_zero_bytes", sealed=True, points=len(STATE_PARTS))
 def check_zero_bytes(fn, seed: int, timeout: float) -> str:
-    """zero_bytes(stage, psi, n, k) = bytes of parameters + gradients + optimizer state per rank."""
-    require_function(fn, "zero_bytes", "stage, psi, n, k", 1, 10, 2, 12)
-    rng = random.Random(seed)
-    cases = [(s, 7.5e9, 64, 12) for s in range(4)]
-    cases += [(s, rng.choice([1e6, 3.3e8, 1.75e11]) * rng.randint(1, 9), rng.choice([2, 3, 8, 100, 1024]),
-               rng.choice([4, 8, 12, 16])) for s in range(4) for _ in range(3)]
-    cases += [(s, rng.randint(10, 1000) * 1e6, 1, 12) for s in range(4)]
-    outs = sealed.call_each(fn, cases, where=lambda i: "stage={}, Ψ={:.4g}, N={}, K={}: ".format(*cases[i]),
-                            timeout=timeout, probe=_refuse_model_state_bytes)
-    for (stage, psi, n, k), got in zip(cases, outs):
-        want = _zero_bytes(stage, psi, n, k)
-        try:
-            check_number(got, want, what=f"stage={stage}, Ψ={psi:.4g}, N={n}, K={k}: bytes per rank")
-        except Fail as fail:
-            raise Fail(f"{fail}{_bytes_hint(got, stage, psi, n, k)}") from None
-    return f"on {len(cases)} cases (stages 0-3, Ψ up to 1.6e12, N from 1 to 1024, K from 4 to 16)"
+    """zero_state(params, grads, stage) -> {"params": [...], "grads": [...], "optimizer": [...]}: the
+    tensors this rank holds at ZeRO stage `stage` (0 = DDP), mixed-precision Adam, shards padded."""
+    require_function(fn, "zero_bytes", "params, grads, stage", [torch.zeros(1)], [torch.zeros(1)], 0)
+    parts = Parts(STATE_PARTS)
+    for p in (2, 3):
+        trials = _state_trials(seed, p)
 
+        def describe(world_size, i, trials=trials):
+            t = trials[i]
+            psi = sum(math.prod(sh) for sh in t["shapes"])
+            return f"world_size={world_size}, stage {t['stage']}, Ψ = {psi} parameters {t['shapes']}"
 
-def _bytes_hint(got, stage, psi, n, k) -> str:
-    if isinstance(got, bool) or not isinstance(got, (int, float)):
-        return ""
-    close = lambda x: math.isclose(got, x, rel_tol=1e-6)  # noqa: E731
-    hints = {
-        (4 + 4 + k) * psi / (n if stage >= 1 else 1) if stage == 3 else None:
-            " Parameters and gradients are 2 bytes each (bf16/fp16); the fp32 copy is part of K.",
-        (2 + 2 + k) * psi: " That is every rank holding everything, DDP: stage s divides "
-                           "optimizer state (s >= 1), gradients (s >= 2) and parameters (s = 3) by N.",
-        (2 + 2 + k) * psi / n: " That divides everything by N: only stage 3 shards the parameters, and "
-                               "only stages 2 and 3 the gradients.",
-    }
-    for value, hint in hints.items():
-        if value is not None and close(value) and not close(_zero_bytes(stage, psi, n, k)):
-            return hint
-    if stage == 1 and close(2 * psi + 2 * psi / n + k * psi / n):
-        return " At stage 1 each rank still holds every gradient: only the optimizer state is split."
-    if stage == 2 and close(2 * psi / n + 2 * psi / n + k * psi / n):
-        return " At stage 2 each rank still holds every parameter: gradients and optimizer state are split."
-    return ""
+        def check(world_size, i, observed, traffic, trials=trials):
+            for rank in sorted(observed):
+                want = _expected_state(trials[i], world_size, rank)
+                for kind in STATE_PARTS:
+                    got = observed[rank][kind]
+                    problem = _state_problem(kind, got, *want[kind], trials[i], world_size, rank)
+                    parts.note(kind, problem, where=f"{describe(world_size, i)}: rank {rank}")
+        inputs = [[{"params": params, "grads": grads, "stage": t["stage"]} for _ in range(p)]
+                  for t in trials for params, grads in [_state_tensors(t)]]
+        sealed.run_sealed(_state_rank, fn, inputs, world_size=p, timeout=timeout, exercise=("zero_bytes", "ZeRO"),
+                          forbidden=(), describe=describe, check=check)
+    return parts.finish("on world sizes 2 and 3, stages 0-3 (8 random bf16 models, Ψ never a multiple of N: "
+                        "every rank's parameters, gradients and optimizer state, their values, dtypes and bytes of "
+                        "storage, shards padded)")
 
 
 # ----------------------------------------------------------------------------------
