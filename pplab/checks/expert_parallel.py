@@ -205,19 +205,40 @@ def _traffic_trials(seed, p):
     rng = random.Random(seed * 13 + p)
     trials = []
     for capacity_factor in (rng.choice([0.5, 0.75]), None):
-        E, k = p * rng.randint(2 if p == 2 else 1, 2), 2 if capacity_factor else rng.choice([1, 2])   # E > k: room to skew
-        g = torch.Generator().manual_seed(rng.randrange(2**31))
-        popular = rng.randrange(E)
-        choices = []
-        for _ in range(p):
-            n = rng.randint(6, 14)
-            first = torch.randint(0, E, (n,), generator=g)
-            first[torch.randperm(n, generator=g)[:math.ceil(0.75 * n) if capacity_factor else n // 2]] = popular
-            second = (first + torch.randint(1, E, (n,), generator=g)) % E          # another expert
-            choices.append(torch.stack([first, second], 1)[:, :k])
-        trials.append({"choices": choices, "E": E, "k": k, "capacity_factor": capacity_factor,
-                       "hidden": E + rng.randint(0, 3), "element_size": rng.choice([2, 4, 8])})
+        while True:
+            E, k = p * rng.randint(2 if p == 2 else 1, 2), 2 if capacity_factor else rng.choice([1, 2])   # E > k: room to skew
+            g = torch.Generator().manual_seed(rng.randrange(2**31))
+            popular = rng.randrange(E)
+            choices = []
+            for _ in range(p):
+                n = rng.randint(6, 14)
+                first = torch.randint(0, E, (n,), generator=g)
+                first[torch.randperm(n, generator=g)[:math.ceil(0.75 * n) if capacity_factor else n // 2]] = popular
+                second = (first + torch.randint(1, E, (n,), generator=g)) % E          # another expert
+                choices.append(torch.stack([first, second], 1)[:, :k])
+            t = {"choices": choices, "E": E, "k": k, "capacity_factor": capacity_factor,
+                 "hidden": E + rng.randint(0, 3), "element_size": rng.choice([2, 4, 8])}
+            if _telling(t, p):
+                break
+        trials.append(t)
     return trials
+
+
+def _telling(t, p):
+    """Whether this routing tells the right bytes from the usual mistakes: random token counts
+    sometimes give every rank the same capacity as rank 0's, or a combine as large as each rank's
+    own dispatch. Such a routing is drawn again."""
+    def sent(rows):
+        return [(sum(rows[r][j] for j in range(p) if j != r), sum(rows[i][r] for i in range(p) if i != r))
+                for r in range(p)]
+    right = sent(_kept_rows(t, p))
+    if all(dispatch == combine for dispatch, combine in right):
+        return False
+    if t["capacity_factor"] is None:
+        return True
+    n0, cf, k, E = len(t["choices"][0]), t["capacity_factor"], t["k"], t["E"]
+    return right != sent(_kept_rows(t, p, capacity_of=lambda i: math.ceil(cf * n0 * k / E))) and \
+        right != sent(_kept_rows(t, p, no_limit=True))
 
 
 def _describe_traffic(p, t):
