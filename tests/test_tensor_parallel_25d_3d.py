@@ -14,7 +14,7 @@ import pplab
 from pplab.memory import saved_activations, state_bytes
 from pplab.tensor_parallel.summa import Grid2D, Linear2D, split_2d
 from pplab.tensor_parallel.tp25d import Grid2p5D, Linear2p5D, split_2p5d
-from pplab.tensor_parallel.tp3d import (Grid3D, Linear3D, crossover, split_3d_input, split_3d_output,
+from pplab.tensor_parallel.tp3d import (Grid3D, Linear3D, crossovers, split_3d_input, split_3d_output,
                                         split_3d_weight, total_bytes_per_rank, traced_collectives)
 
 TOL = 1e-10
@@ -150,7 +150,9 @@ def test_bytes_per_rank_curves_and_their_crossovers():
     # a square layer, B = in = out = h: 1D sends 2(p-1)/p·h², 2D 6(q-1)/q²·h² (q = sqrt p): equal at p = 4
     h = 64
     assert total_bytes_per_rank("1D", 4, h, h, h) == total_bytes_per_rank("2D", 4, h, h, h) == 1.5 * h * h * 8
-    assert abs(crossover("1D", "2D", h, h, h, 2, 100) - 4) < 1e-9
+    assert [round(p, 9) for p in crossovers("1D", "2D", h, h, h, 2, 100)] == [4]
+    # 1D - 3D = 2(q-1)²(q+2)/q³·h² > 0 for every q > 1: no crossing
+    assert crossovers("1D", "3D", h, h, h, 2, 4096) == []
     # 3D: 2(q-1)·3h²/q³ at q = 2: 0.75 h²
     assert total_bytes_per_rank("3D", 8, h, h, h) == 0.75 * h * h * 8
     with pytest.raises(ValueError, match="method must be"):

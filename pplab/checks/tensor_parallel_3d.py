@@ -175,14 +175,14 @@ def _judge_values(prob, observed, parts, where):
                     break
             if problem:
                 i, j, l = _place(rank)
-                parts.note(part, f"rank {rank} (i={i}, j={j}, l={l}): {problem}", where)
+                parts.note(part, f"rank {rank} (i={i}, j={j}, l={l}): {problem}" + ("" if problem.endswith(".") else "."), where)
                 break
 
 
 def _judge_traffic(prob, observed, traffic, parts, where):
     right = {ph: not parts.problems[ph] for ph in ("forward", "backward")}
     if not any(right.values()):
-        parts.note("traffic", "no phase computed the right values, so its traffic cannot be judged", where)
+        parts.note("traffic", "no phase computed the right values, so its traffic cannot be judged.", where)
         return
     limit = formula_bytes(prob["B"], prob["in"], prob["out"])
     for phase in ("forward", "backward"):
@@ -195,7 +195,7 @@ def _judge_traffic(prob, observed, traffic, parts, where):
                 parts.note("traffic", f"rank {rank} put {got:.0f} bytes on the wire in the {phase} ({', '.join(kinds)}"
                                       f"), where 3D needs (q-1)·(B·in + in·out + B·out)/q³ · 8 = {limit:.0f}: gather "
                                       f"only the blocks one product needs (X_il along group_j, W_lj along group_i) "
-                                      f"and reduce-scatter, rather than gathering whole matrices", where)
+                                      f"and reduce-scatter, rather than gathering whole matrices.", where)
                 return
 
 

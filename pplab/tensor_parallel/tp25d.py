@@ -5,8 +5,8 @@
     y = layer(split_2p5d(x, grid))              # x: [B, in] -> this rank's block [B/(d·q), in/q]
                                                 # y: the same block of Y = X W, [B/(d·q), out/q]
 
-Wang, Huang, Li and You (*2.5-dimensional distributed model training*, 2021; Colossal-AI's
-"2.5D", after Solomonik and Demmel's 2.5D matrix multiply, 2011) stack d copies of chapter 3's
+Wang, Xu, Bian and You (*2.5-dimensional distributed model training*, 2021, later *Tesseract*;
+Colossal-AI's "2.5D", after Solomonik and Demmel's 2.5D matrix multiply, 2011) stack d copies of chapter 3's
 SUMMA grid. Rank (k, i, j) sits in layer k at row i, column j (global rank k·q² + i·q + j).
 
 - X [B, in] is cut into d·q row blocks and q column blocks; rank (k, i, j) holds block

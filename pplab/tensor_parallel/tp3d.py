@@ -246,14 +246,19 @@ def total_bytes_per_rank(method, p, B, c_in, c_out, depth=2, element_size=8) -> 
     return b["forward"] + b["backward"]
 
 
-def crossover(a, b, B, c_in, c_out, lo, hi, depth=2) -> float | None:
-    """The p in [lo, hi] where methods a and b send the same bytes per rank (bisection on the sign of
-    the difference), or None if one is below the other over the whole range."""
+def crossovers(a, b, B, c_in, c_out, lo, hi, depth=2) -> list:
+    """Every p in [lo, hi] where methods a and b send the same bytes per rank: the curves are sampled at
+    2000 points spaced evenly in log p, and each change of sign of their difference is bisected."""
     def diff(p):
         return total_bytes_per_rank(a, p, B, c_in, c_out, depth) - total_bytes_per_rank(b, p, B, c_in, c_out, depth)
-    if diff(lo) * diff(hi) > 0:
-        return None
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if diff(lo) * diff(mid) > 0 else (lo, mid)
-    return (lo + hi) / 2
+    ps = [lo * (hi / lo) ** (k / 1999) for k in range(2000)]
+    found = []
+    for left, right in zip(ps, ps[1:]):
+        if diff(left) == 0:
+            found.append(left)
+        elif diff(left) * diff(right) < 0:
+            for _ in range(100):
+                mid = (left + right) / 2
+                left, right = (mid, right) if diff(left) * diff(mid) > 0 else (left, mid)
+            found.append((left + right) / 2)
+    return found
