@@ -127,7 +127,7 @@ def bad_job(kind):
         elif kind == "3d in":
             Linear3D(6, 4, Grid3D())
         elif kind == "3d batch":
-            Linear3D(4, 4, Grid3D())(torch.zeros(3, 2))
+            split_3d_input(torch.zeros(6, 4), Grid3D())
         elif kind == "2.5d grid":
             Grid2p5D(2)
         elif kind == "2.5d batch":
@@ -141,6 +141,8 @@ def test_sizes_the_grid_does_not_divide_get_a_clear_error():
         pplab.launch(bad_job, "cube", world_size=4)[0]
     got = pplab.launch(bad_job, "3d in", world_size=8)
     assert all("in_features 6 does not split into 4 equal pieces on a 2x2x2 cube" in g for g in got)
+    assert "a batch of 6 does not split into 4 equal pieces on a 2x2x2 cube: use a multiple of 4" in \
+        pplab.launch(bad_job, "3d batch", world_size=8)[0]
     assert "a 2.5D grid needs depth·q² ranks; 4 ranks with depth=2" in pplab.launch(bad_job, "2.5d grid", world_size=4)[0]
     assert "a batch of 6 does not split into 4 equal blocks on a 2.5D grid of depth 2 over 2x2" in \
         pplab.launch(bad_job, "2.5d batch", world_size=8)[0]

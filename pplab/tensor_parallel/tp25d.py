@@ -33,9 +33,12 @@ x = B·in/(d·q²) (an X block) and w = in·out/q² (a W block):
 Memory per rank: the weight block w (and its gradient), and for backward the input block x
 (SUMMA keeps its own blocks and re-broadcasts in backward, so nothing gathered is kept).
 
-Every size must divide: B by d·q, in and out by q (the blocks of one broadcast must have one
-shape), and w by d for the all-reduce's ring to cut it into d equal chunks (the formula; the
-values are right either way). A size that does not divide gets an error naming it.
+Every size must divide: B by d·q, in and out by q, as in summa.py. Uneven blocks would not break
+the algorithm (each broadcast moves one block, whose shape every rank of the row can work out),
+but every block would then have its own size and the formulas above would become sums over
+blocks; pplab keeps them one line and refuses a size that does not divide, naming it and the grid.
+(w must also divide by d for the ring all-reduce to cut it into d equal chunks, as the formula
+assumes; the values are right either way.)
 """
 from __future__ import annotations
 

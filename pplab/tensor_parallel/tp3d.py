@@ -32,8 +32,9 @@ so both shrink like p^(-2/3), against 1D's constant and 2D's p^(-1/2).
 Memory per rank: the weight piece in·out/q³, and for backward the gathered X_il (B·in/q²) and
 W_lj (in·out/q²).
 
-Every size must divide: B and in by q² (two cuts), out by q. A size that does not divide gets
-an error naming it and the cube (the pieces of one all-gather must have one shape).
+Every size must divide: B and in by q² (two cuts), out by q. Here the algorithm itself needs it:
+an all-gather or reduce-scatter cuts one tensor into q pieces of one shape. A size that does not
+divide gets an error naming it and the cube.
 """
 from __future__ import annotations
 
@@ -175,7 +176,6 @@ class Linear3D(nn.Module):
         if x.dim() != 2 or x.shape[1] * q != self.in_features:
             raise ValueError(f"Linear3D takes this rank's piece of X, [B/q², in/q] = [B/{q * q}, "
                              f"{self.in_features}/{q}]; got shape {tuple(x.shape)} (use split_3d_input(x, cube))")
-        _check(x.shape[0] * q * q, q * q, "a batch of", q)
         return _Matmul3D.apply(x, self.weight, self.cube)
 
 
