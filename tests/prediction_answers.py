@@ -27,6 +27,10 @@ ANSWERS = {
         "my_block_bytes": "4 * 2 * (p - 1) / p * (s * b * h) * 4",
         "my_weight_bytes": "4 * ((4 * h * h + 2 * h * ffn + 3 * h + ffn) / p + 6 * h)",
     },
+    "03b_tensor_parallel_2_5d_3d": {
+        "my_3d_bytes": "2 * (2 - 1) * (B * C_IN + C_IN * C_OUT + B * C_OUT) / 2 ** 3 * 8",
+        "my_25d_weight_bytes": "C_IN * C_OUT / 2 ** 2 * 8",
+    },
     "04_pipeline": {
         "my_gpipe_peak": "m",
         "my_1f1b_peak": "p - 1",
