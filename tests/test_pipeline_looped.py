@@ -227,3 +227,23 @@ def test_torchs_runtime_runs_pplab_schedules_to_the_same_gradients():
         for k in ref:
             torch.testing.assert_close(theirs[k], ours[k], rtol=RTOL, atol=ATOL, msg=f"{case}: grad of {k}")
             torch.testing.assert_close(theirs[k], ref[k], rtol=RTOL, atol=ATOL, msg=f"{case}: grad of {k}")
+
+
+# ----------------------------------------------------------------------------------
+# the explorer
+
+
+def test_explorer_offers_both_with_their_bubble_formulas():
+    from pplab.pipeline import explore, pipeline_timeline
+    assert pipeline_timeline("looped-bfs", 4, 8, 2).title == (           # peak: all 8; 3/16
+        "looped-bfs: p=4, m=8, v=2  |  peak activations 8\nbubble 18.8% of useful time, (p-1)/(v·m) = 18.8%")
+    assert pipeline_timeline("interleaved-zb", 4, 8, 2, 1.0, 3.0, 1.0).title == (   # 3 (1+2-1) / 2 / 32
+        "interleaved-zb: p=4, m=8, v=2, t_f=1, t_I=2, t_W=1  |  peak activations 4\n"
+        "bubble 9.4% of useful time, (p-1)(t_f+t_I-t_W)/(v·m·(t_f+t_b)) = 9.4%")
+    assert "does not hold" in pipeline_timeline("interleaved-zb", 4, 2, 2, 1.0, 2.0, 1.0).title   # m < p
+    box = explore(schedule="interleaved-zb", p=4, m=8, v=3)             # one figure drawn
+    assert box.error is None and box.timeline.title.startswith("interleaved-zb: p=4, m=8, v=3")
+    assert {"looped-bfs", "interleaved-zb"} <= set(box.controls["schedule"].options)
+    assert box.controls["v"].layout.display is None                    # v is a choice here, shown
+    box.controls["m"].value = 9                                          # 2 rounds cannot share 9
+    assert "multiple of 2" in str(box.error)

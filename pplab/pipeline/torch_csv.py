@@ -106,7 +106,8 @@ def run_with_torch(schedule: Schedule, layers, inputs, targets, loss_fn, *, bala
     through `_load_csv`, which validates and lowers it (SEND/RECV added). torch divides the
     gradients by m (scale_grads): with loss_fn the mean over a micro-batch and equal
     micro-batches, that is the gradient of the batch's mean loss, as pplab's executor gives.
-    Returns {"grads": {name: gradient}} named as nn.Sequential(*layers) names them."""
+    Returns {"grads": {name: gradient}}, named as nn.Sequential(*layers) names them, and
+    "lowered": this rank's actions after torch's lowering, as torch writes them ("0SEND_F1")."""
     import torch
     import torch.distributed as dist
     from torch import nn
