@@ -36,6 +36,11 @@ ANSWERS = {
         "my_1f1b_peak": "p - 1",
         "my_bubble": "(p - 1) / m",
     },
+    "04b_schedules_and_torch": {
+        "my_bfs_bubble": "(p - 1) / (v * m)",
+        "my_bfs_peak": "m",
+        "my_zb_makespan": "m * (t_f + t_b) + (p - 1) * (t_f + t_b - 2 * t_w) / v",
+    },
     "05_sequence_parallel": {
         "my_kv_bytes": "(p - 1) * 2 * (B1 * H1 * (S1 // p) * D1 * 4)",
         "my_ulysses_bytes": "4 * (p - 1) / p * share",

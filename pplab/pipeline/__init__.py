@@ -9,6 +9,8 @@
 
 actions.py:   Action, Schedule: a schedule as data.
 schedules.py: the generators and make_schedule.
+looped.py:    Looped BFS and interleaved zero bubble (v chunks per rank), orders as torch's.
+torch_csv.py: schedules to and from the CSV torch.distributed.pipelining reads; run_with_torch.
 simulate.py:  validate (complete? deadlock-free?), simulate, bubble_fraction.
 partition.py: partition, layer_times: cutting the model into stages.
 executor.py:  run_pipeline / PipelineExecutor: the same schedule on real ranks.
@@ -20,7 +22,9 @@ from .explorer import explore, pipeline_timeline
 from .actions import Action, Schedule, ScheduleError
 from .schedules import SCHEDULES, make_schedule
 from .simulate import SimResult, bubble_fraction, simulate, validate
+from .torch_csv import read_torch_csv, run_with_torch, write_torch_csv
 
 __all__ = ["Action", "Schedule", "ScheduleError", "SCHEDULES", "make_schedule",
            "validate", "simulate", "SimResult", "bubble_fraction", "explore", "pipeline_timeline",
-           "PipelineExecutor", "PipelineError", "run_pipeline", "partition", "layer_times"]
+           "PipelineExecutor", "PipelineError", "run_pipeline", "partition", "layer_times",
+           "read_torch_csv", "write_torch_csv", "run_with_torch"]

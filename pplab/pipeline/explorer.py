@@ -6,8 +6,9 @@
 Every change re-simulates the schedule and redraws it with the same renderer as a measured
 run, each rank's activations held in a panel of its own under the lanes. The title gives
 the bubble measured on the simulation next to the formula that applies to the schedule:
-(p-1)/(v·m) for GPipe, 1F1B and interleaved 1F1B, p-1 for naive model parallelism,
-(p-1)(t_f+t_I-t_W)/(m(t_f+t_b)) for ZB-H1 (saying so where these times break it); ZB-V has
+(p-1)/(v·m) for GPipe, 1F1B, interleaved 1F1B and Looped BFS, p-1 for naive model parallelism,
+(p-1)(t_f+t_I-t_W)/(v·m(t_f+t_b)) for ZB-H1 (v = 1) and interleaved zero bubble (saying so
+where these times or m < p break it); ZB-V has
 none that holds for every t_f, t_I, t_W, so its title compares it with 1F1B's bubble.
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 from .schedules import SCHEDULES, make_schedule
 from .simulate import bubble_fraction, simulate
 
-_INTERLEAVED = {"interleaved-1f1b"}                 # v is a choice only here; ZB-V always has 2 chunks
+_INTERLEAVED = {"interleaved-1f1b", "looped-bfs", "interleaved-zb"}   # v is a choice here; ZB-V always has 2
 _FIXED_CHUNKS = {"zb-v": 2}
 _SPLIT = {name for name in SCHEDULES if make_schedule(name, 2, 2).split_backward}   # B split into I and W
 
@@ -50,8 +51,9 @@ def _bubble_line(schedule, p, m, chunks, bubble, t_f, t_b, t_w):
     said = f"bubble {bubble:.1%} of useful time"
     if schedule == "naive":                       # one micro-batch at a time: p-1 ranks idle while one works
         formula, value = "p-1", float(p - 1)
-    elif schedule == "zb-h1":                     # the paper's makespan m(F+I+W) + (p-1)(F+I-W)
-        formula, value = "(p-1)(t_f+t_I-t_W)/(m·(t_f+t_b))", (p - 1) * (t_f + t_b - 2 * t_w) / (m * (t_f + t_b))
+    elif schedule in ("zb-h1", "interleaved-zb"):   # the paper's makespan m(F+I+W) + (p-1)(F+I-W), chunks 1/v
+        formula = "(p-1)(t_f+t_I-t_W)/(" + ("v·" if chunks > 1 else "") + "m·(t_f+t_b))"
+        value = (p - 1) * (t_f + t_b - 2 * t_w) / (chunks * m * (t_f + t_b))
     elif schedule in _SPLIT:
         return (f"{said} (no closed form for ZB-V that holds for every t_f, t_I, t_W; "
                 f"1F1B would idle (p-1)/m = {bubble_fraction(p, m):.1%})")

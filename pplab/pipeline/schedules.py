@@ -7,6 +7,7 @@ Schedule with its placement of stages on ranks, and validates it (simulate.py).
 from __future__ import annotations
 
 from .actions import Action, Schedule, ScheduleError
+from .looped import interleaved_zero_bubble, looped_bfs
 from .simulate import validate
 
 # ----------------------------------------------------------------------------------
@@ -184,7 +185,10 @@ SCHEDULES = {
     "interleaved-1f1b": (interleaved_1f1b, interleaved_placement, 2),
     "zb-h1":            (zb_h1, one_stage_per_rank, 1),
     "zb-v":             (zb_v, v_placement, 2),
+    "looped-bfs":       (looped_bfs, interleaved_placement, 2),
+    "interleaved-zb":   (interleaved_zero_bubble, interleaved_placement, 2),
 }
+ANY_CHUNKS = {"interleaved-1f1b", "looped-bfs", "interleaved-zb"}   # v is a choice (>= 1 or >= 2)
 
 
 # A schedule is a list of Action objects that validate, simulate and the executor walk one
@@ -194,7 +198,7 @@ MAX_ACTIONS = 1_000_000
 
 
 def _size_check(key, p, m, v):
-    per_pair = 3 if key in ("zb-h1", "zb-v") else 2                # F B, or F I W
+    per_pair = 3 if key in ("zb-h1", "zb-v", "interleaved-zb") else 2                # F B, or F I W
     actions = p * v * m * per_pair
     built = p * 2 * max(2 * p - 1, m) * 3 if key == "zb-v" else actions   # zb-v orders >= 2p-1 first
     if max(actions, built) > MAX_ACTIONS:
@@ -218,8 +222,8 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int, chunks: int
     num_stages: p, the pipeline depth = number of ranks (the lecture's p).
     num_microbatches: m, micro-batches per training step. For "naive" they run one after
         another, never overlapping (gradient accumulation without pipelining).
-    chunks: v, stages per rank: 1, except "interleaved-1f1b" (any v >= 2, default 2)
-        and "zb-v" (2). The model is then cut into p * v stages (schedule.num_stages).
+    chunks: v, stages per rank: 1, except "interleaved-1f1b" (any v >= 2, default 2),
+        "looped-bfs" and "interleaved-zb" (any v >= 1, default 2; looped.py) and "zb-v" (2). The model is then cut into p * v stages (schedule.num_stages).
     """
     key = str(name).lower().replace("_", "-")
     if key not in SCHEDULES:
@@ -232,6 +236,9 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int, chunks: int
     if key == "interleaved-1f1b":
         if v < 2:
             raise ScheduleError("interleaved-1f1b needs chunks >= 2 (with one chunk per rank, use '1f1b')")
+        _size_check(key, p, m, v)
+        actions = generate(p, m, v)
+    elif key in ANY_CHUNKS:
         _size_check(key, p, m, v)
         actions = generate(p, m, v)
     elif v != default_chunks:

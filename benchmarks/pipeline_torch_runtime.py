@@ -1,0 +1,147 @@
+"""pplab's executor against torch.distributed.pipelining's runtime on Looped BFS, same model, same batches.
+
+4 ranks (gloo, one thread each), 2 stages per rank (stage = chunk * 4 + rank, 8 stages of
+--layers-per-stage x (Linear, ReLU)), the same batches cut into the same micro-batches. Each
+round runs --steps training steps (forward, backward, SGD step) with pplab's PipelineExecutor
+on make_schedule("looped-bfs", 4, m, 2), then as many with torch's ScheduleLoopedBFS on the same
+stages, the order of the two alternating from round to round, after --warmup steps of each. We
+report seconds per step, median over rounds with the spread, and the ratio pplab / torch.
+Before timing, one step of each from the same weights must give the same gradients, and the
+two schedules must be the same order (pplab's rows equal torch's pipeline_order).
+
+    python benchmarks/pipeline_torch_runtime.py [--width 256] [--layers-per-stage 2] [--batch 64] [--microbatches 8]
+"""
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, ScheduleLoopedBFS
+
+import pplab
+from pplab.pipeline import PipelineExecutor, make_schedule
+from pplab.pipeline.torch_csv import from_torch_rows
+
+P, V = 4, 2
+
+
+def build(width, per_stage):
+    torch.manual_seed(0)
+    return [m for _ in range(P * V * per_stage) for m in (nn.Linear(width, width), nn.ReLU())]
+
+
+def batches(n, width, count):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(n, width, generator=g), torch.randn(n, width, generator=g)) for _ in range(count)]
+
+
+def run(width, per_stage, batch, m, steps, warmup, rounds):
+    rank = dist.get_rank()
+    data = batches(batch, width, 4)
+    schedule = make_schedule("looped-bfs", P, m, V)
+    per = 2 * per_stage                                     # modules per stage
+
+    # pplab: every rank gets the full list and keeps its two stages
+    ours_layers = build(width, per_stage)
+    ours_opt = torch.optim.SGD(nn.Sequential(*ours_layers).parameters(), lr=1e-3)
+    ours = PipelineExecutor(schedule, ours_layers, nn.MSELoss(), balance=[per * V] * P)
+
+    # torch: each rank builds its two stages' modules
+    layers = build(width, per_stage)
+    mine = schedule.stages_of(rank)
+    modules = [nn.Sequential(*layers[s * per:(s + 1) * per]) for s in mine]
+    theirs_opt = torch.optim.SGD([p for mod in modules for p in mod.parameters()], lr=1e-3)
+    stages = [PipelineStage(mod, s, P * V, torch.device("cpu")) for mod, s in zip(modules, mine)]
+    theirs = ScheduleLoopedBFS(stages, n_microbatches=m, loss_fn=nn.MSELoss())
+    rows = [["" if a is None else str(a) for a in theirs.pipeline_order[r]] for r in range(P)]
+    same_order = from_torch_rows(rows).actions == schedule.actions
+
+    def our_step(x, y, keep_grads=False):
+        ours.step(x, y)
+        if not keep_grads:
+            ours_opt.step()
+            ours_opt.zero_grad(set_to_none=True)
+
+    def their_step(x, y, keep_grads=False):
+        args = (x,) if 0 in mine else ()
+        theirs.step(*args, target=y if P * V - 1 in mine else None)
+        if not keep_grads:
+            theirs_opt.step()
+            theirs_opt.zero_grad(set_to_none=True)
+
+    # the same gradients from the same weights, before anything is stepped
+    our_step(*data[0], keep_grads=True)
+    their_step(*data[0], keep_grads=True)
+    named = dict(ours.named_parameters())
+    diff = max((named[f"{s * per + int(k.split('.')[0])}.{k.split('.', 1)[1]}"].grad - p.grad).abs().max().item()
+               for mod, s in zip(modules, mine) for k, p in mod.named_parameters())
+    scale = max(p.grad.abs().max().item() for mod in modules for p in mod.parameters())
+    ours_opt.zero_grad(set_to_none=True)
+    theirs_opt.zero_grad(set_to_none=True)
+
+    def timed(step_fn):
+        dist.barrier()
+        start = time.perf_counter()
+        for k in range(steps):
+            step_fn(*data[k % len(data)])
+        dist.barrier()
+        return (time.perf_counter() - start) / steps
+
+    for k in range(warmup):
+        our_step(*data[k % len(data)])
+        their_step(*data[k % len(data)])
+    rounds_out = []
+    for k in range(rounds):
+        with pplab.trace.paused():                       # keep the trace from growing
+            if k % 2 == 0:
+                a = timed(our_step)
+                b = timed(their_step)
+            else:
+                b = timed(their_step)
+                a = timed(our_step)
+        rounds_out.append((a, b))
+    return {"diff": diff, "scale": scale, "rounds": rounds_out, "same_order": same_order}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--layers-per-stage", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=9)
+    args = ap.parse_args()
+    print(f"torch {torch.__version__}, {os.cpu_count()} cores, {P} ranks (gloo, 1 thread each)"
+          + (" - oversubscribed: more ranks than cores" if (os.cpu_count() or 1) < P else "")
+          + f", load average {os.getloadavg()[0]:.1f}")
+    print(f"model: {P * V} stages ({V} per rank) x {args.layers_per_stage} x (Linear({args.width}, {args.width}), "
+          f"ReLU), batch {args.batch}, {args.microbatches} micro-batches, SGD; {args.rounds} interleaved rounds "
+          f"of {args.steps} steps after {args.warmup} warm-up steps\n")
+
+    results = pplab.launch(run, args.width, args.layers_per_stage, args.batch, args.microbatches,
+                           args.steps, args.warmup, args.rounds, world_size=P, timeout=3600)
+    assert all(r["same_order"] for r in results), "pplab's looped-bfs is not torch's ScheduleLoopedBFS order"
+    diff = max(r["diff"] for r in results)
+    scale = max(r["scale"] for r in results)
+    print(f"same order as torch's ScheduleLoopedBFS: yes; same gradients from the same weights: "
+          f"max |pplab - torch| = {diff:.2e} (largest gradient {scale:.2e})")
+    per_round = [(max(r["rounds"][k][0] for r in results), max(r["rounds"][k][1] for r in results))
+                 for k in range(args.rounds)]       # a step lasts until its slowest rank is done
+    ours = [a for a, _ in per_round]
+    theirs = [b for _, b in per_round]
+    ratios = [a / b for a, b in per_round]
+    print(f"pplab PipelineExecutor (looped-bfs): {statistics.median(ours) * 1e3:7.1f} ms/step "
+          f"(min {min(ours) * 1e3:.1f}, max {max(ours) * 1e3:.1f})")
+    print(f"torch ScheduleLoopedBFS:             {statistics.median(theirs) * 1e3:7.1f} ms/step "
+          f"(min {min(theirs) * 1e3:.1f}, max {max(theirs) * 1e3:.1f})")
+    print(f"pplab / torch: {statistics.median(ours) / statistics.median(theirs):.2f}x of the medians; "
+          f"per round {min(ratios):.2f}-{max(ratios):.2f}, median {statistics.median(ratios):.2f}")
+
+
+if __name__ == "__main__":
+    main()
