@@ -209,3 +209,16 @@ def test_gradients_and_step_equal_single_process(p, cases, n):
         assert set(seen.values()) == {s.replicas}, f"{name}: each parameter on {s.replicas} rank(s)"
         assert losses == pytest.approx(ref_loss, rel=1e-12), name    # the two directions' halves add up
         assert [res[name]["peak_activations"] for res in results] == pytest.approx(simulate(s).peak_activations)
+
+
+# ----------------------------------------------------------------------------------
+# drawn and in the explorer
+
+@pytest.mark.parametrize("name,p,m", [("chimera", 4, 4), ("dualpipe", 4, 8), ("dualpipev", 3, 7)])
+def test_explorer_lists_draws_and_checks_the_formula(name, p, m):
+    from pplab.pipeline.explorer import pipeline_timeline
+    t_b = 1.0 if name == "chimera" else 2.0                  # where each formula holds (see the tests above)
+    tl = pipeline_timeline(name, p, m, t_f=1.0, t_b=t_b)
+    assert "does not hold" not in tl.title and name in tl.title
+    assert len(tl.select(category="compute")) == sum(map(len, make_bidirectional(name, p, m).actions))
+    pplab.swimlane.draw(tl, memory=True)
