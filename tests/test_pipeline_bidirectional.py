@@ -222,3 +222,25 @@ def test_explorer_lists_draws_and_checks_the_formula(name, p, m):
     assert "does not hold" not in tl.title and name in tl.title
     assert len(tl.select(category="compute")) == sum(map(len, make_bidirectional(name, p, m).actions))
     pplab.swimlane.draw(tl, memory=True)
+
+
+def timed_dualpipe():
+    x, y = data(8)
+    return run_pipeline(make_bidirectional("dualpipe", 2, 4), mlp(), x, y, nn.MSELoss(),
+                        compute_time={"F": 0.005, "B": 0.01, "W": 0.005})
+
+
+def test_measured_dualpipe_follows_its_schedule():
+    """The traced run: one span per action in the schedule's order on each rank; messages: each
+    micro-batch crosses its copy's one rank boundary forward and back, plus each rank's swap of
+    its two stages' gradients with the other copy."""
+    results = pplab.launch(timed_dualpipe, world_size=2, timeout=60)
+    s, tl = make_bidirectional("dualpipe", 2, 4), results.timeline
+    for r in range(2):
+        spans = tl.select(rank=r, category="compute")
+        assert [e.label for e in spans] == [a.label(True) for a in s.actions[r]]
+    pairs = tl.messages()
+    crossings = sum(s.stage_to_rank[t] != s.stage_to_rank[t + 1] for t in range(s.num_stages)
+                    if (t + 1) % s.stages_per_replica)
+    assert len(pairs) == 2 * (s.num_microbatches // 2) * crossings + 2 * 2   # + each rank's swap of 2 stages
+    pplab.swimlane.draw(tl)

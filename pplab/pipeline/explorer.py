@@ -9,6 +9,8 @@ the bubble measured on the simulation next to the formula that applies to the sc
 (p-1)/(v·m) for GPipe, 1F1B and interleaved 1F1B, p-1 for naive model parallelism,
 (p-1)(t_f+t_I-t_W)/(m(t_f+t_b)) for ZB-H1 (saying so where these times break it); ZB-V has
 none that holds for every t_f, t_I, t_W, so its title compares it with 1F1B's bubble.
+Chimera, DualPipe and DualPipeV (bidirectional.py) are listed too, with Chimera's (p-2)/(2m)
+and the DualPipe README's (PP/2-1)(F&B+B-3W), F&B taken as t_f + t_b.
 """
 from __future__ import annotations
 
