@@ -244,3 +244,34 @@ def test_measured_dualpipe_follows_its_schedule():
                     if (t + 1) % s.stages_per_replica)
     assert len(pairs) == 2 * (s.num_microbatches // 2) * crossings + 2 * 2   # + each rank's swap of 2 stages
     pplab.swimlane.draw(tl)
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (3, 7), (4, 9)])
+def test_torchs_validator_and_simulator_accept_our_dualpipev(p, m):
+    """pplab's order, written in torch's format, through torch's own checks: _validate_schedule
+    (pairs as OVERLAP_F_B: every F before its B or I, every I before its W, each stage on one rank)
+    and, with pairs run one after the other as pplab's executor runs them (torch's simulator does
+    not take OVERLAP_F_B), _add_send_recv then _simulate_comms_compute, which raises on a deadlock.
+    Chimera and DualPipe keep two copies of the model, which torch's format (one stage index per
+    piece of the model) cannot say."""
+    from torch.distributed.pipelining.schedules import (_Action, _add_send_recv, _simulate_comms_compute,
+                                                        _validate_schedule)
+    kind = {"F": C.FORWARD, "B": C.FULL_BACKWARD, "I": C.BACKWARD_INPUT, "W": C.BACKWARD_WEIGHT}
+    s = make_bidirectional("dualpipev", p, m)
+    paired, flat = {}, {}
+    for r, acts in enumerate(s.actions):
+        flat[r] = [_Action(a.stage, kind[a.kind], a.microbatch) for a in acts]
+        out, k = [], 0
+        while k < len(acts):
+            if acts[k].overlap:
+                out.append(_Action(-1, C.OVERLAP_F_B, None, tuple(flat[r][k:k + 2])))
+                k += 2
+            else:
+                out.append(flat[r][k])
+                k += 1
+        paired[r] = out
+    assert _validate_schedule(paired, p, 2 * p, m) == dict(enumerate(s.stage_to_rank))
+    lowered = _add_send_recv(flat, stage_to_rank=lambda st: s.stage_to_rank[st], num_stages=2 * p)
+    played = _simulate_comms_compute(lowered, stage_to_rank=lambda st: s.stage_to_rank[st], num_stages=2 * p)
+    for r in range(p):                                  # every action, compute and comms, got played
+        assert [a for a in played[r] if a is not None] == lowered[r]
