@@ -239,6 +239,8 @@ def test_measured_dualpipe_follows_its_schedule():
     for r in range(2):
         spans = tl.select(rank=r, category="compute")
         assert [e.label for e in spans] == [a.label(True) for a in s.actions[r]]
+        # each stage is a whole 1/p of the model, so its forward pads to all of compute_time's F (as simulate)
+        assert all(e.duration >= 0.005 - 1e-6 for e in spans if e.kind == "F")
     pairs = tl.messages()
     crossings = sum(s.stage_to_rank[t] != s.stage_to_rank[t + 1] for t in range(s.num_stages)
                     if (t + 1) % s.stages_per_replica)

@@ -137,7 +137,7 @@ class PipelineExecutor:
                    if group is not None else f"launch with world_size={schedule.num_ranks}")
             raise PipelineError(f"the schedule has {schedule.num_ranks} ranks but {world} are running"
                                 f"{' in the pipeline group' if group is not None else ''}: {fix}")
-        self.pad = compute_durations(compute_time, schedule.chunks)
+        self.pad = compute_durations(compute_time, schedule.chunks // schedule.replicas)   # as simulate scales t_f
         self.device = rank_device()
         layers = _as_layers(layers)
         self.model_bounds = self._agree(layers, balance, sample)      # one (start, end) per piece of the model

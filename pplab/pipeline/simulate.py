@@ -308,7 +308,8 @@ def simulate(schedule: Schedule, t_f=1.0, t_b=2.0, t_w=None, p2p_latency: float 
     """Time `schedule`: every action starts as soon as its rank and its inputs allow.
 
     t_f, t_b: forward and backward time of one micro-batch through one rank's share of
-        the model (the lecture's t_f, t_b); with v chunks each chunk takes t/v. A list
+        the model (the lecture's t_f, t_b); with v chunks each chunk takes t/v (with two replicas,
+        each of a rank's two stages is a whole share: t). A list
         gives one time per stage instead (imbalanced stages), used as is.
     t_w: for schedules that split B into I and W, the W part; I takes t_b - t_w. Default
         t_b / 2. Ignored by schedules that do not split.
