@@ -41,6 +41,10 @@ ANSWERS = {
         "my_bfs_peak": "m",
         "my_zb_makespan": "m * (t_f + t_b) + (p - 1) * (t_f + t_b - 2 * t_w) / v",
     },
+    "04c_bidirectional_pipelines": {
+        "my_chimera_idle": "p - 2",
+        "my_dualpipe_peak": "PP + 1",
+    },
     "05_sequence_parallel": {
         "my_kv_bytes": "(p - 1) * 2 * (B1 * H1 * (S1 // p) * D1 * 4)",
         "my_ulysses_bytes": "4 * (p - 1) / p * share",

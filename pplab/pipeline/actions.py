@@ -24,6 +24,17 @@ Dependencies (checked by `validate`, obeyed by the simulator):
     B or I of stage s, micro-batch i   needs F of stage s, i           (its activations)
                                        and B or I of stage s+1, i      (its output's gradient)
     W of stage s, micro-batch i        needs I of stage s, i
+
+Two replicas (bidirectional pipelines: Chimera, DualPipe). `schedule.replicas = 2` says the
+stages are two copies of the model: stages 0..d-1 are replica 0, stages d..2d-1 replica 1
+(d = num_stages // replicas), each run in model order 0..d-1 from its own first stage. Replica
+0 takes the first half of the micro-batches, replica 1 the second, and after the flush the two
+copies of each piece add their gradients (schedule.replica_microbatches, model_stage).
+
+Overlapped pairs (DualPipe's F&B). `Action(..., overlap=True)` on an F says: this F and the
+rank's next action (a B or I of another micro-batch) run as one block, the forward's compute
+hiding the backward's communication. The block starts when both have their inputs; its
+length is simulate's t_fb.
 """
 from __future__ import annotations
 
@@ -44,6 +55,7 @@ class Action:
     microbatch: int
     stage: int         # which piece of the model, 0 .. num_stages-1
     chunk: int = 0     # which of its rank's stages that is (0 unless chunks > 1)
+    overlap: bool = False   # an F run as one block with the rank's next action (a B or I)
 
     def label(self, chunked: bool = False) -> str:
         """Its name in grids and swimlanes: F3, or F3.1 (chunk 1) when ranks hold several chunks."""
@@ -58,11 +70,26 @@ class Schedule:
     chunks: int                      # v, stages per rank
     actions: list[list[Action]]      # actions[rank]: what that rank computes, in order
     stage_to_rank: list[int]         # stage_to_rank[stage]: the rank holding that stage
+    replicas: int = 1                # 2: the stages are two copies of the model (bidirectional)
 
     @property
     def num_stages(self) -> int:
         """Pieces the model is cut into: num_ranks * chunks."""
         return len(self.stage_to_rank)
+
+    @property
+    def stages_per_replica(self) -> int:
+        """The model's depth d: the stages one copy of the model is cut into."""
+        return self.num_stages // self.replicas
+
+    def model_stage(self, stage: int) -> int:
+        """Which piece of the model `stage` runs: stage itself, or stage - d in replica 1."""
+        return stage % self.stages_per_replica
+
+    def replica_microbatches(self, replica: int) -> range:
+        """The micro-batches that replica runs: all of them, or its half of them."""
+        m, k = self.num_microbatches, self.replicas
+        return range(replica * m // k, (replica + 1) * m // k)
 
     @property
     def split_backward(self) -> bool:
@@ -88,15 +115,16 @@ class Schedule:
         """
         if not 0 <= stage < self.num_stages:
             raise ScheduleError(f"stage {stage} does not exist: this schedule has stages 0..{self.num_stages - 1}")
-        prev = self.stage_to_rank[stage - 1] if stage > 0 else None
-        nxt = self.stage_to_rank[stage + 1] if stage + 1 < self.num_stages else None
+        d = self.stages_per_replica                       # a replica's first and last stage end it
+        prev = self.stage_to_rank[stage - 1] if stage % d > 0 else None
+        nxt = self.stage_to_rank[stage + 1] if (stage + 1) % d else None
         return prev, nxt
 
     # -- printing ----------------------------------------------------------------------
     def grid(self, max_columns: int | None = 48) -> str:
         """Rows = ranks, columns = the order each rank runs its actions in (not time)."""
         chunked = self.chunks > 1
-        cells = [[a.label(chunked) for a in acts] for acts in self.actions]
+        cells = [[a.label(chunked) + ("&" if a.overlap else "") for a in acts] for acts in self.actions]
         width = max((len(c) for row in cells for c in row), default=2)
         head = f"{self.name}: {self.num_ranks} ranks, {self.num_microbatches} micro-batches"
         if chunked:

@@ -137,10 +137,11 @@ class PipelineExecutor:
                    if group is not None else f"launch with world_size={schedule.num_ranks}")
             raise PipelineError(f"the schedule has {schedule.num_ranks} ranks but {world} are running"
                                 f"{' in the pipeline group' if group is not None else ''}: {fix}")
-        self.pad = compute_durations(compute_time, schedule.chunks)
+        self.pad = compute_durations(compute_time, schedule.chunks // schedule.replicas)   # as simulate scales t_f
         self.device = rank_device()
         layers = _as_layers(layers)
-        self.bounds = self._agree(layers, balance, sample)
+        self.model_bounds = self._agree(layers, balance, sample)      # one (start, end) per piece of the model
+        self.bounds = [self.model_bounds[schedule.model_stage(s)] for s in range(schedule.num_stages)]
         self.layers = layers                # all of them, for the shape check only (a system for models
                                             # too big for one rank would exchange shapes instead)
         self.bare = {s: nn.Sequential(*layers[slice(*self.bounds[s])]).to(self.device)
@@ -152,12 +153,14 @@ class PipelineExecutor:
                               [p for st in self.stages.values() for p in st.parameters()]}.values())  # a wrapper's
 
     def _agree(self, layers, balance, sample):
-        """Every rank must cut the same model at the same places; check, rather than hang later."""
+        """Every rank must cut the same model at the same places; check, rather than hang later.
+        With two replicas, the model is cut into stages_per_replica pieces, each held twice."""
+        pieces = self.schedule if self.schedule.replicas == 1 else self.schedule.stages_per_replica
         if balance == "time" and comm.world_size(self.group) > 1:   # timings differ by rank: rank 0's count
             bounds = [None]
             if self.rank == 0:
                 try:
-                    bounds = [partition(layers, self.schedule, "time", sample)]
+                    bounds = [partition(layers, pieces, "time", sample)]
                 except PipelineError as err:       # raised on every rank, not only here
                     bounds = [err]
             with trace.paused():
@@ -166,7 +169,7 @@ class PipelineExecutor:
                 raise bounds[0]
             bounds = bounds[0]
         else:
-            bounds = partition(layers, self.schedule, balance, sample)
+            bounds = partition(layers, pieces, balance, sample)
         if comm.world_size(self.group) > 1:
             everyone = [None] * comm.world_size(self.group)
             with trace.paused():
@@ -201,7 +204,7 @@ class PipelineExecutor:
             with torch.no_grad():
                 for layer in self.layers:
                     layer.eval()
-                for s, (start, end) in enumerate(self.bounds):
+                for s, (start, end) in enumerate(self.model_bounds):
                     for j in range(start, end):
                         try:
                             x = self.layers[j](x)
@@ -266,6 +269,8 @@ class PipelineExecutor:
             run[a.kind](a)
             self._finish_sends(block=False)
         self._finish_sends(block=True)                 # the flush: every message has left
+        if sched.replicas > 1:
+            self._add_replica_gradients()
         if self.optimizer is not None:
             self.optimizer.step()
         counts = [held for _, held in self.activations]
@@ -305,7 +310,8 @@ class PipelineExecutor:
         while key not in self.posted:
             nxt = self.incoming[src].popleft()
             kind, s, i = nxt
-            shape, dtype = self.shapes[len(self.xs[i])][s if kind == "act" else s - 1]
+            piece = self.schedule.model_stage(s if kind == "act" else s - 1)
+            shape, dtype = self.shapes[len(self.xs[i])][piece]
             buffer = torch.empty(shape, dtype=dtype, device=self.device)
             handle = comm.irecv(buffer, self.peers[src])
             handle.event.meta["message"] = nxt
@@ -326,9 +332,32 @@ class PipelineExecutor:
             if self.pad is not None:
                 time.sleep(max(0.0, self.pad[a.kind] - (time.perf_counter() - start)))
 
+    def _add_replica_gradients(self):
+        """Two copies of the model (Chimera, DualPipe): each piece's two copies trained on different
+        halves of the batch, so they add their gradients, and step to the same weights. The rank
+        holding the other copy of my piece s holds the other copy of my other piece too (stage s
+        on rank r, its copy on rank p-1-r), so one exchange with that rank covers both."""
+        sched = self.schedule
+        pieces = sorted(self.stages, key=sched.model_stage)      # the same order on both ranks
+        for s in pieces:
+            twin = (s + sched.stages_per_replica) % sched.num_stages
+            peer = sched.stage_to_rank[twin]
+            params = list(self.bare[s].parameters())
+            mine = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                              for p in params]) if params else torch.zeros(0, device=self.device)
+            theirs = torch.empty_like(mine)
+            sent = comm.isend(mine, self.peers[peer])
+            got = comm.irecv(theirs, self.peers[peer])
+            got.wait()
+            sent.wait()
+            total, start = mine + theirs, 0                       # a + b == b + a: both copies agree bit for bit
+            for p in params:
+                p.grad = total[start:start + p.numel()].view_as(p).clone()
+                start += p.numel()
+
     def _count(self):
-        v = self.schedule.chunks
-        held = len(self.held) / v if v > 1 else len(self.held)
+        share = self.schedule.replicas / self.schedule.chunks   # a stage's part of a rank's share (simulate)
+        held = len(self.held) * share if share != 1 else len(self.held)
         self.activations.append((trace.now(), held))
 
     # -- the four actions ----------------------------------------------------------------

@@ -10,15 +10,23 @@ the bubble measured on the simulation next to the formula that applies to the sc
 (p-1)(t_f+t_I-t_W)/(v·m(t_f+t_b)) for ZB-H1 (v = 1) and interleaved zero bubble (saying so
 where these times or m < p break it); ZB-V has
 none that holds for every t_f, t_I, t_W, so its title compares it with 1F1B's bubble.
+Chimera, DualPipe and DualPipeV (bidirectional.py) are listed too, with Chimera's (p-2)/(2m)
+and the DualPipe README's (PP/2-1)(F&B+B-3W), F&B taken as t_f + t_b.
 """
 from __future__ import annotations
 
+from .bidirectional import BIDIRECTIONAL, make_bidirectional
 from .schedules import SCHEDULES, make_schedule
 from .simulate import bubble_fraction, simulate
 
 _INTERLEAVED = {"interleaved-1f1b", "looped-bfs", "interleaved-zb"}   # v is a choice here; ZB-V always has 2
-_FIXED_CHUNKS = {"zb-v": 2}
-_SPLIT = {name for name in SCHEDULES if make_schedule(name, 2, 2).split_backward}   # B split into I and W
+_FIXED_CHUNKS = {"zb-v": 2, **{name: 2 for name in BIDIRECTIONAL}}
+_SPLIT = {name for name in SCHEDULES if make_schedule(name, 2, 2).split_backward} | {"dualpipe", "dualpipev"}
+
+
+def _make(schedule, p, m, chunks):
+    """make_schedule, or make_bidirectional for Chimera, DualPipe and DualPipeV (pipeline/bidirectional.py)."""
+    return make_bidirectional(schedule, p, m) if schedule in BIDIRECTIONAL else make_schedule(schedule, p, m, chunks=chunks)
 
 
 def _chunks(schedule, v):
@@ -32,7 +40,7 @@ def pipeline_timeline(schedule="1f1b", p=4, m=8, v=2, t_f=1.0, t_b=2.0, t_w=0.0)
     schedules that split backward into I and W (0 = half of t_b).
     """
     chunks = _chunks(schedule, v)
-    sched = make_schedule(schedule, p, m, chunks=chunks)
+    sched = _make(schedule, p, m, chunks)
     result = simulate(sched, t_f=t_f, t_b=t_b, t_w=(t_w or None))
     useful = m * (t_f + t_b)                                    # one rank's work: m forwards and backwards
     bubble = (result.makespan - useful) / useful                # idle time / useful time, from the simulation
@@ -51,6 +59,12 @@ def _bubble_line(schedule, p, m, chunks, bubble, t_f, t_b, t_w):
     said = f"bubble {bubble:.1%} of useful time"
     if schedule == "naive":                       # one micro-batch at a time: p-1 ranks idle while one works
         formula, value = "p-1", float(p - 1)
+    elif schedule == "chimera":                   # the paper's p-2 idle slots, F and B one slot each
+        formula, value = "(p-2)/(2m), t_f = t_b, m = p", (p - 2) / (2 * m)
+    elif schedule in ("dualpipe", "dualpipev"):   # DualPipe's README with F&B = F + B; DualPipeV: 2p stages
+        pp, scale = (p, 1.0) if schedule == "dualpipe" else (2 * p, 0.5)
+        formula = "(PP/2-1)(t_f+2t_b-3t_W)/(m(t_f+t_b))" + ("" if schedule == "dualpipe" else ", PP = 2p")
+        value = (pp // 2 - 1) * scale * (t_f + 2 * t_b - 3 * t_w) / (m * (t_f + t_b))
     elif schedule in ("zb-h1", "interleaved-zb"):   # the paper's makespan m(F+I+W) + (p-1)(F+I-W), chunks 1/v
         formula = "(p-1)(t_f+t_I-t_W)/(" + ("v·" if chunks > 1 else "") + "m·(t_f+t_b))"
         value = (p - 1) * (t_f + t_b - 2 * t_w) / (chunks * m * (t_f + t_b))
@@ -74,7 +88,7 @@ def explore(schedule="1f1b", p=4, m=8, v=2, t_f=1.0, t_b=2.0, t_w=0.0):
 
     box = swimlane.explore(
         make, applies={"v": lambda c: c["schedule"] in _INTERLEAVED, "t_w": lambda c: c["schedule"] in _SPLIT},
-        schedule=sorted(SCHEDULES), p=(1, 16), m=(1, 64), v=(2, 4),
+        schedule=sorted(SCHEDULES) + sorted(BIDIRECTIONAL), p=(1, 16), m=(1, 64), v=(2, 4),
         t_f=(0.5, 4.0, 0.25), t_b=(0.5, 8.0, 0.25), t_w=(0.0, 4.0, 0.25))
     box.controls["t_w"].description = "t_w (0: t_b/2)"
     box.controls["memory"].value = True

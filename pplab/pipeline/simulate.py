@@ -45,12 +45,13 @@ def bubble_fraction(p: int, m: int, v: int = 1) -> float:
 # What an action waits for, as (kind, stage) of the same micro-batch: "F" = that
 # stage's forward, "B" = that stage's input gradient (made by its B, or by its I).
 
-def _inputs(a: Action, num_stages: int) -> tuple:
+def _inputs(a: Action, depth: int) -> tuple:
+    """depth: stages per replica (num_stages unless the schedule runs two copies of the model)."""
     if a.kind == "F":
-        return (("F", a.stage - 1),) if a.stage > 0 else ()
+        return (("F", a.stage - 1),) if a.stage % depth > 0 else ()
     if a.kind == "W":
         return (("B", a.stage),)
-    return (("F", a.stage), ("B", a.stage + 1)) if a.stage + 1 < num_stages else (("F", a.stage),)
+    return (("F", a.stage), ("B", a.stage + 1)) if (a.stage + 1) % depth else (("F", a.stage),)
 
 
 def _output(a: Action) -> str:
@@ -60,10 +61,11 @@ def _output(a: Action) -> str:
 def _play(schedule: Schedule, duration: dict, latency: float = 0.0):
     """Times of every action: start[r][k], end[r][k] of schedule.actions[r][k].
 
-    duration[kind][stage] is how long one such action takes.
+    duration[kind][stage] is how long one such action takes; duration["&"][stage], if given,
+    how long an overlapped pair whose F is of that stage takes (else the sum of the two).
     """
     p, S, m = schedule.num_ranks, schedule.num_stages, schedule.num_microbatches
-    owner = schedule.stage_to_rank
+    owner, depth = schedule.stage_to_rank, schedule.stages_per_replica
     start = [[0.0] * len(acts) for acts in schedule.actions]
     end = [[0.0] * len(acts) for acts in schedule.actions]
     finished = {k: [[None] * m for _ in range(S)] for k in "FBW"}  # [kind][stage][mb] -> end time
@@ -74,26 +76,36 @@ def _play(schedule: Schedule, duration: dict, latency: float = 0.0):
         r = ready.pop()
         acts, k = schedule.actions[r], nxt[r]
         while k < len(acts):                        # run rank r as far as it can go
-            a = acts[k]
+            block = acts[k:k + 2] if acts[k].overlap else acts[k:k + 1]   # an F&B pair runs as one
             t, missing = free[r], None
-            for kind, s in _inputs(a, S):
-                t_done = finished[kind][s][a.microbatch]
-                if t_done is None:
-                    missing = (kind, s, a.microbatch)
+            for a in block:
+                for kind, s in _inputs(a, depth):
+                    t_done = finished[kind][s][a.microbatch]
+                    if t_done is None:
+                        missing = (kind, s, a.microbatch)
+                        break
+                    if owner[s] != r:
+                        t_done += latency     # it has to travel from another rank
+                    if t_done > t:
+                        t = t_done
+                if missing is not None:
                     break
-                if owner[s] != r:
-                    t_done += latency     # it has to travel from another rank
-                if t_done > t:
-                    t = t_done
             if missing is not None:
                 parked.setdefault(missing, []).append(r)
                 break
-            start[r][k] = t
-            free[r] = end[r][k] = t + duration[a.kind][a.stage]
-            kind = _output(a)
-            finished[kind][a.stage][a.microbatch] = free[r]
-            ready.extend(parked.pop((kind, a.stage, a.microbatch), ()))
-            k += 1
+            times = [duration[a.kind][a.stage] for a in block]
+            if len(block) == 2:           # drawn one after the other, both done when the block is
+                fb = duration["&"][block[0].stage] if duration.get("&") else sum(times)
+                times = [fb * x / sum(times) if sum(times) else fb / 2 for x in times]
+            for j, a in enumerate(block):
+                start[r][k + j] = t + sum(times[:j])
+                end[r][k + j] = t + sum(times[:j + 1])
+            free[r] = end[r][k + len(block) - 1]
+            for a in block:
+                kind = _output(a)
+                finished[kind][a.stage][a.microbatch] = free[r]
+                ready.extend(parked.pop((kind, a.stage, a.microbatch), ()))
+            k += len(block)
         nxt[r] = k
     stuck = [r for r in range(p) if nxt[r] < len(schedule.actions[r])]
     if stuck:
@@ -112,7 +124,7 @@ def _deadlock_message(schedule, stuck, nxt, finished) -> str:
     lines = [f"deadlock in {schedule.name!r}: rank(s) {stuck} can never go on"]
     for r in stuck[:8]:
         a = schedule.actions[r][nxt[r]]
-        kind, s = next((k, s) for k, s in _inputs(a, schedule.num_stages)
+        kind, s = next((k, s) for k, s in _inputs(a, schedule.stages_per_replica)
                        if finished[k][s][a.microbatch] is None)
         owner, step = where[(kind, s, a.microbatch)]
         later = ("which it runs itself later, at step {1}: move that earlier" if owner == r else
@@ -139,6 +151,11 @@ def _check_parts(schedule: Schedule) -> None:
                             f"got {schedule.stage_to_rank}")
     if len(schedule.actions) != p:
         raise ScheduleError(f"actions must hold one list per rank: {p} ranks, got {len(schedule.actions)} lists")
+    k = schedule.replicas
+    if isinstance(k, bool) or not isinstance(k, int) or k not in (1, 2) or S % k or m % k:
+        raise ScheduleError(f"schedule.replicas must be 1, or 2 with an even number of stages and of "
+                            f"micro-batches (each copy of the model takes half of them), got replicas={k!r}, "
+                            f"{S} stages, {m} micro-batches")
     chunk_of = {s: c for r in range(p) for c, s in enumerate(schedule.stages_of(r))}
 
     def problem(r, a):            # what is wrong with action a on rank r, if anything
@@ -157,9 +174,14 @@ def _check_parts(schedule: Schedule) -> None:
             return f"stage {a.stage} is chunk {chunk_of[a.stage]} of rank {r}, but the action says chunk {a.chunk}"
 
     for r, acts in enumerate(schedule.actions):
-        for k, a in enumerate(acts):
+        for j, a in enumerate(acts):
             if (why := problem(r, a)) is not None:
-                raise ScheduleError(f"rank {r}, step {k}: {why}")
+                raise ScheduleError(f"rank {r}, step {j}: {why}")
+            if a.overlap and (a.kind != "F" or j + 1 == len(acts) or acts[j + 1].kind not in "BI"
+                              or acts[j + 1].overlap):
+                raise ScheduleError(f"rank {r}, step {j}: overlap=True pairs an F with the rank's next action, "
+                                    f"which must be a B or I (not overlapped itself); got {a} then "
+                                    f"{acts[j + 1] if j + 1 < len(acts) else 'nothing'}")
 
 
 def _check_counts(schedule: Schedule) -> None:
@@ -171,7 +193,13 @@ def _check_counts(schedule: Schedule) -> None:
             count[a.kind][a.stage][a.microbatch] += 1
     problems = []
     for s in range(S):
+        mine = schedule.replica_microbatches(s // schedule.stages_per_replica)
         for i, (f, b, i_, w) in enumerate(zip(*(count[k][s] for k in KINDS))):
+            if i not in mine:             # the other copy of the model runs this micro-batch
+                if f or b or i_ or w:
+                    problems.append(f"micro-batch {i} runs on stage {s}, but it belongs to the other replica "
+                                    f"(stage {s} runs micro-batches {mine.start}..{mine.stop - 1})")
+                continue
             if f != 1:
                 problems.append(f"F{i} of stage {s} appears {f} times, not once")
             if (b, i_, w) not in ((1, 0, 0), (0, 1, 1)):
@@ -209,13 +237,19 @@ def validate(schedule: Schedule) -> Schedule:
 _HOLD = {"F": +1, "B": -1, "I": 0, "W": -1}
 
 
+def _chunk_share(schedule: Schedule) -> float:
+    """What one stage is of a rank's share of one copy of the model: 1/v, or 2/v with two replicas
+    (a bidirectional rank's two stages are each a whole 1/p of the model)."""
+    return schedule.replicas / schedule.chunks
+
+
 def _activation_steps(schedule: Schedule, start, end, rank: int) -> list:
     """(time, micro-batches held from then on, action), each time `rank`'s count changes."""
-    v, held, steps = schedule.chunks, 0, []
+    share, held, steps = _chunk_share(schedule), 0, []
     for a, s, e in zip(schedule.actions[rank], start, end):
         if _HOLD[a.kind]:
             held += _HOLD[a.kind]
-            steps.append((s if a.kind == "F" else e, held / v if v > 1 else held, a))
+            steps.append((s if a.kind == "F" else e, held * share if share != 1 else held, a))
     return steps
 
 
@@ -257,9 +291,9 @@ class SimResult:
 
 def _per_stage(value, what: str, schedule: Schedule) -> list[float]:
     """A number is one rank's whole share (split evenly over its chunks); a list, one per stage."""
-    S, v = schedule.num_stages, schedule.chunks
+    S, share = schedule.num_stages, _chunk_share(schedule)
     if isinstance(value, Real):
-        values = [value / v] * S
+        values = [value * share] * S
     else:
         values = list(value)
         if len(values) != S:
@@ -270,15 +304,18 @@ def _per_stage(value, what: str, schedule: Schedule) -> list[float]:
     return [float(x) for x in values]
 
 
-def simulate(schedule: Schedule, t_f=1.0, t_b=2.0, t_w=None, p2p_latency: float = 0.0) -> SimResult:
+def simulate(schedule: Schedule, t_f=1.0, t_b=2.0, t_w=None, p2p_latency: float = 0.0, t_fb=None) -> SimResult:
     """Time `schedule`: every action starts as soon as its rank and its inputs allow.
 
     t_f, t_b: forward and backward time of one micro-batch through one rank's share of
-        the model (the lecture's t_f, t_b); with v chunks each chunk takes t/v. A list
+        the model (the lecture's t_f, t_b); with v chunks each chunk takes t/v (with two replicas,
+        each of a rank's two stages is a whole share: t). A list
         gives one time per stage instead (imbalanced stages), used as is.
     t_w: for schedules that split B into I and W, the W part; I takes t_b - t_w. Default
         t_b / 2. Ignored by schedules that do not split.
     p2p_latency: added whenever an input comes from another rank.
+    t_fb: for schedules with overlapped F&B pairs (DualPipe), how long one pair takes, in the
+        units of t_f and t_b. Default: the F's time plus the B's (nothing gained by overlapping).
     """
     _check_parts(schedule)
     _check_counts(schedule)
@@ -288,15 +325,16 @@ def simulate(schedule: Schedule, t_f=1.0, t_b=2.0, t_w=None, p2p_latency: float 
     w = [x / 2 for x in b] if t_w is None else _per_stage(t_w, "t_w", schedule)
     if t_w is not None and any(ws > bs for ws, bs in zip(w, b)):
         raise ScheduleError(f"t_w is the weight-gradient part of t_b, so it must be <= t_b: got t_w={t_w}, t_b={t_b}")
-    duration = {"F": f, "B": b, "I": [bs - ws for ws, bs in zip(w, b)], "W": w}
+    duration = {"F": f, "B": b, "I": [bs - ws for ws, bs in zip(w, b)], "W": w,
+                "&": None if t_fb is None else _per_stage(t_fb, "t_fb", schedule)}
     start, end = _play(schedule, duration, p2p_latency)
 
     p = schedule.num_ranks
     makespan = max((e[-1] for e in end if e), default=0.0)
     busy = [sum(e - s for s, e in zip(start[r], end[r])) for r in range(p)]
-    v = schedule.chunks
+    share = _chunk_share(schedule)
     peaks = [max(accumulate(_HOLD[a.kind] for a in acts), default=0) for acts in schedule.actions]
-    peaks = [x / v for x in peaks] if v > 1 else peaks
+    peaks = [x * share for x in peaks] if share != 1 else peaks
     return SimResult(schedule, start, end, makespan,
                      utilization=sum(busy) / (p * makespan) if makespan > 0 else 0.0,
                      bubble=[makespan - x for x in busy], peak_activations=peaks,

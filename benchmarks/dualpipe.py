@@ -1,0 +1,149 @@
+"""pplab's executor running DualPipeV against torch.distributed.pipelining's ScheduleDualPipeV.
+
+4 ranks (gloo, one thread each) train the same MLP cut into 8 stages placed as a V (rank r holds
+stages r and 7-r), on the same batches in the same micro-batches. pplab runs
+make_bidirectional("dualpipev", 4, m), whose order is torch's action for action (asserted below);
+torch runs its own PipelineStage pair + ScheduleDualPipeV. Before timing, one step of each from
+the same weights must give the same gradients. Then rounds alternate: --steps steps of pplab,
+then as many of torch (forward, backward, SGD); we print the median seconds per step over the
+rounds, their spread, and the ratio pplab / torch.
+
+    python benchmarks/dualpipe.py [--width 256] [--layers-per-stage 2] [--batch 64] [--microbatches 8]
+"""
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV
+from torch.distributed.pipelining.schedules import _ComputationType as C
+
+import pplab
+from pplab.pipeline import PipelineExecutor, make_bidirectional
+
+P = 4
+STAGES = 2 * P
+
+
+def build(width, per_stage):
+    torch.manual_seed(0)
+    return [m for _ in range(STAGES * per_stage) for m in (nn.Linear(width, width), nn.ReLU())]
+
+
+def batches(n, width, count):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(n, width, generator=g), torch.randn(n, width, generator=g)) for _ in range(count)]
+
+
+def same_order(ours, theirs):
+    """pplab's actions against torch's pipeline_order (overlapped pairs flattened), every rank."""
+    kind = {C.FORWARD: "F", C.FULL_BACKWARD: "B", C.BACKWARD_INPUT: "I", C.BACKWARD_WEIGHT: "W"}
+    for r in range(P):
+        flat = []
+        for a in theirs[r]:
+            for sub in (a.sub_actions if a.computation_type == C.OVERLAP_F_B else (a,)):
+                flat.append((kind[sub.computation_type], sub.microbatch_index, sub.stage_index))
+        if flat != [(a.kind, a.microbatch, a.stage) for a in ours.actions[r]]:
+            return False
+    return True
+
+
+def run(width, per_stage, batch, m, steps, warmup, rounds):
+    rank = dist.get_rank()
+    data = batches(batch, width, 4)
+    schedule = make_bidirectional("dualpipev", P, m)
+    n = 2 * per_stage                                         # layers per stage
+
+    ours_layers = build(width, per_stage)
+    ours_opt = torch.optim.SGD(nn.Sequential(*ours_layers).parameters(), lr=1e-3)
+    ours = PipelineExecutor(schedule, ours_layers, nn.MSELoss(), balance=[n] * STAGES)
+
+    layers = build(width, per_stage)
+    mine = schedule.stages_of(rank)                           # [r, 2p-1-r]
+    modules = [nn.Sequential(*layers[s * n:(s + 1) * n]) for s in mine]
+    theirs_opt = torch.optim.SGD([p for mod in modules for p in mod.parameters()], lr=1e-3)
+    stages = [PipelineStage(mod, s, STAGES, torch.device("cpu")) for mod, s in zip(modules, mine)]
+    theirs = ScheduleDualPipeV(stages, n_microbatches=m, loss_fn=nn.MSELoss())
+    order_ok = same_order(schedule, theirs.pipeline_order)
+
+    def our_step(x, y, keep_grads=False):
+        ours.step(x, y)
+        if not keep_grads:
+            ours_opt.step()
+            ours_opt.zero_grad(set_to_none=True)
+
+    def their_step(x, y, keep_grads=False):
+        if rank == 0:                                         # rank 0 holds the first and the last stage
+            theirs.step(x, target=y, losses=[])
+        else:
+            theirs.step()
+        if not keep_grads:
+            theirs_opt.step()
+            theirs_opt.zero_grad(set_to_none=True)
+
+    our_step(*data[0], keep_grads=True)
+    their_step(*data[0], keep_grads=True)
+    named = dict(ours.named_parameters())
+    diff = max((named[f"{s * n + int(k.split('.')[0])}.{k.split('.', 1)[1]}"].grad - p.grad).abs().max().item()
+               for s, mod in zip(mine, modules) for k, p in mod.named_parameters())
+    scale = max(p.grad.abs().max().item() for mod in modules for p in mod.parameters())
+    ours_opt.zero_grad(set_to_none=True)
+    theirs_opt.zero_grad(set_to_none=True)
+
+    def timed(step_fn):
+        dist.barrier()
+        start = time.perf_counter()
+        for k in range(steps):
+            step_fn(*data[k % len(data)])
+        dist.barrier()
+        return (time.perf_counter() - start) / steps
+
+    for k in range(warmup):
+        our_step(*data[k % len(data)])
+        their_step(*data[k % len(data)])
+    out = []
+    for _ in range(rounds):
+        with pplab.trace.paused():
+            out.append((timed(our_step), timed(their_step)))
+    return {"order": order_ok, "diff": diff, "scale": scale, "rounds": out}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--layers-per-stage", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=7)
+    args = ap.parse_args()
+    print(f"torch {torch.__version__}, {os.cpu_count()} cores, {P} ranks (gloo, 1 thread each), "
+          f"load {os.getloadavg()[0]:.1f}" + (" - more ranks than cores" if (os.cpu_count() or 1) < P else ""))
+    print(f"model: {STAGES} stages (a V over {P} ranks) x {args.layers_per_stage} x (Linear({args.width}, "
+          f"{args.width}), ReLU), batch {args.batch}, {args.microbatches} micro-batches, SGD; {args.rounds} "
+          f"rounds of {args.steps} steps each after {args.warmup} warm-up steps\n")
+    results = pplab.launch(run, args.width, args.layers_per_stage, args.batch, args.microbatches,
+                           args.steps, args.warmup, args.rounds, world_size=P, timeout=3600)
+    assert all(r["order"] for r in results), "pplab's dualpipev order differs from torch's pipeline_order"
+    diff, scale = max(r["diff"] for r in results), max(r["scale"] for r in results)
+    print(f"same order as torch's pipeline_order on every rank; same gradients from the same weights: "
+          f"max |pplab - torch| = {diff:.2e} (largest gradient {scale:.2e})")
+    per_round = [(max(r["rounds"][k][0] for r in results), max(r["rounds"][k][1] for r in results))
+                 for k in range(args.rounds)]                 # a step lasts until its slowest rank is done
+    ours = [a for a, _ in per_round]
+    theirs = [b for _, b in per_round]
+    ratios = [a / b for a, b in per_round]
+    print(f"pplab PipelineExecutor (dualpipev): {statistics.median(ours) * 1e3:7.1f} ms/step "
+          f"(min-max {min(ours) * 1e3:.1f}-{max(ours) * 1e3:.1f})")
+    print(f"torch ScheduleDualPipeV:            {statistics.median(theirs) * 1e3:7.1f} ms/step "
+          f"(min-max {min(theirs) * 1e3:.1f}-{max(theirs) * 1e3:.1f})")
+    print(f"pplab / torch: {statistics.median(ours) / statistics.median(theirs):.2f}x "
+          f"(per round: {', '.join(f'{x:.2f}' for x in ratios)})")
+
+
+if __name__ == "__main__":
+    main()
