@@ -184,6 +184,8 @@ SCHEDULES = {
     "interleaved-1f1b": (interleaved_1f1b, interleaved_placement, 2),
     "zb-h1":            (zb_h1, one_stage_per_rank, 1),
     "zb-v":             (zb_v, v_placement, 2),
+    "pipedream":        (one_f_one_b, one_stage_per_rank, 1),   # 1F1B's order over a stream, no flush:
+    "pipedream-2bw":    (one_f_one_b, one_stage_per_rank, 1),   # the weight versions are in asynchronous.py
 }
 
 
