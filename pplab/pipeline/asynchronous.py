@@ -47,6 +47,7 @@ from torch.func import functional_call
 
 from ..memory import storage_bytes
 from .executor import PipelineExecutor, _message_order
+from .actions import Action, Schedule
 from .partition import PipelineError
 from .schedules import make_schedule
 
@@ -76,6 +77,31 @@ def versions_held_formula(method: str, stage: int, num_stages: int) -> int:
 def _check_method(method):
     if method not in METHODS:
         raise PipelineError(f"unknown asynchronous method {method!r}: use one of {', '.join(METHODS)}")
+
+
+def flushed_steps(num_stages: int, num_microbatches: int, steps: int) -> Schedule:
+    """`steps` training steps of 1F1B with a flush (m micro-batches each), one after another, as
+    one schedule over steps*m micro-batches: what an asynchronous pipeline is compared against.
+    Step k+1 can only start once its first stage has finished step k (the flush), which the
+    order of each rank's actions says: no new dependency is needed."""
+    one = make_schedule("1f1b", num_stages, num_microbatches)
+    actions = [[Action(a.kind, a.microbatch + k * num_microbatches, a.stage)
+                for k in range(steps) for a in one.actions[r]] for r in range(num_stages)]
+    return Schedule(f"1f1b, flushed every {num_microbatches}", num_stages, steps * num_microbatches, 1,
+                    actions, one.stage_to_rank)
+
+
+def idle_after_warmup(timeline, rank: int) -> float:
+    """Idle time of `rank` between the start of its first backward (the warm-up is over) and the
+    end of its last forward (what follows is the drain at the end of the stream): the gaps
+    between its compute boxes in that window. Works on simulated and measured timelines alike."""
+    boxes = sorted((e for e in timeline.events if e.rank == rank and e.category == "compute"
+                    and e.kind in ("F", "B")), key=lambda e: e.start)
+    first_b = next((k for k, e in enumerate(boxes) if e.kind == "B"), None)
+    last_f = max((k for k, e in enumerate(boxes) if e.kind == "F"), default=None)
+    if first_b is None or last_f is None:
+        raise PipelineError(f"rank {rank} has no backward or no forward in this timeline")
+    return sum(max(0.0, boxes[k + 1].start - boxes[k].end) for k in range(first_b, last_f))
 
 
 class _Versioned(nn.Module):
@@ -166,7 +192,8 @@ class AsyncPipeline(PipelineExecutor):
 
         Returns, for this rank: "versions" {(stage, i): version micro-batch i used}, "losses" [the
         loss of each micro-batch, on the last stage's rank], "params" {name: newest weights},
-        "held_versions" {stage: [versions in memory after each action]}, "peak_versions" {stage:
+        "held_versions" {stage: [versions in memory after each action]}, "held_bytes" (the same
+        in bytes, pplab.memory.storage_bytes of the tensors alive), "peak_versions" {stage:
         the most}, "version_bytes" {stage: bytes of one version}, and with record=True "history"
         {stage: [{name: weights} of version 0, 1, ...]} and "grads" {(stage, i): {name: gradient}}.
         """
@@ -205,7 +232,7 @@ class AsyncPipeline(PipelineExecutor):
                "versions": dict(self.used), "losses": [x.item() * self.m for x in self.losses],
                "params": {self._global(s, k): t.detach().clone()
                           for s in mine for k, t in self.versions[s][self.latest[s]].items()},
-               "held_versions": self.held_versions,
+               "held_versions": self.held_versions, "held_bytes": self.held_bytes,
                "peak_versions": {s: max(c) for s, c in self.held_versions.items()},
                "version_bytes": {s: storage_bytes(self.bare[s].parameters()) for s in mine}}
         if self.record:
