@@ -12,6 +12,7 @@ schedules.py: the generators and make_schedule.
 simulate.py:  validate (complete? deadlock-free?), simulate, bubble_fraction.
 partition.py: partition, layer_times: cutting the model into stages.
 executor.py:  run_pipeline / PipelineExecutor: the same schedule on real ranks.
+asynchronous.py: AsyncPipeline: PipeDream (weight stashing) and PipeDream-2BW, never flushed.
 explorer.py:  explore(), a widget: schedule, p, m, v, t_f, t_b, t_w -> swimlane + memory + bubble.
 """
 from .executor import PipelineExecutor, run_pipeline
@@ -20,7 +21,8 @@ from .explorer import explore, pipeline_timeline
 from .actions import Action, Schedule, ScheduleError
 from .schedules import SCHEDULES, make_schedule
 from .simulate import SimResult, bubble_fraction, simulate, validate
+from .asynchronous import AsyncPipeline
 
 __all__ = ["Action", "Schedule", "ScheduleError", "SCHEDULES", "make_schedule",
            "validate", "simulate", "SimResult", "bubble_fraction", "explore", "pipeline_timeline",
-           "PipelineExecutor", "PipelineError", "run_pipeline", "partition", "layer_times"]
+           "PipelineExecutor", "PipelineError", "run_pipeline", "AsyncPipeline", "partition", "layer_times"]

@@ -52,6 +52,8 @@ def _bubble_line(schedule, p, m, chunks, bubble, t_f, t_b, t_w):
         formula, value = "p-1", float(p - 1)
     elif schedule == "zb-h1":                     # the paper's makespan m(F+I+W) + (p-1)(F+I-W)
         formula, value = "(p-1)(t_f+t_I-t_W)/(m·(t_f+t_b))", (p - 1) * (t_f + t_b - 2 * t_w) / (m * (t_f + t_b))
+    elif schedule.startswith("pipedream"):      # never flushed: this fill and drain is paid once per run, not per step
+        formula, value = "(p-1)/m, m = the whole stream", bubble_fraction(p, m)
     elif schedule in _SPLIT:
         return (f"{said} (no closed form for ZB-V that holds for every t_f, t_I, t_W; "
                 f"1F1B would idle (p-1)/m = {bubble_fraction(p, m):.1%})")
