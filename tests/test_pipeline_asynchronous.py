@@ -214,3 +214,25 @@ def test_bad_input_says_what_to_change():
     x, y = stream(3)
     with pytest.raises(PipelineError, match="equal micro-batches"):
         pipe.train(x, y, 4)
+    with pytest.raises(PipelineError, match="call train"):
+        pipe.step(x, y)
+    with pytest.raises(PipelineError, match="multiple of 3"):
+        AsyncPipeline("pipedream-2bw", 1, layers(1), nn.MSELoss(), batch_size=3).train(x, y, 2)
+
+
+@pytest.mark.parametrize("p,n", [(3, 7), (4, 9), (2, 4)])
+def test_torch_validates_and_simulates_the_stream(p, n):
+    """torch.distributed.pipelining's own checks: its validator, then its simulator after adding
+    the sends and receives (it raises on a deadlock); every F and B must come out of it."""
+    from torch.distributed.pipelining.schedules import (_Action, _add_send_recv, _ComputationType,
+                                                        _simulate_comms_compute, _validate_schedule)
+    s = make_schedule("pipedream", p, n)
+    kind = {"F": _ComputationType.FORWARD, "B": _ComputationType.FULL_BACKWARD}
+    order = {r: [_Action(a.stage, kind[a.kind], a.microbatch) for a in acts] for r, acts in enumerate(s.actions)}
+    _validate_schedule(order, p, p, n)
+    simulated = _simulate_comms_compute(_add_send_recv(order, s.stage_to_rank.__getitem__, p),
+                                        s.stage_to_rank.__getitem__, p)
+    for r in range(p):
+        done = [a for a in simulated[r] if a is not None and a.computation_type in kind.values()]
+        assert sorted((a.computation_type.name, a.microbatch_index) for a in done) == \
+            sorted((kind[a.kind].name, a.microbatch) for a in s.actions[r])

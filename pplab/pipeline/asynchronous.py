@@ -127,6 +127,9 @@ class AsyncPipeline(PipelineExecutor):
     record: keep every version's weights and every micro-batch's gradient in the result (for tests
         and notebooks; a real run would not).
     compute_time: as for PipelineExecutor, seconds each action is padded to.
+
+    The versions are fresh tensors (version 0 a copy of the layers' own parameters, which stay in
+    the stage as the template functional_call fills in; they are not counted among the versions).
     """
 
     def __init__(self, method: str, num_stages: int, layers, loss_fn, *, lr: float = 0.1,
@@ -151,6 +154,10 @@ class AsyncPipeline(PipelineExecutor):
                          balance=balance, compute_time=compute_time)
         self.method, self.lr, self.m, self.stash, self.record = method, float(lr), batch_size, stash, record
         self.stages = {s: _Versioned(bare, self, s) for s, bare in self.bare.items()}
+
+    def step(self, inputs, targets):
+        raise PipelineError("an asynchronous pipeline has no steps (nothing is flushed): call "
+                            "train(inputs, targets, num_microbatches) with the whole stream")
 
     # -- the versions ------------------------------------------------------------------
     def _new_version(self, s, weights):
