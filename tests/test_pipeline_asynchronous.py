@@ -47,7 +47,7 @@ def merged(results, key):
     return out
 
 
-def stage_of(name, p):
+def stage_of(name):
     return int(name.split(".")[0]) // 4            # 4 layers (2 Linear + 2 Tanh) per stage
 
 
@@ -68,7 +68,7 @@ def pipedream_reference(p, n):
     x, y = stream(n)
     xs, ys = torch.tensor_split(x, n), torch.tensor_split(y, n)
     start = {k: w.detach().clone() for k, w in model.named_parameters()}
-    history = {s: [{k: w for k, w in start.items() if stage_of(k, p) == s}] for s in range(p)}
+    history = {s: [{k: w for k, w in start.items() if stage_of(k) == s}] for s in range(p)}
     grads, losses = {}, []
     for i in range(n):
         weights = {}
@@ -77,7 +77,7 @@ def pipedream_reference(p, n):
         loss, g = grads_at(model, weights, xs[i], ys[i])
         losses.append(loss)
         for s in range(p):
-            grads[(s, i)] = {k: v for k, v in g.items() if stage_of(k, p) == s}
+            grads[(s, i)] = {k: v for k, v in g.items() if stage_of(k) == s}
             history[s].append({k: w - LR * g[k] for k, w in history[s][-1].items()})
     return history, grads, losses
 
@@ -171,7 +171,7 @@ def test_2bw_equals_the_delayed_update_rule_in_one_process(p, m, batches):
     for s in range(p):
         assert len(history[s]) == batches + 1
         for t, ref in enumerate(W):
-            mine = {k: w for k, w in ref.items() if stage_of(k, p) == s}
+            mine = {k: w for k, w in ref.items() if stage_of(k) == s}
             assert close(history[s][t], mine), f"stage {s}, W({t})"
     assert close(merged(results, "params"), W[-1])
     for r, res in enumerate(results):
