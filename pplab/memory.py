@@ -108,6 +108,7 @@ class saved_activations:
 
     def __exit__(self, *exc):
         self._hooks.__exit__(*exc)
+        self._hooks = None        # it holds self._pack, hence self: a cycle that kept `exclude` alive until gc ran
 
 
 # ----------------------------------------------------------------------------------

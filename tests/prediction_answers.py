@@ -45,6 +45,10 @@ ANSWERS = {
         "my_chimera_idle": "p - 2",
         "my_dualpipe_peak": "PP + 1",
     },
+    "04d_asynchronous_pipelines": {
+        "my_stage0_staleness": "p - 1",
+        "my_2bw_versions": "2",
+    },
     "05_sequence_parallel": {
         "my_kv_bytes": "(p - 1) * 2 * (B1 * H1 * (S1 // p) * D1 * 4)",
         "my_ulysses_bytes": "4 * (p - 1) / p * share",

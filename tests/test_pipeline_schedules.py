@@ -280,8 +280,8 @@ def test_bubble_fraction_is_what_the_simulator_measures(p, v, m):
 # clear errors
 
 @pytest.mark.parametrize("args,kwargs,message", [
-    (("pipedream", 4, 8), {}, "unknown schedule 'pipedream'; known schedules: naive, gpipe, 1f1b, "
-                              "interleaved-1f1b, zb-h1, zb-v"),
+    (("hanayo", 4, 8), {}, "unknown schedule 'hanayo'; known schedules: naive, gpipe, 1f1b, "
+                           "interleaved-1f1b, zb-h1, zb-v"),
     (("1f1b", 10, 10**6), {}, "1f1b with p=10 ranks, m=1000000 micro-batches, v=1 chunks is 20,000,000 "
                               "actions: more than the 1,000,000 pplab builds"),
     (("zb-v", 1000, 1), {}, "zb-v builds each rank's order for at least 2p-1 = 1999 micro-batches"),

@@ -15,6 +15,7 @@ simulate.py:  validate (complete? deadlock-free?), simulate, bubble_fraction.
 partition.py: partition, layer_times: cutting the model into stages.
 executor.py:  run_pipeline / PipelineExecutor: the same schedule on real ranks.
 bidirectional.py: Chimera, DualPipe, DualPipeV and make_bidirectional.
+asynchronous.py: AsyncPipeline: PipeDream (weight stashing) and PipeDream-2BW, never flushed.
 explorer.py:  explore(), a widget: schedule, p, m, v, t_f, t_b, t_w -> swimlane + memory + bubble.
 """
 from .executor import PipelineExecutor, run_pipeline
@@ -25,9 +26,10 @@ from .schedules import SCHEDULES, make_schedule
 from .simulate import SimResult, bubble_fraction, simulate, validate
 from .torch_csv import read_torch_csv, run_with_torch, write_torch_csv
 from .bidirectional import BIDIRECTIONAL, make_bidirectional
+from .asynchronous import AsyncPipeline
 
 __all__ = ["Action", "Schedule", "ScheduleError", "SCHEDULES", "make_schedule",
            "validate", "simulate", "SimResult", "bubble_fraction", "explore", "pipeline_timeline",
-           "PipelineExecutor", "PipelineError", "run_pipeline", "partition", "layer_times",
+           "PipelineExecutor", "PipelineError", "run_pipeline", "AsyncPipeline", "partition", "layer_times",
            "read_torch_csv", "write_torch_csv", "run_with_torch",
            "BIDIRECTIONAL", "make_bidirectional"]

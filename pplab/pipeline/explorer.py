@@ -68,6 +68,8 @@ def _bubble_line(schedule, p, m, chunks, bubble, t_f, t_b, t_w):
     elif schedule in ("zb-h1", "interleaved-zb"):   # the paper's makespan m(F+I+W) + (p-1)(F+I-W), chunks 1/v
         formula = "(p-1)(t_f+t_I-t_W)/(" + ("v·" if chunks > 1 else "") + "m·(t_f+t_b))"
         value = (p - 1) * (t_f + t_b - 2 * t_w) / (chunks * m * (t_f + t_b))
+    elif schedule.startswith("pipedream"):      # never flushed: this fill and drain is paid once per run, not per step
+        formula, value = "(p-1)/m, m = the whole stream", bubble_fraction(p, m)
     elif schedule in _SPLIT:
         return (f"{said} (no closed form for ZB-V that holds for every t_f, t_I, t_W; "
                 f"1F1B would idle (p-1)/m = {bubble_fraction(p, m):.1%})")

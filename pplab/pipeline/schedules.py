@@ -187,6 +187,8 @@ SCHEDULES = {
     "zb-v":             (zb_v, v_placement, 2),
     "looped-bfs":       (looped_bfs, interleaved_placement, 2),
     "interleaved-zb":   (interleaved_zero_bubble, interleaved_placement, 2),
+    "pipedream":        (one_f_one_b, one_stage_per_rank, 1),   # 1F1B's order over a stream, no flush:
+    "pipedream-2bw":    (one_f_one_b, one_stage_per_rank, 1),   # the weight versions are in asynchronous.py
 }
 ANY_CHUNKS = {"interleaved-1f1b", "looped-bfs", "interleaved-zb"}   # v is a choice (>= 1 or >= 2)
 
