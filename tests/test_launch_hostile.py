@@ -65,10 +65,23 @@ def mark():
     name = "pph" + secrets.token_hex(4)         # 11 characters: fits a process name (15)
     yield name
     left = ours(name)
+    seen = {pid: _describe(pid) for pid in left}    # before they go: what each was, for the message
     for pid in left:                            # not left to trouble the other tests
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-    assert not left, f"processes started by ranks outlived the launch: {left}"
+    assert not left, f"processes started by ranks outlived the launch: {seen}"
+
+
+def _describe(pid):
+    """State, parent, session and command line of a process, read from /proc (for a failure's message)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")[:160]
+    except OSError as exc:
+        return f"gone ({exc.strerror})"
+    return f"state {fields[0]}, parent {fields[1]}, session {fields[3]}: {cmdline}"
 
 
 class HangDetected(Exception):
