@@ -13,7 +13,6 @@ rounds, their spread, and the ratio pplab / torch.
 import argparse
 import os
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -22,20 +21,11 @@ from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV
 from torch.distributed.pipelining.schedules import _ComputationType as C
 
 import pplab
+from pipeline_race import batches, build, gradient_gap, race, slowest, training_step
 from pplab.pipeline import PipelineExecutor, make_bidirectional
 
 P = 4
 STAGES = 2 * P
-
-
-def build(width, per_stage):
-    torch.manual_seed(0)
-    return [m for _ in range(STAGES * per_stage) for m in (nn.Linear(width, width), nn.ReLU())]
-
-
-def batches(n, width, count):
-    g = torch.Generator().manual_seed(1)
-    return [(torch.randn(n, width, generator=g), torch.randn(n, width, generator=g)) for _ in range(count)]
 
 
 def same_order(ours, theirs):
@@ -57,11 +47,11 @@ def run(width, per_stage, batch, m, steps, warmup, rounds):
     schedule = make_bidirectional("dualpipev", P, m)
     n = 2 * per_stage                                         # layers per stage
 
-    ours_layers = build(width, per_stage)
+    ours_layers = build(width, per_stage, STAGES)
     ours_opt = torch.optim.SGD(nn.Sequential(*ours_layers).parameters(), lr=1e-3)
     ours = PipelineExecutor(schedule, ours_layers, nn.MSELoss(), balance=[n] * STAGES)
 
-    layers = build(width, per_stage)
+    layers = build(width, per_stage, STAGES)
     mine = schedule.stages_of(rank)                           # [r, 2p-1-r]
     modules = [nn.Sequential(*layers[s * n:(s + 1) * n]) for s in mine]
     theirs_opt = torch.optim.SGD([p for mod in modules for p in mod.parameters()], lr=1e-3)
@@ -69,46 +59,22 @@ def run(width, per_stage, batch, m, steps, warmup, rounds):
     theirs = ScheduleDualPipeV(stages, n_microbatches=m, loss_fn=nn.MSELoss())
     order_ok = same_order(schedule, theirs.pipeline_order)
 
-    def our_step(x, y, keep_grads=False):
-        ours.step(x, y)
-        if not keep_grads:
-            ours_opt.step()
-            ours_opt.zero_grad(set_to_none=True)
+    our_step = training_step(ours.step, ours_opt)
 
-    def their_step(x, y, keep_grads=False):
+    def their_step(x, y):
         if rank == 0:                                         # rank 0 holds the first and the last stage
             theirs.step(x, target=y, losses=[])
         else:
             theirs.step()
-        if not keep_grads:
-            theirs_opt.step()
-            theirs_opt.zero_grad(set_to_none=True)
+    their_step = training_step(their_step, theirs_opt)
 
     our_step(*data[0], keep_grads=True)
     their_step(*data[0], keep_grads=True)
-    named = dict(ours.named_parameters())
-    diff = max((named[f"{s * n + int(k.split('.')[0])}.{k.split('.', 1)[1]}"].grad - p.grad).abs().max().item()
-               for s, mod in zip(mine, modules) for k, p in mod.named_parameters())
-    scale = max(p.grad.abs().max().item() for mod in modules for p in mod.parameters())
+    diff, scale = gradient_gap(ours, [(s * n, mod) for s, mod in zip(mine, modules)])
     ours_opt.zero_grad(set_to_none=True)
     theirs_opt.zero_grad(set_to_none=True)
-
-    def timed(step_fn):
-        dist.barrier()
-        start = time.perf_counter()
-        for k in range(steps):
-            step_fn(*data[k % len(data)])
-        dist.barrier()
-        return (time.perf_counter() - start) / steps
-
-    for k in range(warmup):
-        our_step(*data[k % len(data)])
-        their_step(*data[k % len(data)])
-    out = []
-    for _ in range(rounds):
-        with pplab.trace.paused():
-            out.append((timed(our_step), timed(their_step)))
-    return {"order": order_ok, "diff": diff, "scale": scale, "rounds": out}
+    rounds = race(our_step, their_step, data, steps, warmup, rounds)
+    return {"order": order_ok, "diff": diff, "scale": scale, "rounds": rounds}
 
 
 def main():
@@ -132,8 +98,7 @@ def main():
     diff, scale = max(r["diff"] for r in results), max(r["scale"] for r in results)
     print(f"same order as torch's pipeline_order on every rank; same gradients from the same weights: "
           f"max |pplab - torch| = {diff:.2e} (largest gradient {scale:.2e})")
-    per_round = [(max(r["rounds"][k][0] for r in results), max(r["rounds"][k][1] for r in results))
-                 for k in range(args.rounds)]                 # a step lasts until its slowest rank is done
+    per_round = slowest(results, args.rounds)                 # a step lasts until its slowest rank is done
     ours = [a for a, _ in per_round]
     theirs = [b for _, b in per_round]
     ratios = [a / b for a, b in per_round]

@@ -3,7 +3,7 @@
 4 ranks (gloo, one thread each) train the same 4-stage MLP, stage r = layers of rank r,
 on the same batches, cut into the same micro-batches. Each round runs --steps training
 steps (forward, backward, SGD step) with pplab's PipelineExecutor, then as many with
-torch's PipelineStage + Schedule1F1B, after --warmup steps of each; we report samples/s,
+torch's PipelineStage + Schedule1F1B (which goes first alternates by round: pipeline_race.py), after --warmup steps of each; we report samples/s,
 median over rounds, and the ratio torch / pplab (goal: pplab within 1.3x, i.e. >= 0.77).
 Alternating in rounds keeps a machine whose load changes from favouring one of them.
 Before timing, one step of each from the same weights must give the same gradients.
@@ -24,18 +24,9 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
 import pplab
 from pplab.pipeline import PipelineExecutor, make_schedule, simulate
+from pipeline_race import batches, build, gradient_gap, race, slowest, training_step
 
 P = 4
-
-
-def build(width, per_stage):
-    torch.manual_seed(0)
-    return [m for _ in range(P * per_stage) for m in (nn.Linear(width, width), nn.ReLU())]
-
-
-def batches(n, width, count):
-    g = torch.Generator().manual_seed(1)
-    return [(torch.randn(n, width, generator=g), torch.randn(n, width, generator=g)) for _ in range(count)]
 
 
 def run(width, per_stage, batch, m, steps, warmup, rounds):
@@ -44,60 +35,35 @@ def run(width, per_stage, batch, m, steps, warmup, rounds):
     split = [2 * per_stage] * P                              # stage r = its Linear+ReLU pairs
 
     # pplab: every rank gets the full list and keeps its stage
-    ours_layers = build(width, per_stage)
+    ours_layers = build(width, per_stage, P)
     ours_opt = torch.optim.SGD(nn.Sequential(*ours_layers).parameters(), lr=1e-3)
     ours = PipelineExecutor(make_schedule("1f1b", P, m), ours_layers, nn.MSELoss(), balance=split)
 
     # torch.distributed.pipelining: each rank builds its stage's module
-    layers = build(width, per_stage)
+    layers = build(width, per_stage, P)
     module = nn.Sequential(*layers[rank * 2 * per_stage:(rank + 1) * 2 * per_stage])
     theirs_opt = torch.optim.SGD(module.parameters(), lr=1e-3)
     stage = PipelineStage(module, rank, P, torch.device("cpu"))
     theirs = Schedule1F1B(stage, n_microbatches=m, loss_fn=nn.MSELoss())
 
-    def our_step(x, y, keep_grads=False):
-        ours.step(x, y)
-        if not keep_grads:
-            ours_opt.step()
-            ours_opt.zero_grad(set_to_none=True)
+    our_step = training_step(ours.step, ours_opt)
 
-    def their_step(x, y, keep_grads=False):
+    def their_step(x, y):
         if rank == 0:
             theirs.step(x)
         elif rank == P - 1:
             theirs.step(target=y, losses=[])
         else:
             theirs.step()
-        if not keep_grads:
-            theirs_opt.step()
-            theirs_opt.zero_grad(set_to_none=True)
+    their_step = training_step(their_step, theirs_opt)
 
     # the same gradients from the same weights, before anything is stepped
     our_step(*data[0], keep_grads=True)
     their_step(*data[0], keep_grads=True)
-    mine = dict(ours.named_parameters())
-    offset = rank * 2 * per_stage
-    diff = max((mine[f"{offset + int(k.split('.')[0])}.{k.split('.', 1)[1]}"].grad - p.grad).abs().max().item()
-               for k, p in module.named_parameters())
-    scale = max(p.grad.abs().max().item() for p in module.parameters())
+    diff, scale = gradient_gap(ours, [(rank * 2 * per_stage, module)])
     ours_opt.zero_grad(set_to_none=True)
     theirs_opt.zero_grad(set_to_none=True)
-
-    def timed(step_fn):
-        dist.barrier()
-        start = time.perf_counter()
-        for k in range(steps):
-            step_fn(*data[k % len(data)])
-        dist.barrier()
-        return time.perf_counter() - start
-
-    for k in range(warmup):
-        our_step(*data[k % len(data)])
-        their_step(*data[k % len(data)])
-    rounds_out = []
-    for _ in range(rounds):
-        with pplab.trace.paused():                       # keep the trace from growing for minutes
-            rounds_out.append((timed(our_step), timed(their_step)))
+    rounds_out = race(our_step, their_step, data, steps, warmup, rounds)
     return {"diff": diff, "scale": scale, "rounds": rounds_out}
 
 
@@ -122,15 +88,14 @@ def main():
     diff = max(r["diff"] for r in results)
     scale = max(r["scale"] for r in results)
     print(f"same gradients from the same weights: max |pplab - torch| = {diff:.2e} (largest gradient {scale:.2e})")
-    per_round = [(max(r["rounds"][k][0] for r in results), max(r["rounds"][k][1] for r in results))
-                 for k in range(args.rounds)]
-    ours = statistics.median(args.steps * args.batch / t for t, _ in per_round)
-    theirs = statistics.median(args.steps * args.batch / t for _, t in per_round)
+    per_round = slowest(results, args.rounds)
+    ours = statistics.median(args.batch / t for t, _ in per_round)
+    theirs = statistics.median(args.batch / t for _, t in per_round)
     print(f"pplab PipelineExecutor (1f1b): {ours:8.1f} samples/s")
     print(f"torch Schedule1F1B:            {theirs:8.1f} samples/s")
     print(f"torch / pplab: {theirs / ours:.2f}x  (pplab reaches {ours / theirs:.0%} of torch's throughput)")
     print("per round (pplab, torch samples/s): "
-          + ", ".join(f"({args.steps * args.batch / a:.0f}, {args.steps * args.batch / b:.0f})" for a, b in per_round))
+          + ", ".join(f"({args.batch / a:.0f}, {args.batch / b:.0f})" for a, b in per_round))
 
     start = time.perf_counter()
     schedule = make_schedule("1f1b", 64, 4096)

@@ -14,7 +14,6 @@ two schedules must be the same order (pplab's rows equal torch's pipeline_order)
 import argparse
 import os
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -22,20 +21,11 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, ScheduleLoopedBFS
 
 import pplab
+from pipeline_race import batches, build, gradient_gap, race, slowest, training_step
 from pplab.pipeline import PipelineExecutor, make_schedule
 from pplab.pipeline.torch_csv import from_torch_rows
 
 P, V = 4, 2
-
-
-def build(width, per_stage):
-    torch.manual_seed(0)
-    return [m for _ in range(P * V * per_stage) for m in (nn.Linear(width, width), nn.ReLU())]
-
-
-def batches(n, width, count):
-    g = torch.Generator().manual_seed(1)
-    return [(torch.randn(n, width, generator=g), torch.randn(n, width, generator=g)) for _ in range(count)]
 
 
 def run(width, per_stage, batch, m, steps, warmup, rounds):
@@ -45,12 +35,12 @@ def run(width, per_stage, batch, m, steps, warmup, rounds):
     per = 2 * per_stage                                     # modules per stage
 
     # pplab: every rank gets the full list and keeps its two stages
-    ours_layers = build(width, per_stage)
+    ours_layers = build(width, per_stage, P * V)
     ours_opt = torch.optim.SGD(nn.Sequential(*ours_layers).parameters(), lr=1e-3)
     ours = PipelineExecutor(schedule, ours_layers, nn.MSELoss(), balance=[per * V] * P)
 
     # torch: each rank builds its two stages' modules
-    layers = build(width, per_stage)
+    layers = build(width, per_stage, P * V)
     mine = schedule.stages_of(rank)
     modules = [nn.Sequential(*layers[s * per:(s + 1) * per]) for s in mine]
     theirs_opt = torch.optim.SGD([p for mod in modules for p in mod.parameters()], lr=1e-3)
@@ -59,51 +49,21 @@ def run(width, per_stage, batch, m, steps, warmup, rounds):
     rows = [["" if a is None else str(a) for a in theirs.pipeline_order[r]] for r in range(P)]
     same_order = from_torch_rows(rows).actions == schedule.actions
 
-    def our_step(x, y, keep_grads=False):
-        ours.step(x, y)
-        if not keep_grads:
-            ours_opt.step()
-            ours_opt.zero_grad(set_to_none=True)
+    our_step = training_step(ours.step, ours_opt)
 
-    def their_step(x, y, keep_grads=False):
+    def their_step(x, y):
         args = (x,) if 0 in mine else ()
         theirs.step(*args, target=y if P * V - 1 in mine else None)
-        if not keep_grads:
-            theirs_opt.step()
-            theirs_opt.zero_grad(set_to_none=True)
+    their_step = training_step(their_step, theirs_opt)
 
     # the same gradients from the same weights, before anything is stepped
     our_step(*data[0], keep_grads=True)
     their_step(*data[0], keep_grads=True)
-    named = dict(ours.named_parameters())
-    diff = max((named[f"{s * per + int(k.split('.')[0])}.{k.split('.', 1)[1]}"].grad - p.grad).abs().max().item()
-               for mod, s in zip(modules, mine) for k, p in mod.named_parameters())
-    scale = max(p.grad.abs().max().item() for mod in modules for p in mod.parameters())
+    diff, scale = gradient_gap(ours, [(s * per, mod) for s, mod in zip(mine, modules)])
     ours_opt.zero_grad(set_to_none=True)
     theirs_opt.zero_grad(set_to_none=True)
-
-    def timed(step_fn):
-        dist.barrier()
-        start = time.perf_counter()
-        for k in range(steps):
-            step_fn(*data[k % len(data)])
-        dist.barrier()
-        return (time.perf_counter() - start) / steps
-
-    for k in range(warmup):
-        our_step(*data[k % len(data)])
-        their_step(*data[k % len(data)])
-    rounds_out = []
-    for k in range(rounds):
-        with pplab.trace.paused():                       # keep the trace from growing
-            if k % 2 == 0:
-                a = timed(our_step)
-                b = timed(their_step)
-            else:
-                b = timed(their_step)
-                a = timed(our_step)
-        rounds_out.append((a, b))
-    return {"diff": diff, "scale": scale, "rounds": rounds_out, "same_order": same_order}
+    rounds = race(our_step, their_step, data, steps, warmup, rounds)
+    return {"diff": diff, "scale": scale, "rounds": rounds, "same_order": same_order}
 
 
 def main():
@@ -130,8 +90,7 @@ def main():
     scale = max(r["scale"] for r in results)
     print(f"same order as torch's ScheduleLoopedBFS: yes; same gradients from the same weights: "
           f"max |pplab - torch| = {diff:.2e} (largest gradient {scale:.2e})")
-    per_round = [(max(r["rounds"][k][0] for r in results), max(r["rounds"][k][1] for r in results))
-                 for k in range(args.rounds)]       # a step lasts until its slowest rank is done
+    per_round = slowest(results, args.rounds)       # a step lasts until its slowest rank is done
     ours = [a for a, _ in per_round]
     theirs = [b for _, b in per_round]
     ratios = [a / b for a, b in per_round]
