@@ -246,8 +246,17 @@ class Parts:
         marks = " · ".join(f"{part} {'✘' if v else '✔'}" for part, v in self.problems.items())
         return f"Parts: {marks} ({self.earned()} of {len(self.problems)})"
 
+    def first(self):
+        return next((v for v in self.problems.values() if v), None)
+
+    def aborted(self, failure: Fail) -> Fail:
+        """The run stopped (a raise, a hang): no part can be vouched for. Its failure, then the
+        first problem found before it, if any."""
+        before = f" Before that: {self.first()}" if self.first() else ""
+        return Fail(f"{failure}{before}", failure.seed_matters)
+
     def finish(self, summary: str) -> str:
-        first = next((v for v in self.problems.values() if v), None)
+        first = self.first()
         if first:
             raise Fail(f"{first} {self.breakdown()}.", earned=self.earned())
         return f"{summary}. {self.breakdown()}"

@@ -17,6 +17,7 @@ from torch import nn
 
 from . import sealed
 from .failures import Fail
+from .forbidden import _filled          # a closure's cell that holds a value
 from ..memory import storage_bytes
 from ..models import GPTConfig, gpt_layers, gpt_loss
 
@@ -114,14 +115,6 @@ def reachable_tensors(roots, limit: int = 100_000) -> list:
         else:
             todo += list(getattr(obj, "__dict__", {}).values())
     return tensors
-
-
-def _filled(cell) -> bool:
-    try:
-        cell.cell_contents
-        return True
-    except ValueError:
-        return False
 
 
 def _held(fsdp, shards, units, optimizer) -> dict:

@@ -218,10 +218,8 @@ def check_clip_sharded(fn, seed: int, timeout: float) -> str:
         sealed.run_sealed(_rank_job, fn, inputs, world_size=WORLD, timeout=timeout,
                           exercise=("clip_sharded", "global-norm clipping"), forbidden=(), describe=describe,
                           check=check)
-    except Fail as failure:              # a raise or a hang: no part can be vouched for
-        first = next((v for v in parts.problems.values() if v), None)
-        before = f" Before that: {first}" if first else ""
-        raise Fail(f"{failure}{before}", failure.seed_matters) from None
+    except Fail as failure:
+        raise parts.aborted(failure) from None
     return parts.finish(f"on {WORLD} ranks (meshes tp=3 × dp=2, tp=2 × dp=3, tp=6, dp=6; replicated and split "
                         f"buckets, padding holding garbage): the norm on every rank and every clipped shard equal "
                         f"one process's to {RTOL:g}, for norm_type 2 and inf")

@@ -224,10 +224,8 @@ def check_linear_3d(fn, seed: int, timeout: float) -> str:
         sealed.run_sealed(_rank_job, fn, inputs, world_size=WORLD, timeout=timeout,
                           exercise=("linear_3d", "the 3D linear layer"), forbidden=(), probe=_refuse_tp3d,
                           describe=describe, check=check)
-    except Fail as failure:              # a raise or a hang: no part can be vouched for
-        first = next((v for v in parts.problems.values() if v), None)
-        before = f" Before that: {first}" if first else ""
-        raise Fail(f"{failure}{before}", failure.seed_matters) from None
+    except Fail as failure:
+        raise parts.aborted(failure) from None
     return parts.finish(f"on {WORLD} ranks (a 2x2x2 cube, two hidden shapes): y, x.grad and w.grad on every rank "
                         f"equal one process's to {TOL:g}, and each rank's bytes on the wire within 3D's "
                         f"(q-1)·(B·in + in·out + B·out)/q³ per phase")
