@@ -215,6 +215,31 @@ def hsdp_average_gradients(fsdp, cluster: Cluster) -> None:
         shard.grad.div_(cluster.n_nodes)
 
 
+def time_all_reduces(cluster: Cluster, numel: int, bandwidth: float, latency: float, repeats: int = 5) -> dict:
+    """On every rank (inside pplab.launch): seconds of each flat and hierarchical all-reduce of
+    `numel` float32 on the emulated network, {"flat": [...], "hierarchical": [...]}.
+
+    The two take turns, the first of a pair alternating, so that a change in the machine's load
+    hits both alike; a barrier starts each. The call checks are off (collectives.unchecked):
+    they are a round trip of their own. A run's time is its slowest rank's: take the max over ranks.
+    """
+    cluster.groups()
+    torch.manual_seed(dist.get_rank())
+    x = torch.randn(numel)
+    runs = {"flat": lambda t: collectives.all_reduce(t), "hierarchical": lambda t: hierarchical_all_reduce(t, cluster)}
+    times = {name: [] for name in runs}
+    with collectives.unchecked(), two_tier(cluster, bandwidth, latency):
+        for i in range(repeats + 1):                # the first pair warms up and is dropped
+            for name in (list(runs) if i % 2 else list(runs)[::-1]):
+                t = x.clone()
+                dist.barrier()
+                start = now()
+                runs[name](t)
+                if i:
+                    times[name].append(now() - start)
+    return times
+
+
 # ----------------------------------------------------------------------------------
 # The cost model with two tiers
 
