@@ -138,7 +138,8 @@ def two_tier(cluster: Cluster, bandwidth: float, latency: float = 0.0):
     bandwidth in bytes per second (math.inf: count only), latency in seconds. Every rank of
     the launch should enter it. The backend's collectives (comm.all_reduce, all_gather_into_tensor,
     reduce_scatter_tensor, all_to_all_single) run as pplab.collectives' ring and pairwise
-    algorithms meanwhile, so that they too send through the emulated network.
+    algorithms meanwhile, so that they too send through the emulated network; they finish before
+    returning (an async_op=True call gets a handle already done), so a prefetch does not overlap.
     """
     if not (isinstance(bandwidth, (int, float)) and bandwidth > 0):
         raise ValueError(f"bandwidth is bytes per second > 0 (math.inf to count only), got {bandwidth!r}")

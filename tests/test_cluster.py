@@ -64,7 +64,7 @@ def _all_reduce_three_ways(n_nodes, ranks_per_node, numel, op):
     return flat, hier, reference
 
 
-@pytest.mark.parametrize("n_nodes, ranks_per_node", [(2, 2), (3, 1)])
+@pytest.mark.parametrize("n_nodes, ranks_per_node", [(2, 2), (3, 1), (1, 3)])
 def test_hierarchical_all_reduce_equals_flat_and_torch_and_crosses_less(n_nodes, ranks_per_node):
     p, N = n_nodes * ranks_per_node, N_ELEMENTS * 8
     results = pplab.launch(_all_reduce_three_ways, n_nodes, ranks_per_node, N_ELEMENTS, "sum", world_size=p)
@@ -80,11 +80,12 @@ def test_hierarchical_all_reduce_equals_flat_and_torch_and_crosses_less(n_nodes,
         hier_sent = sum(e.bytes_sent for e in tl.select(rank, "comm", "send")
                         if spans["hierarchical"].start <= e.start and c.crosses(rank, e.peer))
         # flat ring 0→1→...→p-1→0: only the last rank of a node sends to another node, all 2(p-1)/p·N of its bytes
-        last_of_node = rank % ranks_per_node == ranks_per_node - 1
+        last_of_node = rank % ranks_per_node == ranks_per_node - 1 and n_nodes > 1
         assert flat_sent == (2 * (p - 1) * N // p if last_of_node else 0), f"rank {rank}: flat ring"
         # hierarchical: every rank sends 2(n-1)/n of its 1/r piece, all of it to other nodes
         assert hier_sent == 2 * (n_nodes - 1) * N // (n_nodes * ranks_per_node), f"rank {rank}: hierarchical"
-    assert cross_node_bytes(tl, c) == n_nodes * 2 * (p - 1) * N // p + p * 2 * (n_nodes - 1) * N // p
+    crossing_links = n_nodes if n_nodes > 1 else 0      # one node: the ring never leaves it
+    assert cross_node_bytes(tl, c) == crossing_links * 2 * (p - 1) * N // p + p * 2 * (n_nodes - 1) * N // p
 
 
 def test_hierarchical_all_reduce_uneven_size_and_max():
@@ -119,6 +120,17 @@ def test_throttle_holds_back_messages_between_nodes_only():
     assert between.duration >= latency + nbytes / bandwidth
     assert arrived.end - between.start >= latency + nbytes / bandwidth, "the data arrives no sooner"
     assert cross_node_bytes(tl, Cluster(2, 2)) == nbytes and cross_node_bytes(tl, Cluster(2, 2), rank=0) == 0
+
+
+def _inside_one_node():
+    with two_tier(Cluster(1, 2), bandwidth=1e-3, latency=1e6):   # a message held back would take days
+        t = torch.zeros(1000)
+        pplab.comm.send(t, 1) if dist.get_rank() == 0 else pplab.comm.recv(t, 0)
+
+
+def test_messages_inside_a_node_are_not_held_back():
+    tl = pplab.launch(_inside_one_node, world_size=2, timeout=10).timeline       # a hold would time out
+    assert cross_node_bytes(tl, Cluster(1, 2)) == 0 and tl.bytes_sent(0) == 4000
 
 
 def test_two_tier_bad_input():
