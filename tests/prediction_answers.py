@@ -82,6 +82,10 @@ ANSWERS = {
         "my_full_bytes": "4 * 2 * s * b * h",
         "my_full_flops_ratio": "4 / 3",
     },
+    "10b_two_tier_networks": {
+        "my_flat_cross_bytes": "N_NODES * 2 * (P - 1) / P * NBYTES",
+        "my_hsdp_cross_bytes": "P * 2 * (N_NODES - 1) / N_NODES * (90 / R) * 8",
+    },
 }
 
 
