@@ -495,3 +495,40 @@ def test_param_offload_formula_and_bad_input(tmp_path):
     assert "at stage=3" in errors[0] and "Sequential" in errors[0]
     assert "whose parameters() were given" in errors[1]
     assert "offloaded already" in errors[2]
+
+
+def resume_stage3_on_disk(folder):
+    """2 steps with the shards on disk, save; load into a fresh model and optimizer (other weights,
+    shards on disk), 1 more step; against 3 steps in RAM. bf16 compute: state_dict reads the masters."""
+    rank, n = pplab.comm.rank(), pplab.comm.world_size()
+    x, y = shard(p_data(torch.float32), rank, n)
+
+    def build_and_train(seed, disk, steps, model_sd=None, opt_sd=None):
+        fsdp = FullyShardedModule(p_model(seed, torch.float32), compute_dtype=torch.bfloat16)
+        opt = (DiskOffloadedZero(fsdp.parameters(), torch.optim.AdamW, 3, folder=folder, offload_params=fsdp, **HPARAMS)
+               if disk else ZeroOptimizer(fsdp.parameters(), torch.optim.AdamW, 3, **HPARAMS))
+        if model_sd is not None:
+            fsdp.load_state_dict(model_sd)
+            opt.load_state_dict(opt_sd)
+        held = held_bytes(fsdp, opt)
+        for _ in range(steps):
+            nn.functional.mse_loss(fsdp(x).float(), y.float()).backward()
+            opt.step()
+            opt.zero_grad()
+        return fsdp, opt, held
+
+    fsdp, opt, _ = build_and_train(rank, True, 2)
+    everyone = [None] * n
+    torch.distributed.all_gather_object(everyone, (fsdp.state_dict(), opt.state_dict()))   # rank 0's, to all
+    opt.close()
+    resumed, opt2, held = build_and_train(100 + rank, True, 1, *everyone[0])
+    opt2.close()
+    straight, _, _ = build_and_train(rank, False, 3)
+    return [u.shard.detach() for u in resumed.units], [u.shard.detach() for u in straight.units], held
+
+
+def test_checkpoint_with_shards_on_disk_resumes_exactly(tmp_path):
+    for rank, (resumed, straight, held) in enumerate(pplab.launch(resume_stage3_on_disk, str(tmp_path), world_size=2)):
+        assert all(torch.equal(a, b) for a, b in zip(resumed, straight)), rank   # saved, loaded, on: = 3 straight
+        assert (held["params"], held["optimizer"]) == (0, 0), "after loading, shards and state are back on disk"
+    assert os.listdir(tmp_path) == []
