@@ -473,12 +473,15 @@ def param_offload_bad_inputs(folder):
     fsdp = FullyShardedModule(p_model(0, torch.float32))
     other, third = FullyShardedModule(p_model(0, torch.float32)), FullyShardedModule(p_model(0, torch.float32))
     plain = p_model(0, torch.float32)
-    opt = DiskOffloadedZero(fsdp.parameters(), torch.optim.AdamW, 3, folder=folder, offload_params=fsdp)
-    for call in (lambda: DiskOffloadedZero(plain.parameters(), torch.optim.AdamW, 2, folder=folder, offload_params=plain),
-                 lambda: DiskOffloadedZero(other.parameters(), torch.optim.AdamW, 3, folder=folder, offload_params=third),
-                 lambda: DiskOffloadedZero(fsdp.parameters(), torch.optim.AdamW, 3, folder=folder, offload_params=fsdp)):
+
+    def offload(params, stage, module):
+        return DiskOffloadedZero(params, torch.optim.AdamW, stage, folder=folder, offload_params=module)
+    opt = offload(fsdp.parameters(), 3, fsdp)
+    for args in ((plain.parameters(), 2, plain),            # not a FullyShardedModule, not stage 3
+                 (other.parameters(), 3, third),            # another module's shards
+                 (fsdp.parameters(), 3, fsdp)):             # offloaded twice
         try:
-            call()
+            offload(*args)
         except ValueError as e:
             errors.append(str(e))
     opt.close()
