@@ -27,6 +27,21 @@ K·Ψ/N bytes read and K·Ψ/N written per rank per step (`disk_bytes_per_step`)
 holds at most three shards' state: the one being stepped, the next one being read, the last one
 being written.
 
+At stage 3 the parameters can go to disk too, as ZeRO-Infinity offloads them to NVMe:
+
+    fsdp = FullyShardedModule(model)
+    opt = DiskOffloadedZero(fsdp.parameters(), torch.optim.AdamW, 3, offload_params=fsdp, lr=1e-3)
+
+Each unit's shard (the fp32 master the optimizer steps, Ψ/N elements over all units) then lives
+in a file between uses. Before the unit's all-gather, forward's and backward's, its shard is read
+into RAM, and freed as soon as the all-gather has read it; with prefetch, the read of the unit
+gathered next (the next in forward, the one before in backward) is queued on the disk thread at
+the same moment, so it travels while this one is gathered and the one before it computes. The
+step reads each shard once more with its optimizer state, and writes both back. Per rank per
+step, with P bytes per parameter: 3·P·Ψ/N + K·Ψ/N read, P·Ψ/N + K·Ψ/N written
+(`param_offload_bytes_per_step`: 20Ψ/N and 12Ψ/N for fp32 Adam), and between steps no parameter,
+no optimizer state in RAM: only the gradients' shard (ZeRO-Infinity moves those too).
+
 The files are memory-mapped (torch.from_file on the file's descriptor) and have no name: each is
 made with tempfile.TemporaryFile in `folder` (default: the system's temporary folder), which opens
 it and removes its name at once. The kernel frees its blocks when the process closes it or ends,
@@ -40,7 +55,8 @@ writes mostly copy memory to memory, and the "disk" is the page cache.
 64 KiB to 4 MiB) and fits t = latency + bytes / bandwidth for each direction; `DiskFit.predict` turns
 a step's bytes into the seconds it adds. Every read and write is traced as a "disk_read" or
 "disk_write" box in the rank's comm lane (meta["payload"] = its bytes), as pplab.zero traces its
-device <-> CPU copies ("d2h", "h2d").
+device <-> CPU copies ("d2h", "h2d"): "read<i>"/"write<i>" for the optimizer's, "param<i>" for a
+stage-3 shard read before its all-gather (meta["ahead"]: queued ahead, by the prefetch).
 """
 from __future__ import annotations
 
@@ -57,9 +73,10 @@ import torch
 from . import trace
 from .runtime import comm
 from .trace import Event, now
-from .zero import ZeroOptimizer
+from .zero import FullyShardedModule, ZeroOptimizer
 
-__all__ = ["DiskOffloadedZero", "DiskOptimizer", "TensorFile", "disk_bytes_per_step", "DiskFit", "fit_disk"]
+__all__ = ["DiskOffloadedZero", "DiskOptimizer", "ShardsOnDisk", "TensorFile", "disk_bytes_per_step",
+           "param_offload_bytes_per_step", "DiskFit", "fit_disk"]
 
 
 # ----------------------------------------------------------------------------------
@@ -140,7 +157,9 @@ class DiskOptimizer:
         self.prefetch, self.drop_cache = prefetch, drop_cache
         self.files: dict[tuple[int, str], TensorFile] = {}    # (parameter's index, state key) -> its file
         self.params_on_disk = False
-        self.bytes_read = self.bytes_written = 0              # in the last step
+        self.bytes_read = self.bytes_written = 0              # in the last training step
+        self._moved = {"disk_read": 0, "disk_write": 0}       # since the last step ended
+        self._in_memory = 0                                   # depth of all_in_memory blocks
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pplab-disk")   # one disk, one queue
 
     @property
@@ -167,17 +186,24 @@ class DiskOptimizer:
             self.files[i, key] = TensorFile(t.numel(), t.dtype, self.folder, self.drop_cache)
         return self.files[i, key]
 
-    def _move(self, kind: str, i: int, pairs) -> None:
-        """Run the reads or writes of parameter i's tensors; one traced box."""
+    def _move(self, kind: str, i: int, pairs, label: str | None = None, **meta) -> None:
+        """Run the reads or writes of parameter i's tensors; one traced box (label: read<i>, write<i>)."""
         start, nbytes = now(), 0
         for f, t in pairs:
             f.read(t) if kind == "disk_read" else f.write(t)
             nbytes += f.nbytes
-        trace.record(Event(comm.rank(), kind, "comm", start, now(), f"{kind[5:]}{i}", meta={"payload": nbytes}))
-        if kind == "disk_read":
-            self.bytes_read += nbytes
-        else:
-            self.bytes_written += nbytes
+        trace.record(Event(comm.rank(), kind, "comm", start, now(), label or f"{kind[5:]}{i}",
+                           meta={"payload": nbytes, **meta}))
+        self._moved[kind] += nbytes
+
+    @contextlib.contextmanager
+    def _uncounted(self):
+        """Moves that are no training step's (setting up, checkpoints) leave the step's counts alone."""
+        before = dict(self._moved)
+        try:
+            yield
+        finally:
+            self._moved = before
 
     def _store(self, i: int):
         """Start writing parameter i's state (and itself) to disk; its state leaves the optimizer now,
@@ -219,7 +245,6 @@ class DiskOptimizer:
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("DiskOptimizer.step does not take a closure")
-        self.bytes_read = self.bytes_written = 0
         todo = [i for i, p in enumerate(self.params) if p.grad is not None]
         group = self.optimizer.param_groups[0]
         every = group["params"]
@@ -239,12 +264,15 @@ class DiskOptimizer:
             group["params"] = every
             for w in writes:
                 w.result()
+        self.bytes_read, self.bytes_written = self._moved["disk_read"], self._moved["disk_write"]
+        self._moved = {"disk_read": 0, "disk_write": 0}
 
     def offload_params(self) -> None:
         """Write the parameters to disk and free their RAM (their shape stays: a .grad can be set)."""
         self.params_on_disk = True
-        for w in [self._store(i) for i in range(len(self.params))]:
-            w.result()
+        with self._uncounted():
+            for w in [self._store(i) for i in range(len(self.params))]:
+                w.result()
         self.release_params()
 
     def release_params(self) -> None:
@@ -255,13 +283,23 @@ class DiskOptimizer:
 
     @contextlib.contextmanager
     def all_in_memory(self):
-        """Everything read back into RAM inside the block (a checkpoint), written back after it."""
-        with torch.no_grad():
-            for i in range(len(self.params)):
-                self._install(i, self._load(i).result())
+        """Everything read back into RAM inside the block (a checkpoint), written back after it.
+        Blocks may nest: the outermost one reads and writes."""
+        if self._in_memory:
+            self._in_memory += 1
             try:
                 yield self
             finally:
+                self._in_memory -= 1
+            return
+        with torch.no_grad(), self._uncounted():
+            for i in range(len(self.params)):
+                self._install(i, self._load(i).result())
+            self._in_memory = 1
+            try:
+                yield self
+            finally:
+                self._in_memory = 0
                 for w in [self._store(i) for i in range(len(self.params))]:
                     w.result()
                 self.release_params()
@@ -275,6 +313,71 @@ class DiskOptimizer:
 
 
 # ----------------------------------------------------------------------------------
+# Stage 3's parameter shards on disk between uses
+
+
+class ShardsOnDisk:
+    """A FullyShardedModule's `shard_store`: each unit's shard (the fp32 master the optimizer steps)
+    is read from its file before the unit's all-gather and freed once the all-gather has read it.
+
+    The files are the DiskOptimizer's own ("param" files, which its step reads and writes back), and
+    the reads go through its one disk thread, after any write still queued. With prefetch, fetching
+    unit u starts reading the unit gathered after it, so that read runs while u is gathered and the
+    one before it computes.
+    """
+
+    def __init__(self, fsdp, disk: DiskOptimizer):
+        self.fsdp, self.disk = fsdp, disk
+        self.index = {id(p): i for i, p in enumerate(disk.params)}   # unit's shard -> its files' index
+        self.reading = {}               # unit index -> the future of its shard's read
+        self.fetched = {}               # unit index -> bytes this store brought into RAM (freed by evict)
+
+    def _start(self, u, ahead: bool) -> None:
+        shard = u.shard
+        if u.index in self.reading or shard.untyped_storage().nbytes():
+            return                      # on its way, or in RAM already (a checkpoint's all_in_memory)
+        i = self.index[id(shard)]
+        f = self.disk.files[i, "param"]
+        shard.untyped_storage().resize_(f.nbytes)
+        trace.hold(f.nbytes, f"read {u.name}")
+        self.fetched[u.index] = f.nbytes
+        self.reading[u.index] = self.disk._io.submit(self.disk._move, "disk_read", i, [(f, shard.detach())],
+                                                     f"param{i}", unit=u.name, ahead=ahead)
+
+    def fetch(self, u, ahead) -> None:
+        """Unit u's shard in RAM (read now, or waited for if read ahead); start reading `ahead`."""
+        self._start(u, ahead=False)
+        if u.index in self.reading:
+            self.reading.pop(u.index).result()
+        if ahead is not None and self.disk.prefetch:
+            self._start(ahead, ahead=True)
+
+    def evict(self, u) -> None:
+        """u's all-gather is done: free its shard (the file holds the same values: only the step changes them)."""
+        nbytes = self.fetched.pop(u.index, None)
+        if nbytes is not None:
+            u.shard.untyped_storage().resize_(0)
+            trace.release(nbytes, f"evict {u.name}")
+
+    def settle(self) -> None:
+        """Before the optimizer's step: no read in flight; a shard read ahead but never gathered is
+        left to the step (which reads it again and frees it)."""
+        for f in self.reading.values():
+            f.result()
+        self.reading.clear()
+        for nbytes in self.fetched.values():
+            trace.release(nbytes, "evict")
+        self.fetched.clear()
+
+    @contextlib.contextmanager
+    def in_memory(self):
+        """Every shard (and the optimizer state) in RAM inside the block, written back after it."""
+        self.settle()
+        with self.disk.all_in_memory():
+            yield
+
+
+# ----------------------------------------------------------------------------------
 # ZeRO with its optimizer state on disk
 
 
@@ -284,16 +387,25 @@ class DiskOffloadedZero(ZeroOptimizer):
     folder: where the (nameless) state files go: a folder on the disk to offload to; None = the
       system's temporary folder. prefetch: read the next shard on a background thread while this one
       steps. drop_cache: write through to disk and drop the pages after each move (see the module doc).
+    offload_params: at stage 3, the FullyShardedModule whose shards `params` are: its shards go to
+      disk too, read back before each all-gather (with prefetch: the unit gathered next on the disk
+      thread meanwhile) and by the step, written back after it (see the module doc).
     Everything else as ZeroOptimizer (stage, bucket_cap_mb, master_dtype, group, the optimizer's
     keywords). With a separate master copy (master_dtype other than the model's dtype), the master
     goes to disk too.
     """
 
     def __init__(self, params, optimizer_class, stage: int = 1, *, folder: str | None = None,
-                 prefetch: bool = True, drop_cache: bool = True, **kwargs):
+                 prefetch: bool = True, drop_cache: bool = True, offload_params=None, **kwargs):
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise TypeError(f"optimizer_class must be a torch.optim.Optimizer class (e.g. torch.optim.AdamW), "
                             f"not {optimizer_class!r}")
+        if offload_params is not None and not (isinstance(offload_params, FullyShardedModule) and stage == 3):
+            raise ValueError(f"offload_params takes the FullyShardedModule whose shards are `params`, at stage=3 "
+                             f"(fsdp = FullyShardedModule(model); DiskOffloadedZero(fsdp.parameters(), ..., 3, "
+                             f"offload_params=fsdp)); got {type(offload_params).__name__} at stage={stage!r}")
+        if offload_params is not None and offload_params.shard_store is not None:
+            raise ValueError("this FullyShardedModule's shards are offloaded already: one DiskOffloadedZero per module")
         folder = checked_folder(folder)
 
         def on_disk(masters, **defaults):
@@ -301,33 +413,64 @@ class DiskOffloadedZero(ZeroOptimizer):
                                  drop_cache=drop_cache, **defaults)
 
         super().__init__(params, on_disk, stage, **kwargs)
-        if self.masters is not self.shards:      # the master copies belong to the optimizer: to disk
-            self.inner.offload_params()
+        self.shards_on_disk = None
+        if offload_params is not None:
+            if {id(u.shard) for u in offload_params.units} != set(map(id, self.params)):
+                raise ValueError("offload_params must be the FullyShardedModule whose parameters() were given "
+                                 "as params (its shards, all of them)")
+            self.shards_on_disk = ShardsOnDisk(offload_params, self.inner)
+        if self.masters is not self.shards or offload_params is not None:
+            self.inner.offload_params()          # the masters belong to the optimizer: to disk
+        if offload_params is not None:
+            trace.release(sum(u.shard.numel() * u.shard.element_size() for u in offload_params.units),
+                          "shards to disk")
+            offload_params.shard_store = self.shards_on_disk
 
     @torch.no_grad()
     def step(self, closure=None):
+        if self.shards_on_disk is not None:
+            self.shards_on_disk.settle()
         super().step(closure)                    # steps on disk-backed state; masters copied into the model
         self.inner.release_params()              # then the masters' RAM is freed again
 
+    @contextlib.contextmanager
+    def all_in_memory(self):
+        """The optimizer state and the masters (stage 3 with offload_params: the module's shards) in
+        RAM inside the block, written back to disk after it: to read or change them directly."""
+        if self.shards_on_disk is not None:
+            self.shards_on_disk.settle()
+        with self.inner.all_in_memory():
+            yield self
+
     @property
     def bytes_read(self) -> int:
-        """Bytes this rank read from disk in its last step."""
+        """Bytes this rank read from disk in its last training step: from the end of the step before
+        (so the forward and backward's reads of offloaded stage-3 shards count) to the end of this one."""
         return self.inner.bytes_read
 
     @property
     def bytes_written(self) -> int:
-        """Bytes this rank wrote to disk in its last step."""
+        """Bytes this rank wrote to disk in its last training step (counted as bytes_read)."""
         return self.inner.bytes_written
 
     def state_dict(self):
-        with self.inner.all_in_memory():
+        with self.all_in_memory():
             return super().state_dict()
 
     def load_state_dict(self, state_dict) -> None:
-        with self.inner.all_in_memory():
+        with self.all_in_memory():
             super().load_state_dict(state_dict)
 
     def close(self) -> None:
+        """Close the files (their disk space is freed). With offload_params, the module's shards are
+        read back into RAM first, and it goes on without offload."""
+        if self.shards_on_disk is not None:
+            self.shards_on_disk.settle()
+            with torch.no_grad(), self.inner._uncounted():
+                for i in range(len(self.inner.params)):
+                    self.inner._load(i).result()          # (the optimizer state read here is let go)
+            self.shards_on_disk.fsdp.shard_store = self.shards_on_disk = None
+            self.inner.params_on_disk = False
         self.inner.close()
 
     def __enter__(self):
@@ -345,6 +488,21 @@ def disk_bytes_per_step(psi: int, n: int, state_bytes: int = 8) -> float:
     if psi < 0 or state_bytes < 0:
         raise ValueError(f"psi and state_bytes are counts >= 0, got psi={psi!r}, state_bytes={state_bytes!r}")
     return state_bytes * psi / n
+
+
+def param_offload_bytes_per_step(psi: int, n: int, state_bytes: int = 8, param_bytes: int = 4) -> tuple[float, float]:
+    """(read, written): bytes one rank moves per step at stage 3 with its parameter shards on disk too
+    (offload_params). Its Ψ/N-element shard (param_bytes each: 4 for the fp32 masters) is read three
+    times, before the unit's all-gather in forward, again in backward, and by the optimizer's step,
+    and written once, after the step; its K = state_bytes of optimizer state per element are read
+    and written once. So ((3·P + K)·Ψ/N, (P + K)·Ψ/N): 20Ψ/N and 12Ψ/N for fp32 Adam. (A root unit,
+    gathered once per step and kept until backward is done, is read twice, not three times.)"""
+    if not (isinstance(n, int) and n >= 1):
+        raise ValueError(f"n is a number of ranks >= 1, got {n!r}")
+    if min(psi, state_bytes, param_bytes) < 0:
+        raise ValueError(f"psi, state_bytes and param_bytes are counts >= 0, got {psi!r}, {state_bytes!r}, "
+                         f"{param_bytes!r}")
+    return (3 * param_bytes + state_bytes) * psi / n, (param_bytes + state_bytes) * psi / n
 
 
 # ----------------------------------------------------------------------------------

@@ -73,6 +73,7 @@ ANSWERS = {
     "09d_offload": {
         "my_read_bytes": "8 * PSI / N",
         "my_mixed_bytes": "12 * PSI / N",
+        "my_param_read_bytes": "20 * PSI / N",
     },
     "09c_clipping_and_rng": {
         "my_every_rank_sq": "total_sq + (t - 1) * replicated_sq",

@@ -16,7 +16,8 @@ from torch import nn
 import pplab
 from pplab.data_parallel import shard
 from pplab.memory import PeakMemory, storage_bytes
-from pplab.offload import DiskFit, DiskOffloadedZero, TensorFile, _line, disk_bytes_per_step, fit_disk
+from pplab.offload import (DiskFit, DiskOffloadedZero, TensorFile, _line, disk_bytes_per_step, fit_disk,
+                           param_offload_bytes_per_step)
 from pplab.zero import FullyShardedModule, ZeroOptimizer, held_bytes
 
 SIZES = [(5, 7), (7, 6), (6, 4)]                  # Ψ = 42 + 48 + 28 = 118
@@ -321,3 +322,216 @@ def test_during_a_step_ram_holds_at_most_three_shards_of_state():
         for peak in on_disk[rank][1:]:
             # the shard stepping, the next being read, the last being written; not all 8 at once
             assert shard_state < peak <= 3 * shard_state + adam_own < 8 * shard_state, (rank, peak, adam_own)
+
+
+# ----------------------------------------------------------------------------------
+# Stage 3's parameter shards on disk too (offload_params): the references are the same training with
+# the shards in RAM (FullyShardedModule + ZeroOptimizer, bit for bit, shard by shard on every rank),
+# torch's AdamW on one process (float64), and byte counts from the layer sizes by hand.
+
+DIMS = [6, 5, 4, 5]                 # units of (6+1)·5 = 35, (5+1)·4 = 24, (4+1)·5 = 25 elements:
+UNIT_SIZES = [(i + 1) * o for i, o in zip(DIMS, DIMS[1:])]   # 35 and 25 padded at N = 2 and N = 3
+#            dtype,          units (None: each Linear),  compute dtype,  prefetch, drop_cache
+P_CONFIGS = {2: [(torch.float32, None, None, True, True),
+                 (torch.float32, None, torch.bfloat16, True, True)],
+             3: [(torch.float64, ("0", "2"), None, False, False)]}      # the last Linear in the root unit
+
+
+def p_model(seed, dtype):
+    torch.manual_seed(seed)
+    mods = [m for i, o in zip(DIMS, DIMS[1:]) for m in (nn.Linear(i, o), nn.Tanh())][:-1]
+    return nn.Sequential(*mods).to(dtype)
+
+
+def p_data(dtype):
+    g = torch.Generator().manual_seed(2)
+    return torch.randn(12, DIMS[0], generator=g).to(dtype), torch.randn(12, DIMS[-1], generator=g).to(dtype)
+
+
+def train_stage3(config, disk, folder):
+    """STEPS steps at stage 3; per step the bytes moved and the bytes held between steps; the trace's
+    disk boxes, the files, and at the end my shards (read back into RAM by close) and the full model."""
+    dtype, units, compute, prefetch, drop_cache = config
+    rank, n = pplab.comm.rank(), pplab.comm.world_size()
+    fsdp = FullyShardedModule(p_model(rank, dtype), units=units and list(units), compute_dtype=compute)
+    if disk:
+        opt = DiskOffloadedZero(fsdp.parameters(), torch.optim.AdamW, 3, folder=folder, prefetch=prefetch,
+                                drop_cache=drop_cache, offload_params=fsdp, **HPARAMS)
+    else:
+        opt = ZeroOptimizer(fsdp.parameters(), torch.optim.AdamW, 3, **HPARAMS)
+    x, y = shard(p_data(dtype), rank, n)
+    pplab.trace.reset(rank)
+    moved, held = [], []
+    for _ in range(STEPS):
+        nn.functional.mse_loss(fsdp(x).double(), y.double()).backward()
+        opt.step()
+        opt.zero_grad()
+        moved.append((opt.bytes_read, opt.bytes_written) if disk else None)
+        held.append(held_bytes(fsdp, opt))
+    boxes = [(e.kind, e.label, e.meta.get("ahead"), e.meta["payload"]) for e in pplab.trace.events()
+             if e.kind.startswith("disk")]
+    links = [os.readlink(f"/proc/self/fd/{f.file.fileno()}") for f in opt.inner.files.values()] if disk else []
+    full = fsdp.state_dict()                   # through the hook (and, with a compute dtype, in_memory)
+    if disk:
+        opt.close()                            # the shards come back into RAM
+    shards = [u.shard.detach().clone() for u in fsdp.units]
+    order = [u.name for u in fsdp.units]
+    return shards, full, moved, held, boxes, links, order
+
+
+def stage3_both(folder):
+    n = pplab.comm.world_size()
+    return {c: (train_stage3(c, False, folder), train_stage3(c, True, folder)) for c in P_CONFIGS[n]}
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_stage3_params_on_disk_train_exactly_and_move_3p_plus_k_read_p_plus_k_written(p, tmp_path):
+    results = pplab.launch(stage3_both, str(tmp_path), world_size=p, timeout=90)
+    torch_ref = None
+    for rank, by_config in enumerate(results):
+        for config, (ram, disk) in by_config.items():
+            dtype, units, compute, prefetch, _ = config
+            where = (rank, p, config)
+            shards, full, moved, held, boxes, links, order = disk
+            assert all(torch.equal(a, b) for a, b in zip(ram[0], shards)), where       # my shards, bit for bit
+            assert ram[1].keys() == full.keys() and all(torch.equal(ram[1][k], full[k]) for k in full), where
+            if dtype == torch.float64 and rank == 0:
+                torch_ref = torch_ref or p_torch_reference()
+                assert max((full[k] - torch_ref[k]).abs().max().item() for k in full) < 1e-10
+            # by hand: my shard of each unit, ceil(size / p) elements of P bytes (the model's dtype)
+            names = [str(2 * k) for k in range(len(UNIT_SIZES))]
+            root = [k for k, name in enumerate(names) if units is not None and name not in units]
+            s = {name: math.ceil(size / p) for name, size in zip(names, UNIT_SIZES)}
+            P = torch.empty((), dtype=dtype).element_size()
+            K = 2 * P                                           # AdamW's two moments
+            S = sum(s.values())
+            gathers = sum(s.values()) * 2 - sum(s[names[k]] for k in root)     # the root: forward only
+            first = (P * gathers + P * S, (P + K) * S)          # the step reads the shards, no state yet
+            later = (P * gathers + (P + K) * S, (P + K) * S)
+            assert moved == [first] + [later] * (STEPS - 1), (where, moved)
+            if not root:                                        # the formula, within the padding
+                read, written = param_offload_bytes_per_step(sum(UNIT_SIZES), p, state_bytes=K, param_bytes=P)
+                assert 0 <= later[0] - read <= (3 * P + K) * len(UNIT_SIZES) and \
+                    0 <= later[1] - written <= (P + K) * len(UNIT_SIZES), where
+            # between steps: no parameter and no optimizer state in RAM (in RAM: P + K bytes per element)
+            assert [(h["params"], h["optimizer"]) for h in held] == [(0, 0)] * STEPS, where
+            assert [(h["params"], h["optimizer"]) for h in ram[3]] == [(P * S, K * S)] * STEPS, where
+            # the reads before all-gathers: forward order, then backward's; queued ahead but the first of each
+            layers = [u for u in order if u != "root"]
+            per_step = (["root"] if root else []) + layers + layers[::-1]
+            params = [(label, ahead) for kind, label, ahead, _ in boxes if label.startswith("param")]
+            assert [order[int(label[5:])] for label, _ in params] == per_step * STEPS, where
+            ahead = [False] + [True] * (len(per_step) - 1)
+            ahead[len(per_step) - len(layers)] = False           # backward's first read: nothing before it
+            assert [a for _, a in params] == (ahead if prefetch else [False] * len(per_step)) * STEPS, where
+            assert sum(b for kind, *_, b in boxes if kind == "disk_read") == sum(r for r, _ in moved), where
+            assert links and all(link.startswith(str(tmp_path) + "/") and link.endswith("(deleted)")
+                                 for link in links), (where, links)
+    assert os.listdir(tmp_path) == []
+
+
+def p_torch_reference():
+    model, (x, y) = p_model(0, torch.float64), p_data(torch.float64)
+    opt = torch.optim.AdamW(model.parameters(), **HPARAMS)
+    for _ in range(STEPS):
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def fail_in_forward_with_shards_on_disk(folder):
+    rank = pplab.comm.rank()
+    fsdp = FullyShardedModule(p_model(rank, torch.float32))
+    opt = DiskOffloadedZero(fsdp.parameters(), torch.optim.AdamW, 3, folder=folder, offload_params=fsdp, **HPARAMS)
+    x, y = shard(p_data(torch.float32), rank, pplab.comm.world_size())
+    nn.functional.mse_loss(fsdp(x), y).backward()
+    opt.step()
+    if rank == 1:                               # in the next forward, with the reads of units 1 and 2 queued
+        links = [os.readlink(f"/proc/{os.getpid()}/fd/{f.file.fileno()}") for f in opt.inner.files.values()]
+
+        def fail(*_):
+            raise RuntimeError(f"planned failure in forward, files open: {links}")
+        fsdp.module[2].register_forward_pre_hook(fail)
+    nn.functional.mse_loss(fsdp(x), y).backward()      # ranks 0 and 2 wait in an all-gather: killed
+
+
+def test_a_run_failing_with_shards_on_disk_leaves_nothing_behind(tmp_path):
+    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    with pytest.raises(pplab.LaunchError) as info:
+        pplab.launch(fail_in_forward_with_shards_on_disk, str(tmp_path), world_size=3, timeout=30)
+    message = str(info.value)
+    assert "planned failure in forward" in message
+    assert message.count(f"'{tmp_path}/#") >= 2 and "(deleted)" in message     # they were there, nameless
+    assert os.listdir(tmp_path) == []
+    new_in_shm = (set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()) - shm_before
+    assert not [n for n in new_in_shm if not n.startswith("pplab-launch-")], new_in_shm
+
+
+def param_offload_bad_inputs(folder):
+    errors = []
+    fsdp = FullyShardedModule(p_model(0, torch.float32))
+    other, third = FullyShardedModule(p_model(0, torch.float32)), FullyShardedModule(p_model(0, torch.float32))
+    plain = p_model(0, torch.float32)
+
+    def offload(params, stage, module):
+        return DiskOffloadedZero(params, torch.optim.AdamW, stage, folder=folder, offload_params=module)
+    opt = offload(fsdp.parameters(), 3, fsdp)
+    for args in ((plain.parameters(), 2, plain),            # not a FullyShardedModule, not stage 3
+                 (other.parameters(), 3, third),            # another module's shards
+                 (fsdp.parameters(), 3, fsdp)):             # offloaded twice
+        try:
+            offload(*args)
+        except ValueError as e:
+            errors.append(str(e))
+    opt.close()
+    return errors
+
+
+def test_param_offload_formula_and_bad_input(tmp_path):
+    assert param_offload_bytes_per_step(84, 2) == (20 * 42, 12 * 42)        # fp32 Adam: (3·4 + 8), (4 + 8)
+    assert param_offload_bytes_per_step(90, 3, state_bytes=16, param_bytes=8) == (40 * 30, 24 * 30)
+    with pytest.raises(ValueError, match="number of ranks"):
+        param_offload_bytes_per_step(84, 0)
+    errors = pplab.launch(param_offload_bad_inputs, str(tmp_path), world_size=1)[0]
+    assert len(errors) == 3, errors
+    assert "at stage=3" in errors[0] and "Sequential" in errors[0]
+    assert "whose parameters() were given" in errors[1]
+    assert "offloaded already" in errors[2]
+
+
+def resume_stage3_on_disk(folder):
+    """2 steps with the shards on disk, save; load into a fresh model and optimizer (other weights,
+    shards on disk), 1 more step; against 3 steps in RAM. bf16 compute: state_dict reads the masters."""
+    rank, n = pplab.comm.rank(), pplab.comm.world_size()
+    x, y = shard(p_data(torch.float32), rank, n)
+
+    def build_and_train(seed, disk, steps, model_sd=None, opt_sd=None):
+        fsdp = FullyShardedModule(p_model(seed, torch.float32), compute_dtype=torch.bfloat16)
+        opt = (DiskOffloadedZero(fsdp.parameters(), torch.optim.AdamW, 3, folder=folder, offload_params=fsdp, **HPARAMS)
+               if disk else ZeroOptimizer(fsdp.parameters(), torch.optim.AdamW, 3, **HPARAMS))
+        if model_sd is not None:
+            fsdp.load_state_dict(model_sd)
+            opt.load_state_dict(opt_sd)
+        held = held_bytes(fsdp, opt)
+        for _ in range(steps):
+            nn.functional.mse_loss(fsdp(x).float(), y.float()).backward()
+            opt.step()
+            opt.zero_grad()
+        return fsdp, opt, held
+
+    fsdp, opt, _ = build_and_train(rank, True, 2)
+    everyone = [None] * n
+    torch.distributed.all_gather_object(everyone, (fsdp.state_dict(), opt.state_dict()))   # rank 0's, to all
+    opt.close()
+    resumed, opt2, held = build_and_train(100 + rank, True, 1, *everyone[0])
+    opt2.close()
+    straight, _, _ = build_and_train(rank, False, 3)
+    return [u.shard.detach() for u in resumed.units], [u.shard.detach() for u in straight.units], held
+
+
+def test_checkpoint_with_shards_on_disk_resumes_exactly(tmp_path):
+    for rank, (resumed, straight, held) in enumerate(pplab.launch(resume_stage3_on_disk, str(tmp_path), world_size=2)):
+        assert all(torch.equal(a, b) for a, b in zip(resumed, straight)), rank   # saved, loaded, on: = 3 straight
+        assert (held["params"], held["optimizer"]) == (0, 0), "after loading, shards and state are back on disk"
+    assert os.listdir(tmp_path) == []

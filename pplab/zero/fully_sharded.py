@@ -40,6 +40,13 @@ backward run in 2 bytes; floating-point inputs, buffers and frozen parameters ar
 `reduce_dtype` is what the gradients are summed in: the compute dtype (the default, 2 bytes on the
 wire) or torch.float32 (4 bytes, but no rounding between the ranks' additions, and no fp16
 overflow of a sum whose mean would fit). My shard of the mean lands in `shard.grad` in fp32.
+
+**Shards kept elsewhere** (`shard_store`, None by default: the shards stay in RAM). pplab.offload sets
+it to keep the shards on disk between uses (ZeRO-Infinity's parameter offload): `fetch(u, ahead)`
+before a unit's all-gather brings my shard of unit u into RAM and may start bringing `ahead`, the
+unit gathered after it (the next in forward, the one before in backward); `evict(u)` once the
+all-gather has read the shard; `in_memory()`, a context in which every shard is in RAM, around
+the methods that read or write the shards themselves (load_state_dict, state_dict with a compute_dtype).
 """
 from __future__ import annotations
 
@@ -158,6 +165,7 @@ class FullyShardedModule(nn.Module):
             submodules[u.name].register_forward_hook(lambda mod, args, out, u=u: self._after_forward(u, out))
         trace.hold(sum(u.shard.numel() * u.shard.element_size() for u in self.units), "shards")
         self._in_backward, self._handles, self._waiting = False, [], {}
+        self.shard_store = None                        # where the shards live between uses: None = RAM
 
     # ------------------------------------------------------------------------------
     # Gather, wait, free
@@ -166,6 +174,8 @@ class FullyShardedModule(nn.Module):
         """Start the all-gather of unit u's full parameters (nothing if they are there or coming)."""
         if u.state != "free":
             return
+        if self.shard_store is not None:               # my shard back in RAM, the next one on its way
+            self.shard_store.fetch(u, self._gathered_after(u))
         u.full.untyped_storage().resize_(u.nbytes)
         trace.hold(u.nbytes, f"gather {u.name}")
         mine = u.shard.detach().to(u.full.dtype)       # the compute dtype's copy of my master shard
@@ -177,6 +187,8 @@ class FullyShardedModule(nn.Module):
     def _wait(self, u: _Unit) -> None:
         if u.state == "gathering":
             u.handle.wait()
+            if self.shard_store is not None:           # the all-gather has read my shard
+                self.shard_store.evict(u)
         u.state = "full"
 
     def _free(self, u: _Unit) -> None:
@@ -190,6 +202,16 @@ class FullyShardedModule(nn.Module):
     def _neighbour(self, u: _Unit, step: int):
         i = self.layers.index(u) + step
         return self.layers[i] if 0 <= i < len(self.layers) else None
+
+    def _gathered_after(self, u: _Unit):
+        """The unit gathered after u: the first layer after the root, then the next one in forward
+        and the one before in backward (None after the last)."""
+        if u is self.root:
+            return self.layers[0] if self.layers else None
+        return self._neighbour(u, -1 if self._in_backward else +1)
+
+    def _shards_in_memory(self):
+        return self.shard_store.in_memory() if self.shard_store is not None else contextlib.nullcontext()
 
     # ------------------------------------------------------------------------------
     # Forward
@@ -309,12 +331,13 @@ class FullyShardedModule(nn.Module):
             with self.full_parameters():
                 return {k: v.detach().clone() for k, v in self.module.state_dict().items()} if self.rank == 0 else {}
         masters = {}
-        for u in self.units:                           # all-gather the master shards themselves
-            full = torch.empty(u.bucket.padded, dtype=u.shard.dtype, device=u.shard.device)
-            h = comm.all_gather_into_tensor(full, u.shard.detach(), group=self.group, async_op=True)
-            h.event.label = f"master{u.index}"
-            h.wait()
-            masters.update(zip(map(id, u.bucket.params), u.bucket.views(full)))
+        with self._shards_in_memory():
+            for u in self.units:                       # all-gather the master shards themselves
+                full = torch.empty(u.bucket.padded, dtype=u.shard.dtype, device=u.shard.device)
+                h = comm.all_gather_into_tensor(full, u.shard.detach(), group=self.group, async_op=True)
+                h.event.label = f"master{u.index}"
+                h.wait()
+                masters.update(zip(map(id, u.bucket.params), u.bucket.views(full)))
         if self.rank != 0:
             return {}
         state = self.module.state_dict(keep_vars=True)          # a tied parameter under each of its names
@@ -328,7 +351,7 @@ class FullyShardedModule(nn.Module):
             raise KeyError(f"state_dict does not fit the model: missing {sorted(missing)[:5]}, "
                            f"unexpected {sorted(unexpected)[:5]}")
         sharded = {id(p) for u in self.units for p in u.bucket.params}
-        with torch.no_grad():
+        with torch.no_grad(), self._shards_in_memory():
             for u in self.units:
                 full = u.bucket.flatten([state_dict[n] for n in u.bucket.names])
                 u.shard.copy_(u.bucket.shard(full))
