@@ -244,6 +244,14 @@ def block_ops(cfg, batch: int, seq: int | None = None, dtype_bytes: int = 2) -> 
     ]
 
 
+def gpt_ops(cfg, batch: int, seq: int | None = None, dtype_bytes: int = 2) -> list[Op]:
+    """Every forward operation of the model: cfg.layers blocks, the final LayerNorm, the output layer."""
+    s = _check(cfg, batch, seq)
+    ops = [op for _ in range(cfg.layers) for op in block_ops(cfg, batch, s, dtype_bytes)]
+    return ops + [layer_norm(batch * s, cfg.hidden, dtype_bytes, "ln_f"),
+                  matmul(batch * s, cfg.hidden, cfg.vocab, dtype_bytes, "head")]
+
+
 @dataclass(frozen=True)
 class RooflinePoint:
     op: Op
@@ -259,3 +267,14 @@ def roofline(op: Op, machine, dtype: str = "bf16") -> RooflinePoint:
     ridge = peak / bandwidth
     return RooflinePoint(op, min(peak, op.intensity * bandwidth), ridge,
                          "memory" if op.intensity < ridge else "compute")
+
+
+def roofline_seconds(ops, machine, dtype: str = "bf16") -> float:
+    """The least time `ops` can take on `machine`, one after another: Σ max(F / peak, Q / bandwidth).
+
+    A lower bound: no kernel beats its roof, and none overlaps the next. For a training step,
+    3 × the forward's bound is a fair estimate (backward: two products per forward one, each
+    moving about as many bytes).
+    """
+    peak, bandwidth = machine.peak(dtype), machine.memory_bandwidth
+    return sum(max(op.flops / peak, op.bytes / bandwidth) for op in ops)

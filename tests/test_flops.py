@@ -7,7 +7,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from pplab.flops import (Op, attention, block_ops, elementwise, flops_per_token, forward_flops, hfu, layer_norm,
+from pplab.flops import (Op, attention, block_ops, gpt_ops, roofline_seconds, elementwise, flops_per_token, forward_flops, hfu, layer_norm,
                          matmul, matmul_parameters, megatron_flops, megatron_parameters, mfu, roofline, six_n,
                          step_flops, training_seconds)
 from pplab.hardware import A100_80GB, H100_SXM
@@ -140,3 +140,14 @@ def test_block_ops_add_up_to_the_forward_count():
     products = ops["qkv"].flops + ops["attention"].flops + ops["proj"].flops + ops["fc1"].flops + ops["fc2"].flops
     assert products == sum(parts.values()) - parts["head"]
     assert [op.name for op in block_ops(cfg, 3)][:3] == ["ln1", "qkv", "attention"]
+
+
+def test_gpt_ops_and_the_roofline_time_by_hand():
+    cfg = GPTConfig(vocab=30, seq=16, hidden=32, heads=4, ffn=48, layers=2)
+    ops = gpt_ops(cfg, batch=3, seq=10)
+    assert [op.name for op in ops[-2:]] == ["ln_f", "head"] and len(ops) == 2 * 10 + 2
+    assert sum(op.flops for op in ops if op.name in ("qkv", "attention", "proj", "fc1", "fc2", "head")) == \
+        sum(forward_flops(cfg, 3, 10).values())
+    # two ops on the A100 in fp32 (19.5e12 FLOP/s, 2.039e12 B/s): one memory-bound, one compute-bound
+    two = [Op("a", 1e6, 1e6), Op("b", 1e9, 1e6)]
+    assert roofline_seconds(two, A100_80GB, "fp32") == pytest.approx(1e6 / 2.039e12 + 1e9 / 19.5e12)
