@@ -15,13 +15,14 @@ to know when reading a datasheet:
   bandwidth per GPU of NVIDIA's reference nodes (DGX: one adapter per GPU), one direction.
 
 "this machine" is fitted as chapter 1 fits the network (`pplab.costfit`): time the real thing and
-keep a robust figure, here the median of a few repeats of a square matmul (2n³ FLOPs) and of a
-large copy (reads and writes the tensor once each: 2 × its bytes).
+keep a robust figure. A peak is what the machine can do when nothing gets in the way, so each
+figure is the fastest of a few tries (on a shared machine the other tries are slowed by whoever
+else runs) of a square matmul (2n³ FLOPs) and of a large copy (reads and writes the tensor once
+each: 2 × its bytes).
 """
 from __future__ import annotations
 
 import os
-import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -87,18 +88,18 @@ PRESETS = {hw.name: hw for hw in (A100_80GB, H100_SXM, H200)}
 # ----------------------------------------------------------------------------------
 # This machine, measured
 
-def _median_seconds(fn, repeats: int) -> float:
+def _fastest_seconds(fn, repeats: int) -> float:
     fn()                                   # warm up: allocation, thread pool, caches
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return min(times)
 
 
 def measure_matmul_flops(n: int = 512, dtype: str = "fp32", repeats: int = 7) -> float:
-    """FLOP/s of an [n, n] @ [n, n] product in `dtype` on this machine (median of `repeats`)."""
+    """FLOP/s of an [n, n] @ [n, n] product in `dtype` on this machine (the fastest of `repeats`)."""
     import torch
 
     if dtype not in DTYPE_NAMES:
@@ -106,16 +107,17 @@ def measure_matmul_flops(n: int = 512, dtype: str = "fp32", repeats: int = 7) ->
     a = torch.randn(n, n, dtype=getattr(torch, DTYPE_NAMES[dtype]))
     b = torch.randn(n, n, dtype=a.dtype)
     out = torch.empty(n, n, dtype=a.dtype)
-    return 2 * n ** 3 / _median_seconds(lambda: torch.mm(a, b, out=out), repeats)
+    return 2 * n ** 3 / _fastest_seconds(lambda: torch.mm(a, b, out=out), repeats)
 
 
 def measure_copy_bandwidth(nbytes: int = 64 * 2 ** 20, repeats: int = 7) -> float:
-    """B/s of memory traffic copying a tensor of `nbytes` (one read and one write: 2 × nbytes)."""
+    """B/s of memory traffic copying a tensor of `nbytes` (one read and one write: 2 × nbytes), the
+    fastest of `repeats`."""
     import torch
 
     src = torch.ones(nbytes // 4)
     dst = torch.empty_like(src)
-    return 2 * src.nbytes / _median_seconds(lambda: dst.copy_(src), repeats)
+    return 2 * src.nbytes / _fastest_seconds(lambda: dst.copy_(src), repeats)
 
 
 def fit_this_machine(dtypes=("fp32", "fp64"), matmul_n: int = 512, copy_bytes: int = 64 * 2 ** 20,
@@ -130,5 +132,5 @@ def fit_this_machine(dtypes=("fp32", "fp64"), matmul_n: int = 512, copy_bytes: i
     flops = {d: measure_matmul_flops(matmul_n, d, repeats) for d in dtypes}
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return Hardware("this machine", flops, measure_copy_bandwidth(copy_bytes, repeats), float(memory),
-                    source=f"fitted here: median of {repeats} timed {matmul_n}x{matmul_n} matmuls and "
+                    source=f"fitted here: fastest of {repeats} timed {matmul_n}x{matmul_n} matmuls and "
                            f"{copy_bytes / 2 ** 20:.0f} MiB copies, {torch.get_num_threads()} torch thread(s)")

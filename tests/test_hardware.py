@@ -34,7 +34,7 @@ def test_this_machine_is_measured():
     assert set(here.flops) == {"fp32"} and here.name == "this machine"
     for value in (here.peak("fp32"), here.memory_bandwidth, here.memory):
         assert math.isfinite(value) and value > 0
-    assert "3 timed 128x128 matmuls" in here.source
+    assert "fastest of 3 timed 128x128 matmuls" in here.source
     assert 0 < measure_matmul_flops(64, "fp64", repeats=2) < math.inf
     assert 0 < measure_copy_bandwidth(2 ** 20, repeats=2) < math.inf
     with pytest.raises(ValueError, match="dtype must be one of"):
