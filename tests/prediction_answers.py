@@ -75,6 +75,11 @@ ANSWERS = {
         "my_mixed_bytes": "12 * PSI / N",
         "my_param_read_bytes": "20 * PSI / N",
     },
+    "10a_compute_and_mfu": {
+        "my_backward_ratio": "2",
+        "my_hfu_over_mfu": "4 / 3",
+        "my_h100_ridge": "989.5e12 / 3.35e12",
+    },
     "09c_clipping_and_rng": {
         "my_every_rank_sq": "total_sq + (t - 1) * replicated_sq",
         "my_clip_bytes": "3 * 8",

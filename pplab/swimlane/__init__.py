@@ -41,13 +41,17 @@ How to read one:
 A simulated schedule and a measured run are both a `pplab.trace.Timeline`, so this
 one function draws both: stack them (`draw([simulated, measured])`) to see where
 reality departs from the model.
+
+`to_perfetto(timeline, "run.json")` writes the same run in the Chrome trace format, to open in
+ui.perfetto.dev next to `torch.profiler` traces (one process per rank, compute and comm threads).
 """
 # Where each part lives: style.py (colours), layout.py (what a panel shows and where: lanes,
 # comm rows, figure size), figure.py (draw), lanes.py (boxes, arrows, labels, the path),
-# memory.py (the memory panels), widget.py (explore).
+# memory.py (the memory panels), widget.py (explore), perfetto.py (the Chrome trace export).
 from .figure import draw
 from .layout import _Panel  # noqa: F401 - tests build a panel to check its comm rows
 from .style import COMM_IDLE, HATCHES, IDLE, KIND_COLORS, KIND_NAMES, PALETTE, color_of
+from .perfetto import to_perfetto, trace_events
 from .widget import explore
 
-__all__ = ["draw", "explore", "color_of", "KIND_COLORS", "KIND_NAMES", "PALETTE", "IDLE", "COMM_IDLE", "HATCHES"]
+__all__ = ["draw", "explore", "to_perfetto", "trace_events", "color_of", "KIND_COLORS", "KIND_NAMES", "PALETTE", "IDLE", "COMM_IDLE", "HATCHES"]

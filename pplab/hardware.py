@@ -1,0 +1,139 @@
+"""GPUs the course's runs stand for, and this machine measured the same way.
+
+    H100_SXM.peak("bf16")            # 989.5e12 FLOP/s, dense (no 2:4 sparsity)
+    H100_SXM.memory_bandwidth        # 3.35e12 B/s of HBM3
+    here = fit_this_machine()        # a matmul and a copy timed for a few seconds
+
+Every figure of a preset is from the vendor's datasheet named in its `source`. Two conventions
+to know when reading a datasheet:
+
+* **Dense, not sparse.** NVIDIA quotes tensor-core FLOP/s "with sparsity" (2:4 structured
+  sparsity, twice the dense figure) and marks it with an asterisk; training runs dense, so the
+  presets hold the dense figures, written as half the headline numbers.
+* **Per direction.** NVLink is quoted as the total of both directions (600 GB/s on A100, 900 GB/s
+  on H100/H200); a message goes one way, so `nvlink` holds half. `network` is the InfiniBand
+  bandwidth per GPU of NVIDIA's reference nodes (DGX: one adapter per GPU), one direction.
+
+"this machine" is fitted as chapter 1 fits the network (`pplab.costfit`): time the real thing and
+keep a robust figure. A peak is what the machine can do when nothing gets in the way, so each
+figure is the fastest of a few tries (on a shared machine the other tries are slowed by whoever
+else runs) of a square matmul (2n³ FLOPs) and of a large copy (reads and writes the tensor once
+each: 2 × its bytes).
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+GB = 1e9
+TB = 1e12
+
+DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64"}
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One device: dense FLOP/s per dtype, its memory (bytes, B/s) and its links (B/s, one direction)."""
+
+    name: str
+    flops: dict = field(hash=False)        # {"bf16": FLOP/s, ...}, dense
+    memory_bandwidth: float                # B/s, device memory (HBM) to the chip
+    memory: float                          # bytes of device memory
+    nvlink: float | None = None            # B/s per GPU, one direction, inside a node
+    network: float | None = None           # B/s per GPU, one direction, between nodes
+    source: str = ""
+
+    def peak(self, dtype: str = "bf16") -> float:
+        """Dense peak FLOP/s in `dtype` ("bf16", "fp16", "fp32", "fp64")."""
+        if dtype not in self.flops:
+            raise ValueError(f"{self.name} has no {dtype!r} figure; it has {sorted(self.flops)}")
+        return self.flops[dtype]
+
+    def ridge(self, dtype: str = "bf16") -> float:
+        """FLOPs per byte where compute and memory bandwidth limit alike (the roofline's ridge)."""
+        return self.peak(dtype) / self.memory_bandwidth
+
+
+A100_80GB = Hardware(
+    "A100 80GB SXM",
+    flops={"bf16": 624 / 2 * TB, "fp16": 624 / 2 * TB, "fp32": 19.5 * TB, "tf32": 312 / 2 * TB, "fp64": 9.7 * TB},
+    memory_bandwidth=2039 * GB, memory=80 * GB,
+    nvlink=600 / 2 * GB,                    # NVLink 3: 600 GB/s both directions
+    network=200 / 8 * GB,                   # HDR InfiniBand, 200 Gb/s per GPU (DGX A100)
+    source="NVIDIA A100 Tensor Core GPU datasheet (80GB SXM column); NVIDIA DGX A100 datasheet",
+)
+
+H100_SXM = Hardware(
+    "H100 SXM",
+    flops={"bf16": 1979 / 2 * TB, "fp16": 1979 / 2 * TB, "fp32": 67 * TB, "tf32": 989 / 2 * TB, "fp64": 34 * TB},
+    memory_bandwidth=3.35 * TB, memory=80 * GB,
+    nvlink=900 / 2 * GB,                    # NVLink 4: 900 GB/s both directions
+    network=400 / 8 * GB,                   # NDR InfiniBand, 400 Gb/s per GPU (DGX H100)
+    source="NVIDIA H100 Tensor Core GPU datasheet (H100 SXM column); NVIDIA DGX H100 datasheet",
+)
+
+H200 = Hardware(
+    "H200 SXM",
+    flops={"bf16": 1979 / 2 * TB, "fp16": 1979 / 2 * TB, "fp32": 67 * TB, "tf32": 989 / 2 * TB, "fp64": 34 * TB},
+    memory_bandwidth=4.8 * TB, memory=141 * GB,
+    nvlink=900 / 2 * GB,
+    network=400 / 8 * GB,                   # NDR InfiniBand, 400 Gb/s per GPU (DGX H200)
+    source="NVIDIA H200 Tensor Core GPU datasheet (H200 SXM column); NVIDIA DGX H200 datasheet",
+)
+
+PRESETS = {hw.name: hw for hw in (A100_80GB, H100_SXM, H200)}
+
+
+# ----------------------------------------------------------------------------------
+# This machine, measured
+
+def _fastest_seconds(fn, repeats: int, min_seconds: float) -> float:
+    """The fastest of at least `repeats` tries, trying on for `min_seconds` in all: a quiet moment
+    of a shared machine is more likely found in half a second than in 7 back-to-back tries."""
+    fn()                                   # warm up: allocation, thread pool, caches
+    times, began = [], time.perf_counter()
+    while len(times) < repeats or time.perf_counter() - began < min_seconds:
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def measure_matmul_flops(n: int = 512, dtype: str = "fp32", repeats: int = 7, min_seconds: float = 0.0) -> float:
+    """FLOP/s of an [n, n] @ [n, n] product in `dtype` on this machine (the fastest of `repeats`
+    tries or more, for at least `min_seconds`)."""
+    import torch
+
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPE_NAMES)}, got {dtype!r}")
+    a = torch.randn(n, n, dtype=getattr(torch, DTYPE_NAMES[dtype]))
+    b = torch.randn(n, n, dtype=a.dtype)
+    out = torch.empty(n, n, dtype=a.dtype)
+    return 2 * n ** 3 / _fastest_seconds(lambda: torch.mm(a, b, out=out), repeats, min_seconds)
+
+
+def measure_copy_bandwidth(nbytes: int = 64 * 2 ** 20, repeats: int = 7, min_seconds: float = 0.0) -> float:
+    """B/s of memory traffic copying a tensor of `nbytes` (one read and one write: 2 × nbytes), the
+    fastest of `repeats`."""
+    import torch
+
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    return 2 * src.nbytes / _fastest_seconds(lambda: dst.copy_(src), repeats, min_seconds)
+
+
+def fit_this_machine(dtypes=("fp32", "fp64"), matmul_n: int = 512, copy_bytes: int = 64 * 2 ** 20,
+                     repeats: int = 7, seconds_each: float = 0.5) -> Hardware:
+    """This machine as a Hardware, its FLOP/s and bandwidth timed here (`seconds_each` per figure).
+
+    The figures are what pplab's own processes get: torch's CPU matmul with however many threads
+    torch uses (`torch.get_num_threads()`), on a machine others may be loading too.
+    """
+    import torch
+
+    flops = {d: measure_matmul_flops(matmul_n, d, repeats, seconds_each) for d in dtypes}
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return Hardware("this machine", flops, measure_copy_bandwidth(copy_bytes, repeats, seconds_each), float(memory),
+                    source=f"fitted here: fastest of {seconds_each} s of timed {matmul_n}x{matmul_n} matmuls and of "
+                           f"{copy_bytes / 2 ** 20:.0f} MiB copies, {torch.get_num_threads()} torch thread(s)")

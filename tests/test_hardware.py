@@ -1,0 +1,41 @@
+"""pplab.hardware: the presets against their datasheets, and this machine fitted for real."""
+import math
+
+import pytest
+
+from pplab.hardware import A100_80GB, H100_SXM, H200, PRESETS, fit_this_machine, measure_copy_bandwidth, \
+    measure_matmul_flops
+
+# The datasheets' headline tensor-core figures are "with sparsity" (2:4): dense is half of them.
+SPARSE_BF16 = {A100_80GB: 624e12, H100_SXM: 1979e12, H200: 1979e12}
+
+
+@pytest.mark.parametrize("hw", [A100_80GB, H100_SXM, H200], ids=lambda hw: hw.name)
+def test_presets_hold_the_dense_datasheet_figures(hw):
+    assert hw.peak("bf16") == hw.peak("fp16") == pytest.approx(SPARSE_BF16[hw] / 2)
+    assert hw.source.startswith("NVIDIA") and "datasheet" in hw.source
+    assert PRESETS[hw.name] is hw
+
+
+def test_memory_links_and_ridge_by_hand():
+    assert (A100_80GB.memory, A100_80GB.memory_bandwidth) == (80e9, 2039e9)
+    assert (H100_SXM.memory, H100_SXM.memory_bandwidth) == (80e9, 3.35e12)
+    assert (H200.memory, H200.memory_bandwidth) == (141e9, 4.8e12)
+    assert A100_80GB.nvlink == 300e9 and H100_SXM.nvlink == H200.nvlink == 450e9        # half of 600 / 900 GB/s
+    assert A100_80GB.network == 25e9 and H100_SXM.network == 50e9                       # 200 / 400 Gb/s
+    assert H100_SXM.ridge("bf16") == pytest.approx(295.4, abs=0.1)           # 989.5e12 / 3.35e12
+    assert A100_80GB.ridge("fp32") == pytest.approx(19.5 / 2.039)
+    with pytest.raises(ValueError, match="has no 'int4' figure"):
+        H100_SXM.peak("int4")
+
+
+def test_this_machine_is_measured():
+    here = fit_this_machine(dtypes=("fp32",), matmul_n=128, copy_bytes=4 * 2 ** 20, repeats=3, seconds_each=0.05)
+    assert set(here.flops) == {"fp32"} and here.name == "this machine"
+    for value in (here.peak("fp32"), here.memory_bandwidth, here.memory):
+        assert math.isfinite(value) and value > 0
+    assert "fastest of 0.05 s of timed 128x128 matmuls and of 4 MiB copies" in here.source
+    assert 0 < measure_matmul_flops(64, "fp64", repeats=2, min_seconds=0.01) < math.inf
+    assert 0 < measure_copy_bandwidth(2 ** 20, repeats=2, min_seconds=0.01) < math.inf
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        measure_matmul_flops(64, "int8")
