@@ -164,6 +164,8 @@ def storage_bytes(tensors, seen: set | None = None) -> int:
         if t is None:
             continue
         storage = t.untyped_storage()
+        if storage.filename is not None:           # a memory map of a file: its bytes are on the disk
+            continue
         if storage.nbytes() and storage.data_ptr() not in seen:      # a freed storage holds nothing
             seen.add(storage.data_ptr())
             total += storage.nbytes()
@@ -220,7 +222,7 @@ class PeakMemory(TorchDispatchMode):
                 continue
             storage = t.untyped_storage()
             key, size = _storage_key(t), storage.nbytes()
-            if size == 0 or key in inputs or (self.count and not self.count(t)):
+            if size == 0 or key in inputs or storage.filename is not None or (self.count and not self.count(t)):
                 continue
             with self._lock:
                 if key in self._sizes:

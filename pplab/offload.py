@@ -97,7 +97,7 @@ class TensorFile:
         self.file = tempfile.TemporaryFile(dir=folder)        # opened, then unnamed: freed when closed
         os.ftruncate(self.file.fileno(), self.nbytes)
 
-    def _mapped(self) -> torch.Tensor:
+    def mapped(self) -> torch.Tensor:
         """The file as a tensor: reading or writing it reads or writes the file (a shared memory map)."""
         return torch.from_file(f"/proc/self/fd/{self.file.fileno()}", shared=True, size=self.numel,
                                dtype=self.dtype)
@@ -107,7 +107,7 @@ class TensorFile:
             os.posix_fadvise(self.file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
     def write(self, t: torch.Tensor) -> None:
-        mapped = self._mapped()
+        mapped = self.mapped()
         mapped.copy_(t.reshape(-1))
         del mapped                                            # unmapped: its dirty pages are the file's
         if self.drop_cache:
@@ -115,7 +115,7 @@ class TensorFile:
         self._drop_pages()
 
     def read(self, out: torch.Tensor) -> None:
-        mapped = self._mapped()
+        mapped = self.mapped()
         out.view(-1).copy_(mapped)
         del mapped
         self._drop_pages()
@@ -131,6 +131,17 @@ def checked_folder(folder) -> str:
         raise ValueError(f"folder={folder!r} is not an existing folder: give the folder (on the disk to "
                          f"offload to) where the state files go, or None for {tempfile.gettempdir()}")
     return where
+
+
+def park(p: torch.Tensor, f: TensorFile) -> None:
+    """p's values now live in its file only: p reads them through a memory map of the file (whose pages
+    were dropped from the page cache), so p holds no RAM but still reads right if a learner looks at it
+    between uses (a tensor whose storage were freed would crash the process instead)."""
+    p.data = f.mapped().view(p.shape)
+
+
+def parked(p: torch.Tensor) -> bool:
+    return p.untyped_storage().filename is not None
 
 
 # ----------------------------------------------------------------------------------
@@ -224,7 +235,7 @@ class DiskOptimizer:
             if j != i:
                 continue
             if key == "param":
-                p.untyped_storage().resize_(f.nbytes)                 # its RAM back, then filled
+                p.data = torch.empty(p.shape, dtype=f.dtype, device=p.device)    # RAM again, then filled
                 into[key] = p.detach()
             else:
                 into[key] = torch.empty(p.shape, dtype=f.dtype, device=p.device)
@@ -278,8 +289,8 @@ class DiskOptimizer:
     def release_params(self) -> None:
         """Free the RAM of parameters kept on disk (after a step, once their new values were used)."""
         if self.params_on_disk:
-            for p in self.params:
-                p.untyped_storage().resize_(0)
+            for i, p in enumerate(self.params):
+                park(p, self.files[i, "param"])
 
     @contextlib.contextmanager
     def all_in_memory(self):
@@ -334,11 +345,11 @@ class ShardsOnDisk:
 
     def _start(self, u, ahead: bool) -> None:
         shard = u.shard
-        if u.index in self.reading or shard.untyped_storage().nbytes():
+        if u.index in self.reading or not parked(shard):
             return                      # on its way, or in RAM already (a checkpoint's all_in_memory)
         i = self.index[id(shard)]
         f = self.disk.files[i, "param"]
-        shard.untyped_storage().resize_(f.nbytes)
+        shard.data = torch.empty(shard.shape, dtype=f.dtype, device=shard.device)
         trace.hold(f.nbytes, f"read {u.name}")
         self.fetched[u.index] = f.nbytes
         self.reading[u.index] = self.disk._io.submit(self.disk._move, "disk_read", i, [(f, shard.detach())],
@@ -356,7 +367,7 @@ class ShardsOnDisk:
         """u's all-gather is done: free its shard (the file holds the same values: only the step changes them)."""
         nbytes = self.fetched.pop(u.index, None)
         if nbytes is not None:
-            u.shard.untyped_storage().resize_(0)
+            park(u.shard, self.disk.files[self.index[id(u.shard)], "param"])
             trace.release(nbytes, f"evict {u.name}")
 
     def settle(self) -> None:

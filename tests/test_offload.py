@@ -535,3 +535,27 @@ def test_checkpoint_with_shards_on_disk_resumes_exactly(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(resumed, straight)), rank   # saved, loaded, on: = 3 straight
         assert (held["params"], held["optimizer"]) == (0, 0), "after loading, shards and state are back on disk"
     assert os.listdir(tmp_path) == []
+
+
+def _looked_at_between_steps(folder):
+    """A learner reads the shards between steps (printing them, say): the values must be right and the
+    reading must not bring the shards back into RAM for good, nor crash the rank."""
+    torch.manual_seed(0)
+    fsdp = FullyShardedModule(nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 4)))
+    opt = DiskOffloadedZero(fsdp.parameters(), torch.optim.AdamW, 3, folder=folder, offload_params=fsdp, **HPARAMS)
+    x = torch.randn(4, 6)
+    for _ in range(2):
+        fsdp(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    seen = [p.detach().clone() for p in fsdp.parameters()]       # read through the files' memory maps
+    held = held_bytes(fsdp, opt)
+    with opt.all_in_memory():                                    # read back into RAM the usual way
+        truth = [p.detach().clone() for p in fsdp.parameters()]
+    return all(torch.equal(a, b) for a, b in zip(seen, truth)), held
+
+
+def test_a_learner_may_read_offloaded_shards_between_steps(tmp_path):
+    for same, held in pplab.launch(_looked_at_between_steps, str(tmp_path), world_size=2):
+        assert same, "a shard read between steps differs from its value read back into RAM"
+        assert held["params"] == 0 and held["optimizer"] == 0, held
