@@ -158,7 +158,7 @@ WRONG = {
         (zb_with_the_library, [r"pplab\.pipeline's schedules"], None),
     ],
     "design_layout": [
-        (design_ignoring_memory, [r"^on 8 random problems", r"over the budget of [\d.]+ MB", r"points\]$"], None),
+        (design_ignoring_memory, [r"^on 8 random problems", r"over the budget of [\d.,]+ MB", r"points\]$"], None),
         (design_without_the_bubble, [r"^(scored )?on 8 random problems", r"Your weakest: problem \d", r"of 3 points\]$"], None),
         (design_all_data_parallel, [r"over the budget|takes [\d.]+× the fastest"], None),
         (design_fewer_microbatches_than_stages, [r"is not a valid layout: 1F1B needs at least as many micro-batches as "

@@ -85,6 +85,12 @@ def problems(seed: int, count: int = 16):
     return out
 
 
+def _mb(nbytes) -> str:
+    """Megabytes as a learner reads them: 4 significant digits, and no 1.033e+04."""
+    mb = nbytes / 1e6
+    return f"{mb:,.0f}" if mb >= 1000 else f"{mb:.4g}"
+
+
 def _describe(problem, preds, budget) -> str:
     rows = []
     for i, (L, p) in enumerate(zip(problem["layouts"], preds)):
@@ -93,7 +99,7 @@ def _describe(problem, preds, budget) -> str:
         rows.append(f"  {i}: dp={L['dp']} tp={L['tp']} pp={L['pp']} m={L['m']}: {t['total'] * 1e3:.3g} ms "
                     f"(compute {t['compute'] * 1e3:.3g}, tp {t['tp'] * 1e3:.3g}, bubble {t['bubble'] * 1e3:.3g}, "
                     f"sends {t['pp_send'] * 1e3:.3g}, dp {t['dp'] * 1e3:.3g}), "
-                    f"{p.memory['total'] / 1e6:.4g} MB per rank, {fits}")
+                    f"{_mb(p.memory['total'])} MB per rank, {fits}")
     return "\n".join(rows)
 
 
@@ -117,7 +123,7 @@ def check_pick_layout(fn, seed: int, timeout: float) -> str:
         if got != best or isinstance(got, bool):
             said = "None (nothing fits)" if best is None else f"{best}"
             raise Fail(f"problem {k}: you picked {got!r}, the planner picks {said}. The planner's numbers, "
-                       f"budget {budget / 1e6:.4g} MB per rank:\n{_describe(problem, preds, budget)}"
+                       f"budget {_mb(budget)} MB per rank:\n{_describe(problem, preds, budget)}"
                        f"{_hint(problem, got, best)}")
     nothing = sum(best is None for *_, best in cases)
     return f"on {len(cases)} random problems (4 and 8 ranks; {nothing} where no layout fits)"
@@ -201,7 +207,7 @@ def _design_points(preds, budget, got) -> tuple[int, str]:
     p = preds[got]
     if p.memory["total"] > budget:
         return 0, (f"dp={p.layout.dp}, tp={p.layout.tp}, pp={p.layout.pp}, m={p.layout.m} needs "
-                   f"{p.memory['total'] / 1e6:.4g} MB per rank, over the budget of {budget / 1e6:.4g} MB")
+                   f"{_mb(p.memory['total'])} MB per rank, over the budget of {_mb(budget)} MB")
     ratio = p.time["total"] / best
     points = 3 if ratio <= 1.05 else 2 if ratio <= 1.25 else 1
     L = preds[got].layout
