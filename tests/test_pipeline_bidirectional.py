@@ -7,7 +7,10 @@ bubble and memory table of deepseek-ai/DualPipe's README. Real ranks: float64 ML
 weights after one SGD step equal single-process training to rtol=1e-10, atol=1e-12 (two copies'
 gradients are added, so the sums are in another order than one process's: ~1e-17 apart).
 """
+import functools
+
 import pytest
+
 import torch
 from torch import nn
 from torch.distributed.pipelining.schedules import ScheduleDualPipeV, _ComputationType as C
@@ -17,6 +20,8 @@ from pplab.pipeline import ScheduleError, make_schedule, run_pipeline, simulate
 from pplab.pipeline.actions import Action, Schedule
 from pplab.pipeline.bidirectional import (chimera_bubble_ratio, dualpipe_table, make_bidirectional)
 from pplab.pipeline.simulate import validate
+
+import pipeline_models                # the MLP, its data, one process training it
 
 F64 = torch.float64
 RTOL, ATOL = 1e-10, 1e-12
@@ -155,24 +160,9 @@ def test_validator_catches_wrong_replica_and_bad_overlap():
 # ----------------------------------------------------------------------------------
 # real ranks
 
-def mlp(seed=0, width=8, depth=8):
-    torch.manual_seed(seed)
-    return [m for _ in range(depth) for m in (nn.Linear(width, width, dtype=F64), nn.Tanh())]
-
-
-def data(n, width=8):
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(n, width, dtype=F64, generator=g), torch.randn(n, width, dtype=F64, generator=g)
-
-
-def reference(n, lr):
-    model = nn.Sequential(*mlp())
-    x, y = data(n)
-    loss = nn.MSELoss()(model(x), y)
-    loss.backward()
-    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
-    torch.optim.SGD(model.parameters(), lr=lr).step()
-    return loss.item(), grads, {k: p.detach().clone() for k, p in model.named_parameters()}
+mlp = functools.partial(pipeline_models.mlp, width=8)
+data = functools.partial(pipeline_models.data, width=8)
+reference = functools.partial(pipeline_models.reference, width=8)
 
 
 def train_all(cases, n, lr):

@@ -18,6 +18,8 @@ from pplab.pipeline import (PipelineError, PipelineExecutor, ScheduleError, laye
 from pplab.pipeline.executor import _message_order
 from pplab.pipeline.partition import _balanced_split
 
+from pipeline_models import data, mlp, reference     # the MLP, its data, one process training it
+
 F64 = torch.float64
 RTOL, ATOL = 1e-10, 1e-12
 TIMEOUT = 60
@@ -27,25 +29,6 @@ TIMEOUT = 60
 torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
 
 
-def mlp(seed=0, width=16, depth=8):
-    torch.manual_seed(seed)
-    return [m for _ in range(depth) for m in (nn.Linear(width, width, dtype=F64), nn.Tanh())]
-
-
-def data(n, width=16):
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(n, width, dtype=F64, generator=g), torch.randn(n, width, dtype=F64, generator=g)
-
-
-def reference(n, lr):
-    """Single-process training of the unsplit model on the whole batch."""
-    model = nn.Sequential(*mlp())
-    x, y = data(n)
-    loss = nn.MSELoss()(model(x), y)
-    loss.backward()
-    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
-    torch.optim.SGD(model.parameters(), lr=lr).step()
-    return loss.item(), grads, {k: p.detach().clone() for k, p in model.named_parameters()}
 
 
 def train(name, p, m, n, chunks, balance, lr):

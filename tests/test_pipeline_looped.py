@@ -7,7 +7,10 @@ Gradients on real ranks are compared with rtol=1e-10, atol=1e-12 (float64; obser
 """
 from types import SimpleNamespace
 
+import functools
+
 import pytest
+
 import torch
 from torch import nn
 from torch.distributed.pipelining import schedules as S
@@ -16,6 +19,8 @@ import pplab
 from pplab.pipeline import ScheduleError, bubble_fraction, make_schedule, run_pipeline, simulate
 from pplab.pipeline.torch_csv import (from_torch_rows, read_torch_csv, run_with_torch, torch_rows,
                                       write_torch_csv)
+
+import pipeline_models                # the MLP, its data, one process training it
 
 F64 = torch.float64
 RTOL, ATOL = 1e-10, 1e-12
@@ -161,21 +166,12 @@ def test_bad_csv_is_explained(rows, message):
 # real ranks
 
 
-def mlp():
-    torch.manual_seed(0)
-    return [m for _ in range(6) for m in (nn.Linear(8, 8, dtype=F64), nn.Tanh())]
-
-
-def data(n):
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(n, 8, dtype=F64, generator=g), torch.randn(n, 8, dtype=F64, generator=g)
+mlp = functools.partial(pipeline_models.mlp, width=8, depth=6)
+data = functools.partial(pipeline_models.data, width=8)
 
 
 def reference_grads(n):
-    model = nn.Sequential(*mlp())
-    x, y = data(n)
-    nn.MSELoss()(model(x), y).backward()
-    return {k: p.grad for k, p in model.named_parameters()}
+    return pipeline_models.reference(n, 0.0, width=8, depth=6)[1]
 
 
 def _gathered(results, key="grads"):
