@@ -22,10 +22,20 @@ so that their bytes cross the emulated network too and are in the trace.
     hierarchical_all_reduce(t, c)     reduce-scatter in the node, all-reduce across, all-gather in the node
     hsdp_average_gradients(fsdp, c)   HSDP's extra step: the shards' gradients averaged across nodes
     predict_all_reduce(...)           the α-β time of flat and hierarchical all-reduce, two (α, β) pairs
+
+A layout laid onto the nodes (which ranks form each group of a dp × tp × pp mesh, how many nodes
+each spans, how many bytes each dimension sends between nodes per step), and the rule that
+places the chattiest dimension inside a node:
+
+    p = place(Cluster(2, 2), dp=2, tp=2, order=("dp", "tp"))   # tp innermost: each tp pair in one node
+    p.groups("tp"), p.nodes_spanned("tp")                       # [[0, 1], [2, 3]], [1, 1]
+    p.cross_node_bytes({"tp": 9e6, "dp": 2e5})                  # bytes each dimension sends between nodes
+    placement_rule({"tp": 9e6, "dp": 2e5})                      # ("dp", "tp"): most traffic innermost
 """
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import time
 from dataclasses import dataclass
@@ -33,7 +43,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import collectives, trace
+from . import collectives, mesh, trace
 from .runtime import comm
 from .trace import Event, now
 
@@ -136,8 +146,8 @@ def two_tier(cluster: Cluster, bandwidth: float, latency: float = 0.0):
     """Inside this block, this rank's messages to other nodes take >= latency + n / bandwidth seconds.
 
     bandwidth in bytes per second (math.inf: count only), latency in seconds. Every rank of
-    the launch should enter it. The backend's collectives (comm.all_reduce, all_gather_into_tensor,
-    reduce_scatter_tensor, all_to_all_single) run as pplab.collectives' ring and pairwise
+    the launch should enter it. The backend's collectives (comm.all_reduce, all_gather,
+    all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single) run as pplab.collectives' ring and pairwise
     algorithms meanwhile, so that they too send through the emulated network; they finish before
     returning (an async_op=True call gets a handle already done), so a prefetch does not overlap.
     """
@@ -156,6 +166,7 @@ def two_tier(cluster: Cluster, bandwidth: float, latency: float = 0.0):
         "all_reduce": _over_p2p("all_reduce", lambda t, op="sum", group=None:
                                 collectives.all_reduce(t, op=op, group=group)),
         "all_gather_into_tensor": _over_p2p("all_gather", collectives.all_gather_into_tensor),
+        "all_gather": _over_p2p("all_gather", collectives.all_gather),     # DDP's count of samples
         "reduce_scatter_tensor": _over_p2p("reduce_scatter", collectives.reduce_scatter_tensor),
         "all_to_all_single": _over_p2p("all_to_all", collectives.all_to_all_single),
     }
@@ -268,3 +279,162 @@ def predict_all_reduce(nbytes: float, cluster: Cluster, intra: tuple, inter: tup
     in_node = 2 * (r - 1) * (a_in + nbytes / r * b_in)
     across = 2 * (n - 1) * (a_x + nbytes / (r * n) * b_x)
     return in_node + across
+
+
+# ----------------------------------------------------------------------------------
+# A mesh laid onto the nodes: which ranks each group holds, and what crosses between nodes
+
+# How each dimension's ranks talk, and so which messages a group sends (pplab's algorithms):
+#   ring        tp's and dp's all-reduces, cp's ring attention: each rank sends to the next in the group
+#   all_to_all  ep's dispatch and combine: each rank sends an equal piece to every other
+#   chain       pp: each stage sends its activations to the next stage, which sends gradients back
+PATTERN = {"tp": "ring", "cp": "ring", "dp": "ring", "ep": "all_to_all", "pp": "chain"}
+
+
+class PlacementError(ValueError):
+    """This layout cannot be laid onto this cluster; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A mesh of `sizes` numbered along `order` (outermost first) on `cluster`'s nodes: global
+    rank r is the r-th point of the grid and sits on node r // ranks_per_node. Make one with place()."""
+
+    cluster: Cluster
+    sizes: tuple                 # ((dim, size), ...) for every dim of mesh.DIMS
+    order: tuple                 # every dim of mesh.DIMS, outermost first
+
+    def groups(self, dim: str) -> list[list[int]]:
+        """Every group along `dim`, each in order along it (the ring's order, the pipeline's stages)."""
+        return mesh.groups(dim, order=self.order, **dict(self.sizes))
+
+    def nodes_spanned(self, dim: str) -> list[int]:
+        """How many nodes each group along `dim` touches (1: it stays inside one node)."""
+        return [len({self.cluster.node_of(r) for r in g}) for g in self.groups(dim)]
+
+    def links(self, dim: str) -> list[tuple[int, int, float]]:
+        """(src, dst, share) of every message `dim`'s groups send: share is the part of what one
+        rank sends per step along `dim` that goes from src to dst (see PATTERN)."""
+        out = []
+        for g in self.groups(dim):
+            n = len(g)
+            if n == 1:
+                continue
+            if PATTERN[dim] == "ring":
+                out += [(g[i], g[(i + 1) % n], 1.0) for i in range(n)]
+            elif PATTERN[dim] == "all_to_all":
+                out += [(a, b, 1 / (n - 1)) for a in g for b in g if a != b]
+            else:                                   # chain: activations forward, gradients back
+                out += [(a, b, 1.0) for a, b in zip(g, g[1:])] + [(b, a, 1.0) for a, b in zip(g, g[1:])]
+        return out
+
+    def cross_node_bytes(self, traffic: dict) -> dict:
+        """{dim: bytes sent from one node to another per step, all ranks} for `traffic`, {dim: bytes
+        one rank sends per step along dim}: for ring dims what it sends to the next rank (an all-reduce
+        of N bytes over g ranks: 2(g-1)/g·N), for ep its all-to-all's input less its own piece, for pp
+        what a stage sends to the next one (the same comes back as gradients)."""
+        unknown = set(traffic) - set(PATTERN)
+        if unknown:
+            raise PlacementError(f"traffic names {sorted(unknown)}: the dimensions are {', '.join(PATTERN)}")
+        return {dim: sum(share * nbytes for src, dst, share in self.links(dim) if self.cluster.crosses(src, dst))
+                for dim, nbytes in traffic.items()}
+
+    def dim_between(self, src: int, dst: int) -> str | None:
+        """The dimension along which two ranks differ, if it is the only one (else None)."""
+        g = mesh.grid(self.order, **dict(self.sizes))
+        a, b = ((g == r).nonzero()[0].tolist() for r in (src, dst))
+        differ = [d for d, x, y in zip(mesh.DIMS, a, b) if x != y]
+        return differ[0] if len(differ) == 1 else None
+
+    def measured_cross_node_bytes(self, timeline) -> dict:
+        """{dim: bytes sent between nodes} read from `timeline`'s send events, each put on the
+        dimension along which its two ranks differ ('other' if more than one)."""
+        out = {}
+        for e in timeline.select(None, "comm", "send"):
+            if e.peer is not None and self.cluster.crosses(e.rank, e.peer):
+                dim = self.dim_between(e.rank, e.peer) or "other"
+                out[dim] = out.get(dim, 0) + e.bytes_sent
+        return out
+
+    def table(self, traffic: dict) -> str:
+        """One line per dimension: its groups, the nodes each spans, the bytes it sends between nodes."""
+        crossed = self.cross_node_bytes(traffic)
+        used = [d for d in self.order if dict(self.sizes)[d] > 1]
+        lines = [f"order {' > '.join(used)} (outermost first) on {self.cluster.n_nodes} nodes × "
+                 f"{self.cluster.ranks_per_node} ranks"]
+        for d in used:
+            lines.append(f"  {d}: groups {self.groups(d)}, nodes spanned {self.nodes_spanned(d)}, "
+                         f"{crossed.get(d, 0):,.0f} B between nodes per step")
+        return "\n".join(lines)
+
+
+def place(cluster: Cluster, order=None, **sizes) -> Placement:
+    """Lay a mesh of `sizes` (dp=, tp=, pp=, cp=, ep=) onto `cluster`, its ranks numbered along
+    `order` (outermost first; default pplab.mesh.DIMS, tp innermost). Refuses sizes that do not
+    fill the cluster, and an order that leaves out a dimension larger than one."""
+    if not isinstance(cluster, Cluster):
+        raise PlacementError(f"place lays a mesh onto a Cluster(n_nodes, ranks_per_node), got {cluster!r}")
+    try:
+        full = mesh._sizes(sizes)
+        order = mesh._order(order, full)
+    except ValueError as err:
+        raise PlacementError(str(err)) from None
+    product = math.prod(full.values())
+    if product != cluster.world_size:
+        named = [d for d in mesh.DIMS if full[d] > 1] or ["dp"]
+        raise PlacementError(f"{'·'.join(named)} = {'·'.join(str(full[d]) for d in named)} = {product} ranks, but the "
+                             f"cluster has {cluster.n_nodes} nodes × {cluster.ranks_per_node} = {cluster.world_size}: "
+                             f"choose sizes whose product is {cluster.world_size}")
+    return Placement(cluster, tuple(full.items()), order)
+
+
+def placement_rule(traffic: dict) -> tuple:
+    """The order (outermost first) that puts the dimension with the most traffic per step innermost,
+    where its groups are most likely to fit in a node, and the one with the least outermost, where
+    its groups span nodes. Ties keep mesh.DIMS's order. traffic: {dim: bytes one rank sends per step}."""
+    unknown = set(traffic) - set(mesh.DIMS)
+    if unknown:
+        raise PlacementError(f"traffic names {sorted(unknown)}: the dimensions are {', '.join(mesh.DIMS)}")
+    return tuple(sorted(traffic, key=lambda d: (traffic[d], -mesh.DIMS.index(d))))
+
+
+def orders(**sizes) -> list[tuple]:
+    """Every order (outermost first) of the dimensions larger than one: the placements to compare."""
+    used = [d for d in mesh.DIMS if mesh._sizes(sizes)[d] > 1]
+    return list(itertools.permutations(used))
+
+
+def crossing_time(collective: str, p: int, nbytes: float, inter: tuple) -> float:
+    """What the slow tier adds to a ring collective of `nbytes` over p ranks whose ring crosses
+    between nodes: every one of its steps waits for a message on a link between nodes,
+    (α, β) = inter. all_reduce: 2(p-1)(α + N/p β), predict_all_reduce's flat ring; all_gather and
+    reduce_scatter (N the whole tensor): (p-1)(α + N/p β); broadcast (one message, a pipeline hop):
+    α + Nβ. On this machine the emulated link holds a message back before the real transfer,
+    so this time comes on top of what the transfer costs inside a node."""
+    a, b = inter
+    steps = {"all_reduce": 2 * (p - 1), "all_gather": p - 1, "reduce_scatter": p - 1}
+    if collective == "broadcast":
+        return a + nbytes * b
+    if collective not in steps:
+        raise ValueError(f"collective must be one of all_reduce, all_gather, reduce_scatter, broadcast; got {collective!r}")
+    return steps[collective] * (a + nbytes / p * b) if p > 1 else 0.0
+
+
+def time_placements(cfg, cluster: Cluster, sizes: dict, orders: list, bandwidth: float, latency: float = 0.0,
+                    repeats: int = 3, steps: int = 3, **train_options) -> dict:
+    """On every rank (inside pplab.launch): pplab.hybrid.train of `cfg` on the mesh of `sizes`
+    numbered along each order in `orders`, on the emulated network; {order: [this rank's step
+    times, one list per repeat]}. The orders take turns (the first of each round alternating), so a
+    change in the machine's load hits all alike; a first round warms up and is dropped. Every
+    step's time is its slowest rank's: take the max over ranks."""
+    from .hybrid import train
+    from .mesh import Mesh
+    meshes = {tuple(o): Mesh(order=o, **sizes) for o in orders}      # every rank makes every group
+    out = {o: [] for o in meshes}
+    with collectives.unchecked(), two_tier(cluster, bandwidth, latency), trace.paused():
+        for i in range(repeats + 1):
+            for o in (list(meshes) if i % 2 else list(meshes)[::-1]):
+                took = train(cfg, meshes[o], steps=steps, **train_options)["step_times"]
+                if i:
+                    out[o].append(took)
+    return out

@@ -16,6 +16,10 @@ that dimension: with dp=2, tp=2 the tp groups are [0, 1] and [2, 3], the dp grou
 and [1, 3]. `group("dp", "ep")` spans several dimensions at once (chapter 8 syncs dense
 parameters over data × expert ranks).
 
+Another order can be asked for: `Mesh(dp=2, tp=2, order=("tp", "dp"))` numbers the ranks with
+dp fastest, so its tp groups are [0, 2] and [1, 3]. Chapter 10 (pplab.cluster.Placement) lays
+a mesh onto nodes and compares orders by the bytes each one sends between nodes.
+
 torch has the same idea in `torch.distributed.device_mesh.DeviceMesh`; `init_device_mesh`
 with the same sizes and names lays ranks out exactly as this mesh does (row-major), and
 `device_mesh()` builds it, so torch's DTensor layers can run on our layout.
@@ -40,45 +44,67 @@ def _sizes(sizes: dict) -> dict:
     return {dim: sizes.get(dim, 1) for dim in DIMS}
 
 
-def grid(**sizes) -> torch.Tensor:
-    """The global rank at every coordinate: a tensor of shape (pp, dp, ep, cp, tp)."""
-    shape = [_sizes(sizes)[d] for d in DIMS]
-    return torch.arange(math.prod(shape)).view(shape)
+def _order(order, sizes: dict) -> tuple:
+    """`order` (outermost first) completed to all of DIMS: the dimensions it leaves out have size 1
+    and go where DIMS puts them. None: DIMS itself (tp fastest)."""
+    if order is None:
+        return DIMS
+    order = tuple(order)
+    if any(d not in DIMS for d in order) or len(set(order)) != len(order):
+        raise ValueError(f"order names each of {', '.join(DIMS)} at most once (outermost first), got {order!r}")
+    left_out = [d for d in DIMS if d not in order and sizes[d] > 1]
+    if left_out:
+        raise ValueError(f"order {order!r} leaves out {', '.join(left_out)}, whose size is more than 1: "
+                         f"name every dimension larger than 1")
+    return order + tuple(d for d in DIMS if d not in order)
 
 
-def groups(*dims: str, **sizes) -> list[list[int]]:
+def grid(order=None, **sizes) -> torch.Tensor:
+    """The global rank at every coordinate: a tensor of shape (pp, dp, ep, cp, tp).
+    Ranks are numbered row-major along `order` (outermost first; default DIMS: tp fastest)."""
+    s = _sizes(sizes)
+    order = _order(order, s)
+    numbered = torch.arange(math.prod(s.values())).view([s[d] for d in order])
+    return numbered.permute(*[order.index(d) for d in DIMS])
+
+
+def groups(*dims: str, order=None, **sizes) -> list[list[int]]:
     """Every group along `dims` (global ranks), with no torch.distributed needed:
-    groups("tp", dp=2, tp=2) == [[0, 1], [2, 3]]."""
+    groups("tp", dp=2, tp=2) == [[0, 1], [2, 3]]; groups("tp", dp=2, tp=2, order=("tp", "dp"))
+    == [[0, 2], [1, 3]]."""
     if not dims or any(d not in DIMS for d in dims):
         raise ValueError(f"name one or more of {', '.join(DIMS)}, got {dims!r}")
-    g = grid(**sizes)
+    g = grid(order, **sizes)
     axes = [DIMS.index(d) for d in dims]
     rest = [a for a in range(len(DIMS)) if a not in axes]
     size = math.prod(g.shape[a] for a in axes)
     return g.permute(*rest, *axes).reshape(-1, size).tolist()
 
 
-def describe(**sizes) -> str:
+def describe(order=None, **sizes) -> str:
     """A printed map: each rank's coordinates, then the groups of each dimension used."""
     s = _sizes(sizes)
-    used = [d for d in DIMS if s[d] > 1] or ["dp"]
-    g = grid(**sizes)
+    used = [d for d in _order(order, s) if s[d] > 1] or ["dp"]
+    g = grid(order, **sizes)
     lines = [" × ".join(f"{d}={s[d]}" for d in used) + f"  ({g.numel()} ranks, {used[-1]} innermost)",
              "rank  " + "  ".join(f"{d:>2}" for d in used)]
-    for coords in torch.cartesian_prod(*[torch.arange(n) for n in g.shape]).view(-1, len(DIMS)).tolist():
-        rank = g[tuple(coords)].item()
-        lines.append(f"{rank:4d}  " + "  ".join(f"{coords[DIMS.index(d)]:>2}" for d in used))
+    at = {g[tuple(c)].item(): c for c in torch.cartesian_prod(*[torch.arange(n) for n in g.shape])
+          .view(-1, len(DIMS)).tolist()}
+    for rank in range(g.numel()):
+        lines.append(f"{rank:4d}  " + "  ".join(f"{at[rank][DIMS.index(d)]:>2}" for d in used))
     for d in used:
-        lines.append(f"{d} groups: " + "  ".join(str(r) for r in groups(d, **sizes)))
+        lines.append(f"{d} groups: " + "  ".join(str(r) for r in groups(d, order=order, **sizes)))
     return "\n".join(lines)
 
 
 class Mesh:
     """This rank's place in the mesh and its process groups. Call it on every rank (it creates
-    every group of every dimension, which torch.distributed needs all ranks to do, in order)."""
+    every group of every dimension, which torch.distributed needs all ranks to do, in order).
+    order: the dimensions, outermost first, that number the ranks (default DIMS: tp fastest)."""
 
-    def __init__(self, **sizes):
+    def __init__(self, order=None, **sizes):
         self.sizes = _sizes(sizes)
+        self.order = _order(order, self.sizes)
         if not dist.is_initialized():
             raise RuntimeError("Mesh(...) runs inside a rank: call it in a function started by pplab.launch")
         world = dist.get_world_size()
@@ -88,7 +114,7 @@ class Mesh:
             raise ValueError(f"{'·'.join(named)} = {'·'.join(str(self.sizes[d]) for d in named)} = {product} "
                              f"but the world has {world} ranks: choose sizes whose product is {world}")
         self.rank = dist.get_rank()
-        where = (grid(**self.sizes) == self.rank).nonzero()[0].tolist()
+        where = (grid(self.order, **self.sizes) == self.rank).nonzero()[0].tolist()
         self.coords = dict(zip(DIMS, where))
         self._groups = {}
         for dim in DIMS:                                   # same order on every rank
@@ -102,7 +128,7 @@ class Mesh:
         key = tuple(d for d in DIMS if d in dims)
         if key not in self._groups:
             mine = None
-            for ranks in groups(*key, **self.sizes):
+            for ranks in groups(*key, order=self.order, **self.sizes):
                 created = dist.new_group(ranks)            # every rank creates every group
                 if self.rank in ranks:
                     mine = (created, ranks)
@@ -142,6 +168,9 @@ class Mesh:
     def device_mesh(self, device_type: str = "cpu"):
         """torch's DeviceMesh with the same layout (only the dimensions larger than one)."""
         from torch.distributed.device_mesh import init_device_mesh
+        if self.order != DIMS:
+            raise ValueError(f"init_device_mesh numbers ranks row-major in the order it is given; this mesh's "
+                             f"order is {self.order}: build the DeviceMesh from mesh.grid(...) yourself")
         used = [d for d in DIMS if self.sizes[d] > 1] or ["dp"]
         return init_device_mesh(device_type, tuple(self.sizes[d] for d in used), mesh_dim_names=tuple(used))
 
@@ -158,7 +187,8 @@ class Mesh:
 
     def __repr__(self) -> str:
         used = {d: n for d, n in self.sizes.items() if n > 1}
-        return f"Mesh({', '.join(f'{d}={n}' for d, n in used.items())}) rank {self.rank} at {self.coords}"
+        order = "" if self.order == DIMS else f", order={tuple(d for d in self.order if d in used)}"
+        return f"Mesh({', '.join(f'{d}={n}' for d, n in used.items())}{order}) rank {self.rank} at {self.coords}"
 
     def __str__(self) -> str:
-        return describe(**self.sizes)
+        return describe(self.order, **self.sizes)

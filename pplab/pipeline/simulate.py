@@ -66,6 +66,7 @@ def _play(schedule: Schedule, duration: dict, latency: float = 0.0):
     """
     p, S, m = schedule.num_ranks, schedule.num_stages, schedule.num_microbatches
     owner, depth = schedule.stage_to_rank, schedule.stages_per_replica
+    hops = None if isinstance(latency, Real) else latency      # [src][dst] seconds: each hop its own
     start = [[0.0] * len(acts) for acts in schedule.actions]
     end = [[0.0] * len(acts) for acts in schedule.actions]
     finished = {k: [[None] * m for _ in range(S)] for k in "FBW"}  # [kind][stage][mb] -> end time
@@ -84,8 +85,8 @@ def _play(schedule: Schedule, duration: dict, latency: float = 0.0):
                     if t_done is None:
                         missing = (kind, s, a.microbatch)
                         break
-                    if owner[s] != r:
-                        t_done += latency     # it has to travel from another rank
+                    if owner[s] != r:         # it has to travel from another rank
+                        t_done += latency if hops is None else hops[owner[s]][r]
                     if t_done > t:
                         t = t_done
                 if missing is not None:
@@ -313,14 +314,22 @@ def simulate(schedule: Schedule, t_f=1.0, t_b=2.0, t_w=None, p2p_latency: float 
         gives one time per stage instead (imbalanced stages), used as is.
     t_w: for schedules that split B into I and W, the W part; I takes t_b - t_w. Default
         t_b / 2. Ignored by schedules that do not split.
-    p2p_latency: added whenever an input comes from another rank.
+    p2p_latency: added whenever an input comes from another rank; a p × p list of lists gives
+        each hop its own, p2p_latency[src][dst] (a link between nodes slower than one inside).
     t_fb: for schedules with overlapped F&B pairs (DualPipe), how long one pair takes, in the
         units of t_f and t_b. Default: the F's time plus the B's (nothing gained by overlapping).
     """
     _check_parts(schedule)
     _check_counts(schedule)
-    if not isinstance(p2p_latency, Real) or p2p_latency < 0:
-        raise ScheduleError(f"p2p_latency must be a number >= 0, got {p2p_latency!r}")
+    p = schedule.num_ranks
+
+    def seconds(x):
+        return isinstance(x, Real) and x >= 0
+    per_hop = isinstance(p2p_latency, (list, tuple)) and len(p2p_latency) == p and all(
+        isinstance(row, (list, tuple)) and len(row) == p and all(map(seconds, row)) for row in p2p_latency)
+    if not (seconds(p2p_latency) or per_hop):
+        raise ScheduleError(f"p2p_latency must be a number >= 0, got {p2p_latency!r} (or a {p} × {p} list of "
+                            f"them, [src][dst]: each hop its own)")
     f, b = _per_stage(t_f, "t_f", schedule), _per_stage(t_b, "t_b", schedule)
     w = [x / 2 for x in b] if t_w is None else _per_stage(t_w, "t_w", schedule)
     if t_w is not None and any(ws > bs for ws, bs in zip(w, b)):

@@ -30,10 +30,10 @@ to α). `compare(plan, measured)` puts predicted next to measured; `widget()` dr
 """
 
 from .calibrate import calibrate
-from .predict import Layout, Plan, PlanError, Prediction, compare, enumerate_layouts, plan, predict, stages
+from .predict import Layout, Plan, PlanError, Prediction, compare, enumerate_layouts, plan, predict, stages, step_traffic
 from .times import LayerTimes, contention, estimate, layer_params, measure, parallel_saved
 from .widget import draw, widget
 
 __all__ = ["Layout", "Plan", "PlanError", "Prediction", "LayerTimes", "plan", "predict", "compare",
            "enumerate_layouts", "stages", "measure", "estimate", "contention", "calibrate", "layer_params",
-           "parallel_saved", "draw", "widget"]
+           "parallel_saved", "draw", "widget", "step_traffic"]

@@ -1,10 +1,17 @@
 """The planner's predictions: a layout's memory per rank and step time (`predict`), every
 layout that fits (`enumerate_layouts`, `plan`), and predicted next to measured (`compare`).
-What each number is made of is in the package's docstring (pplab/planner/__init__.py)."""
+What each number is made of is in the package's docstring (pplab/planner/__init__.py).
+
+On a cluster of nodes (chapter 10), predict and plan take `cluster=` and `inter=`, the (α, β) of
+the link between nodes: the layout's mesh is laid onto the nodes along `Layout.order`
+(pplab.cluster.place), and a collective whose groups span nodes, or a pipeline hop between
+stages on different nodes, pays the slow tier on top (pplab.cluster.crossing_time). `step_traffic`
+says how many bytes each dimension sends per step, which pplab.cluster.placement_rule orders by."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from ..cluster import crossing_time, orders, place
 from ..hybrid import check_layout, describe_layout
 from ..models.gpt import GPTConfig
 from ..pipeline import make_schedule, simulate
@@ -27,13 +34,15 @@ class Layout:
     schedule: str = "1f1b"
     sp: bool = False                # Megatron sequence parallelism inside the tp group
     recompute: bool = False         # full recomputation of every block (pplab.recompute): keeps its input only
+    order: tuple | None = None      # the mesh's order on a cluster, outermost first (None: pp, dp, tp)
 
     @property
     def name(self) -> str:
         extra = (f", m={self.m}" if self.pp > 1 else "") + \
             (f", {self.schedule}" if self.pp > 1 and self.schedule != "1f1b" else "") + \
             (f", ZeRO-{self.zero}" if self.zero else "") + \
-            (", SP" if self.sp and self.tp > 1 else "") + (", recompute" if self.recompute else "")
+            (", SP" if self.sp and self.tp > 1 else "") + (", recompute" if self.recompute else "") + \
+            (f", order {'>'.join(self.order)}" if self.order else "")
         return describe_layout({"dp": self.dp, "tp": self.tp, "pp": self.pp}) + extra
 
 
@@ -57,15 +66,57 @@ class Prediction:
     fits: bool = True
 
 
+def step_traffic(cfg: GPTConfig, layout: Layout, batch: int, dtype_bytes: int = 4) -> dict:
+    """Bytes one rank sends per step along tp, dp and pp, as pplab.hybrid.train sends them with
+    pplab's ring collectives (an all-reduce of N bytes over g ranks: each rank sends 2(g-1)/g·N to
+    the next; an all-gather or a reduce-scatter half that):
+
+      tp  per micro-batch, all-reduces of one [s, b, h] activation: the embedding's forward, 2 per
+          block forward and 2 backward (2 more forward with recomputation), the head's input
+          backward; and the vocabulary-parallel loss's max [b, s] and its two sums [2, b, s]
+      dp  the gradients of this rank's shard of its stage: DDP's all-reduce (and, without a
+          pipeline, its all-gather of each replica's 8-byte count of samples), or ZeRO's
+          reduce-scatters and all-gathers as `predict` counts them (its padding left out)
+      pp  what a stage sends to the next per step: one activation per micro-batch (the
+          gradients come back the same size)
+
+    Rank 0 of the tp group holds the largest shard: where tp does not divide the vocabulary or a
+    matrix, the others send a little less."""
+    L, mb = layout, batch // (layout.dp * layout.m)
+    s, h, t, d = cfg.seq, cfg.hidden, layout.tp, layout.dp
+    act = mb * s * h * dtype_bytes
+
+    def ring(n, g):                           # bytes one rank sends in an all-reduce of n over g ranks
+        return 2 * (g - 1) / g * n
+    per_mb = (4 * cfg.layers + 2 + (2 * cfg.layers if L.recompute else 0)) * ring(act, t) + \
+        ring(mb * s * dtype_bytes, t) + ring(2 * mb * s * dtype_bytes, t)
+    cuts = stages(cfg, make_schedule(L.schedule, L.pp, L.m).num_stages if L.pp > 1 else 1)
+    params = layer_params(cfg, t)
+    mine = [make_schedule(L.schedule, L.pp, L.m).stages_of(r) for r in range(L.pp)] if L.pp > 1 else [[0]]
+    grads = max(sum(sum(params[a:e]) for a, e in (cuts[c] for c in st)) for st in mine) * dtype_bytes
+    half = ring(grads, d) / 2                 # one reduce-scatter or all-gather
+    dp = {0: 2 * half, 1: 2 * half, 2: (L.m + 1) * half, 3: L.m * 3 * half}[L.zero] if d > 1 else 0.0
+    if d > 1 and L.zero == 0 and L.pp == 1:
+        dp += (d - 1) * 8                     # DDP's ring all-gather of every replica's count of samples
+    return {"tp": L.m * per_mb if t > 1 else 0.0, "dp": dp, "pp": L.m * act if L.pp > 1 else 0.0}
+
+
 def predict(cfg: GPTConfig, layout: Layout, batch: int, fit, times: LayerTimes, dtype_bytes: int = 4,
-            oversubscription: float = 1.0) -> Prediction:
+            oversubscription: float = 1.0, cluster=None, inter=None) -> Prediction:
     """Memory and step time of one (valid) layout. oversubscription: how many ranks share a core
-    (compute runs that much slower: 4 ranks on this 2-core machine = 2)."""
+    (compute runs that much slower: 4 ranks on this 2-core machine = 2). cluster: a
+    pplab.cluster.Cluster of dp·tp·pp ranks, and inter, the (α, β) between its nodes: a dimension
+    whose groups span nodes pays pplab.cluster.crossing_time on top of `fit` for its collectives,
+    and so does a pipeline hop between nodes (the layout's mesh laid out along layout.order)."""
     L, mb = layout, batch // (layout.dp * layout.m)
     s, h, t = cfg.seq, cfg.hidden, layout.tp
     act = mb * s * h * dtype_bytes                                      # one [s, b, h] activation
     world = L.dp * L.tp * L.pp                  # every rank runs at once: on few cores they all share them
-    ar = (lambda n: fit.predict("all_reduce", None, t, n, world)) if t > 1 else (lambda n: 0.0)
+    placed = _placed(cluster, inter, L)
+    crossing = {d: placed is not None and max(placed.nodes_spanned(d)) > 1 for d in ("tp", "dp")}
+
+    ar = (lambda n: fit.predict("all_reduce", None, t, n, world) +
+          (crossing_time("all_reduce", t, n, inter) if crossing["tp"] else 0.0)) if t > 1 else (lambda n: 0.0)
     tp_f = [ar(act)] + [2 * ar(act)] * cfg.layers + [2 * ar(2 * mb * s * 4)]   # embedding g; blocks; loss sums
     tp_b = [0.0] + [2 * ar(act)] * cfg.layers + [ar(act)]                      # head's f; blocks
     saved = times.saved
@@ -94,6 +145,11 @@ def predict(cfg: GPTConfig, layout: Layout, batch: int, fit, times: LayerTimes, 
     if sched:
         flush = simulate(sched, tf, tb).makespan
         hop = fit.predict("broadcast", None, 2, act, world)   # one message, the ranks sharing the cores
+        if placed is not None:                                # a hop between nodes: the slow tier on top
+            stage_ranks = placed.groups("pp")
+            hop = [[hop + (crossing_time("broadcast", 2, act, inter) if any(
+                    cluster.crosses(g[i], g[j]) for g in stage_ranks) else 0.0) for j in range(L.pp)]
+                   for i in range(L.pp)]
         sim = simulate(sched, tf, tb, p2p_latency=hop)
         makespan, send = sim.makespan, sim.makespan - flush
     else:
@@ -126,11 +182,14 @@ def predict(cfg: GPTConfig, layout: Layout, batch: int, fit, times: LayerTimes, 
     grads = max(psi) * dtype_bytes
     dp = 0.0
     if L.dp > 1:                     # under a pipeline ZeRO-2's hooks reduce-scatter, and ZeRO-3 gathers
-        rs, ag = (fit.predict(kind, None, L.dp, grads, world) for kind in ("reduce_scatter", "all_gather"))
-        dp = {0: fit.predict("all_reduce", None, L.dp, grads, world), 1: rs + ag,      # twice, once per micro-batch
+        def dp_collective(kind, n):
+            return fit.predict(kind, None, L.dp, n, world) + \
+                (crossing_time(kind, L.dp, n, inter) if crossing["dp"] else 0.0)
+        rs, ag = (dp_collective(kind, grads) for kind in ("reduce_scatter", "all_gather"))
+        dp = {0: dp_collective("all_reduce", grads), 1: rs + ag,      # twice, once per micro-batch
               2: L.m * rs + ag, 3: L.m * (rs + 2 * ag)}[L.zero]
         if L.zero == 0 and L.pp == 1:    # DDP also checks, every step, that all replicas had as many samples
-            dp += fit.predict("all_gather", None, L.dp, 8 * L.dp, world)
+            dp += dp_collective("all_gather", 8 * L.dp)
     owned = max(psi) / (L.dp if L.zero else 1)
     opt = times.optimizer * owned * oversubscription
     t_parts = {"compute": L.m * (per_rank(f, slow) + per_rank(b, slow)),
@@ -143,6 +202,20 @@ def predict(cfg: GPTConfig, layout: Layout, batch: int, fit, times: LayerTimes, 
 
 # ----------------------------------------------------------------------------------
 # Which layouts exist, which are valid, which fit, which is fastest
+
+
+def _placed(cluster, inter, L: Layout):
+    """The layout's mesh on the cluster's nodes, or None without a cluster; PlanError on a mismatch."""
+    if cluster is None:
+        if inter is not None or L.order is not None:
+            raise PlanError("inter= and a layout's order place the mesh on a cluster's nodes: pass cluster= too")
+        return None
+    if not (isinstance(inter, (tuple, list)) and len(inter) == 2 and all(x >= 0 for x in inter)):
+        raise PlanError(f"with a cluster, inter is the (α seconds, β seconds per byte) between nodes, got {inter!r}")
+    try:
+        return place(cluster, order=L.order, dp=L.dp, tp=L.tp, pp=L.pp)
+    except ValueError as err:
+        raise PlanError(str(err)) from None
 
 
 def _divisors(n: int) -> list:
@@ -222,15 +295,19 @@ class Plan:
 
 def plan(cfg: GPTConfig, batch: int, world_size: int, memory_per_rank: float, fit, times: LayerTimes,
          zero_stages=(0, 1, 2, 3), schedule: str = "1f1b", dtype_bytes: int = 4,
-         oversubscription: float = 1.0, recompute=(False,)) -> Plan:
+         oversubscription: float = 1.0, recompute=(False,), cluster=None, inter=None) -> Plan:
     """Every valid layout that fits `memory_per_rank` bytes, fastest predicted step first;
-    recompute=(False, True): each layout also with full recomputation (a third more compute)."""
+    recompute=(False, True): each layout also with full recomputation (a third more compute).
+    cluster, inter (see `predict`): each layout in every order of its dimensions on the nodes."""
     valid, rejected = enumerate_layouts(cfg, batch, world_size, zero_stages, schedule, recompute)
+    if cluster is not None:
+        _placed(cluster, inter, Layout(world_size, 1, 1))        # the cluster and the link, checked once
+        valid = [replace(L, order=o) for L in valid for o in orders(dp=L.dp, tp=L.tp, pp=L.pp)]
     if not valid:
         reasons = sorted({why for _, why in rejected})
         raise PlanError(f"no layout of {world_size} ranks can run this model with a batch of {batch}: "
                         + "; ".join(reasons[:4]) + ". Change the world size, the batch or the model.")
-    preds = [predict(cfg, L, batch, fit, times, dtype_bytes, oversubscription) for L in valid]
+    preds = [predict(cfg, L, batch, fit, times, dtype_bytes, oversubscription, cluster, inter) for L in valid]
     for p in preds:
         p.fits = p.memory["total"] <= memory_per_rank
     ranked = sorted((p for p in preds if p.fits), key=lambda p: (p.time["total"], p.memory["total"]))
