@@ -92,6 +92,11 @@ ANSWERS = {
         "my_flat_cross_bytes": "N_NODES * 2 * (P - 1) / P * NBYTES",
         "my_hsdp_cross_bytes": "P * 2 * (N_NODES - 1) / N_NODES * (90 / R) * 8",
     },
+    "10d_placing_layouts": {
+        "my_tp_cross_bytes": "P * ((4 * cfg.layers + 2) * act + 3 * (BATCH // 2) * cfg.seq * 8)",
+        "my_best_order": "('pp', 'dp', 'tp')",
+        "my_faster": "'inside'",
+    },
 }
 
 

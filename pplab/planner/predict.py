@@ -278,12 +278,13 @@ class Plan:
 
     def table(self, rows=None) -> str:
         rows = self.ranked if rows is None else rows
-        head = f"{'layout':28s} {'step ms':>8s} {'compute':>8s} {'tp':>6s} {'bubble':>7s} {'pp':>6s} {'dp':>6s} " \
+        w = max([28] + [len(p.layout.name) for p in rows])
+        head = f"{'layout':{w}s} {'step ms':>8s} {'compute':>8s} {'tp':>6s} {'bubble':>7s} {'pp':>6s} {'dp':>6s} " \
                f"{'memory':>9s} {'(act.)':>9s}"
         lines = [head]
         for p in rows:
             t, m = p.time, p.memory
-            lines.append(f"{p.layout.name:28s} {t['total'] * 1e3:8.2f} {t['compute'] * 1e3:8.2f} {t['tp'] * 1e3:6.2f} "
+            lines.append(f"{p.layout.name:{w}s} {t['total'] * 1e3:8.2f} {t['compute'] * 1e3:8.2f} {t['tp'] * 1e3:6.2f} "
                          f"{t['bubble'] * 1e3:7.2f} {t['pp_send'] * 1e3:6.2f} {t['dp'] * 1e3:6.2f} "
                          f"{_gb(m['total']):>9s} {_gb(m['activations']):>9s}")
         return "\n".join(lines)
