@@ -10,11 +10,10 @@ asserted: what a placement costs in time follows from those bytes (notebook 10d 
 import math
 
 import pytest
-import torch
 from torch import nn
 
 import pplab
-from pplab import costfit, data, planner
+from pplab import costfit, planner
 from pplab.cluster import (Cluster, PlacementError, crossing_time, orders, place, placement_rule,
                            predict_all_reduce, two_tier)
 from pplab.hybrid import GPTConfig, train, train_single

@@ -114,7 +114,6 @@ def predict(cfg: GPTConfig, layout: Layout, batch: int, fit, times: LayerTimes, 
     world = L.dp * L.tp * L.pp                  # every rank runs at once: on few cores they all share them
     placed = _placed(cluster, inter, L)
     crossing = {d: placed is not None and max(placed.nodes_spanned(d)) > 1 for d in ("tp", "dp")}
-
     ar = (lambda n: fit.predict("all_reduce", None, t, n, world) +
           (crossing_time("all_reduce", t, n, inter) if crossing["tp"] else 0.0)) if t > 1 else (lambda n: 0.0)
     tp_f = [ar(act)] + [2 * ar(act)] * cfg.layers + [2 * ar(2 * mb * s * 4)]   # embedding g; blocks; loss sums
