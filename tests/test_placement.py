@@ -17,7 +17,7 @@ from pplab import costfit, planner
 from pplab.cluster import (Cluster, PlacementError, crossing_time, orders, place, placement_rule,
                            predict_all_reduce, two_tier)
 from pplab.hybrid import GPTConfig, train, train_single
-from pplab.mesh import Mesh
+from pplab.mesh import Mesh, describe
 from pplab.models import parallel_layers
 from pplab.pipeline import ScheduleError, make_schedule, simulate
 
@@ -40,6 +40,8 @@ def test_groups_and_nodes_on_two_nodes_of_two():
     assert inside.nodes_spanned("tp") == [1, 1] and inside.nodes_spanned("dp") == [2, 2]
     assert across.nodes_spanned("tp") == [2, 2] and across.nodes_spanned("dp") == [1, 1]
     assert place(c, dp=2, tp=2).groups("tp") == [[0, 1], [2, 3]]          # the default: tp innermost
+    text = describe(order=("tp", "dp"), dp=2, tp=2)
+    assert "dp innermost" in text and "tp groups: [0, 2]  [1, 3]" in text and "dp groups: [0, 1]  [2, 3]" in text
     # a ring of 2: both of its links cross or neither; every rank sends its traffic on one
     traffic = {"tp": 1000, "dp": 30}
     assert inside.cross_node_bytes(traffic) == {"tp": 0, "dp": 4 * 30}
