@@ -92,6 +92,10 @@ ANSWERS = {
         "my_flat_cross_bytes": "N_NODES * 2 * (P - 1) / P * NBYTES",
         "my_hsdp_cross_bytes": "P * 2 * (N_NODES - 1) / N_NODES * (90 / R) * 8",
     },
+    "10c_zero_plus_plus": {
+        "my_zero3_cross_bytes": "3 * N_NODES * (P - 1) * sum(n // P for n in PADDED) * 2",
+        "my_ratio": "sum(36 * (n // P) for n in PADDED) / sum(8 * (n // P) + 40 * math.ceil(n / P / BLOCK) for n in PADDED)",
+    },
 }
 
 
