@@ -177,9 +177,9 @@ class ZeroPlusPlus(FullyShardedModule):
         if not isinstance(cluster, Cluster):
             raise TypeError(f"cluster must be a pplab.cluster.Cluster, got {type(cluster).__name__}")
         _check_bits_block(grad_bits, block)
-        self_node, self_rail = cluster.groups()       # checks the launch has cluster.world_size ranks
+        node, rail = cluster.groups()                 # checks the launch has cluster.world_size ranks
         super().__init__(module, units=units, compute_dtype=compute_dtype)
-        self.cluster, self.node, self.rail = cluster, self_node, self_rail
+        self.cluster, self.node, self.rail = cluster, node, rail
         self.qwz, self.hpz, self.qgz = bool(qwz), bool(hpz), bool(qgz)
         self.grad_bits, self.block = grad_bits, block
         self.local = dist.get_rank() % cluster.ranks_per_node
@@ -287,7 +287,7 @@ def predict_cross_node_bytes(padded_sizes, cluster: Cluster, element_size: int, 
         scales = SCALE_BYTES * math.ceil(s / block)
         gather = ring * ((s + scales) if qwz else s * element_size)
         out["forward_gather"] += gather
-        out["backward_gather"] += 0 if hpz else ring * s * element_size if not qwz else gather
+        out["backward_gather"] += 0 if hpz else gather            # hpZ: inside the node
         payload = (math.ceil(s / 2) if grad_bits == 4 else s) + scales
         out["gradients"] += p * (n - 1) * payload if qgz else ring * s * element_size
     out["total"] = sum(out.values())
