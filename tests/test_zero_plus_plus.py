@@ -19,7 +19,7 @@ from pplab.cluster import Cluster, cross_node_bytes, two_tier
 from pplab.trace import Timeline
 from pplab.zero import FullyShardedModule
 from pplab.zero.plusplus import (ZeroPlusPlus, dequantize, pack_int4, predict_cross_node_bytes, quantize,
-                                 unpack_int4)
+                                 quantised_all_gather, quantised_reduce_scatter, unpack_int4)
 
 ROWS, LR, STEPS, BLOCK = 12, 0.1, 3, 5
 SETTINGS = {"off": dict(qwz=False, hpz=False, qgz=False), "hpz": dict(qwz=False, hpz=True, qgz=False),
@@ -99,11 +99,33 @@ def _mine(x, p):
     return x[dist.get_rank() * k:(dist.get_rank() + 1) * k]
 
 
+def _rank_data(rank, numel, spread=True):
+    """Rank-specific numbers; with spread, each block of 3 on its own scale, 0.01 to 100."""
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(numel, generator=g)
+    if spread:
+        x *= (10.0 ** torch.randint(-2, 3, (math.ceil(numel / 3),), generator=g)).repeat_interleave(3)[:numel]
+    return x
+
+
+def _collectives(cluster):
+    """The two quantised collectives alone, on this rank's own numbers: 7 per rank and piece."""
+    p = cluster.world_size
+    gathered = torch.empty(p * 7)
+    quantised_all_gather(gathered, _rank_data(dist.get_rank(), 7), block=3)
+    reduced = {}
+    for bits in (4, 8):
+        reduced[bits] = torch.empty(7)
+        quantised_reduce_scatter(reduced[bits], _rank_data(dist.get_rank(), 7 * p, spread=False), cluster,
+                                 bits=bits, block=3)
+    return {"gathered": gathered, "reduced": reduced}
+
+
 def _train(cluster, names, block):
     """Each setting trains STEPS SGD steps; per step: the master state before it, and the bytes
     that crossed nodes (this rank's sends). ZeRO-3 (FullyShardedModule) trains alongside."""
     x, y = _data()
-    out = {}
+    out = {"collectives": _collectives(cluster)}
     for name in names:
         wrapped = (FullyShardedModule(_model()) if name == "zero3" else
                    ZeroPlusPlus(_model(), cluster, block=block, **SETTINGS[name]))
@@ -134,6 +156,32 @@ def trained(request):
     """One launch per cluster trains every setting (a launch costs more than the training)."""
     cluster = Cluster(*request.param)
     return cluster, pplab.launch(_train, cluster, ["zero3", *SETTINGS], BLOCK, world_size=cluster.world_size)
+
+
+def test_quantised_collectives_against_torch_and_the_bound(trained):
+    cluster, runs = trained
+    p = cluster.world_size
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pieces = []
+        for r in range(p):                           # each rank's 7 numbers by torch's quantiser, blocks of 3
+            rows = torch.cat([_rank_data(r, 7), torch.zeros(2)]).view(3, 3)
+            q = torch.quantize_per_channel(rows, rows.abs().amax(1).double() / 127, torch.zeros(3, dtype=torch.long),
+                                           0, torch.qint8)
+            pieces.append(q.dequantize().reshape(-1)[:7])
+    for rank, run in enumerate(runs):
+        assert torch.allclose(run["collectives"]["gathered"], torch.cat(pieces), rtol=1e-6, atol=0), f"rank {rank}"
+    inputs = [_rank_data(r, 7 * p, spread=False) for r in range(p)]     # the bound uses each rank's largest
+    exact = sum(inputs)
+    for bits in (4, 8):
+        q = 2 ** (bits - 1) - 1
+        m = [x.abs().max().item() for x in inputs]   # the bound of _qgz_bound, for a sum (not a mean)
+        bound = sum(mk / (2 * q) for mk in m) + sum(sum(m[k] for k in cluster.node_ranks(a)) * (1 + 1 / (2 * q)) / (2 * q)
+                                                  for a in range(cluster.n_nodes))
+        for rank, run in enumerate(runs):
+            got, want = run["collectives"]["reduced"][bits], exact[7 * rank:7 * (rank + 1)]
+            assert (got - want).abs().max() <= bound, f"int{bits}, rank {rank}: my piece of the sum"
+            assert (got - want).abs().max() > 0, "the gradients were rounded on the way"
 
 
 def test_exact_paths_train_like_one_process(trained):
