@@ -97,6 +97,10 @@ ANSWERS = {
         "my_best_order": "('pp', 'dp', 'tp')",
         "my_faster": "'inside'",
     },
+    "10c_zero_plus_plus": {
+        "my_zero3_cross_bytes": "3 * N_NODES * (P - 1) * sum(n // P for n in PADDED) * 2",
+        "my_ratio": "sum(36 * (n // P) for n in PADDED) / sum(8 * (n // P) + 40 * math.ceil(n / P / BLOCK) for n in PADDED)",
+    },
 }
 
 
