@@ -6,6 +6,9 @@
     mfu(step.model, seconds, H100_SXM.peak("bf16"))         # model FLOPs utilization
     roofline(matmul(4096, 4096, 4096), H100_SXM)            # compute- or memory-bound?
 
+    work = count_step(model, x) * ranks                     # any nn.Module: torch's FLOPs, bytes per product
+    print(mfu_report(work, seconds, ranks, sent_per_rank(result.timeline, steps)))   # a chapter's run, reported
+
 **Counting.** A matrix product [m, k] @ [k, n] is m·n dot products of length k: 2·m·k·n
 floating-point operations (a multiply and an add each). A GPT's arithmetic is almost all such
 products, so the count is exact up to the small element-wise work (LayerNorm, GeLU, softmax,
@@ -35,6 +38,13 @@ attention's scores only. Those FLOPs are real work for the hardware but do not t
 **MFU** (model FLOPs utilization) divides the FLOPs the model needs by time × peak; **HFU**
 (hardware FLOPs utilization) counts the recomputed ones too, so HFU ≥ MFU.
 
+**A chapter's run, reported.** `mfu_report` takes what a training run measured (seconds per step,
+bytes each rank sent) and its FLOPs, and puts its MFU on this machine (all ranks share its cores:
+one fitted peak) beside what the same layout would reach on a GPU preset: each rank's share of the
+products at their roofline, then its bytes over NVLink. That second figure is predicted, not
+measured, and it is optimistic (kernel launches and latency are left out), so for the small models
+of the course it shows how little of a GPU they could use, whatever the code.
+
 **Roofline** (Williams, Waterman and Patterson, 2009). An operation that does F FLOPs and must
 move Q bytes between memory and the chip has arithmetic intensity I = F / Q. A machine with peak
 P FLOP/s and memory bandwidth W B/s can run it at most at min(P, I·W): below the ridge
@@ -44,6 +54,8 @@ matrix products sit far above the ridge; LayerNorm and element-wise ops far belo
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from .hardware import DTYPE_NAMES, H100_SXM, peak_here
 
 RECOMPUTE = ("none", "selective", "full")
 
@@ -278,3 +290,227 @@ def roofline_seconds(ops, machine, dtype: str = "bf16") -> float:
     """
     peak, bandwidth = machine.peak(dtype), machine.memory_bandwidth
     return sum(max(op.flops / peak, op.bytes / bandwidth) for op in ops)
+
+
+# ----------------------------------------------------------------------------------
+# A chapter's training run: its MFU here, beside what the same layout would reach on a GPU
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "tf32": 4, "fp64": 8}
+_SHORT_DTYPE = {torch_name: name for name, torch_name in DTYPE_NAMES.items()}      # "float32" -> "fp32"
+
+
+@dataclass(frozen=True)
+class StepCount:
+    """The products of one training step (forward and backward) as Ops, and the dtype they ran in."""
+
+    ops: tuple
+    dtype: str
+
+    @property
+    def flops(self) -> int:
+        return sum(op.flops for op in self.ops)
+
+    def __mul__(self, times: int) -> "StepCount":
+        """The same products run `times` times: one micro-batch's (or one rank's) count x how many there are."""
+        if isinstance(times, bool) or not isinstance(times, int) or times < 1:
+            raise ValueError(f"a step count repeats a positive whole number of times, got {times!r}")
+        return StepCount(self.ops * times, self.dtype)
+
+
+def count_step(model, *inputs, loss=None) -> StepCount:
+    """Run one forward and backward pass of `model` (any nn.Module) on `inputs`, and record every
+    product torch runs (matmuls, convolutions): its FLOPs by torch's own formulas (those
+    FlopCounterMode uses) and the bytes of the tensors it reads and writes.
+
+    loss: output -> the scalar to differentiate (default: the sum of the output's floating-point
+    tensors; a loss is element-wise work, so the products are the same whichever it is). The pass
+    runs on a copy of the model, with the random state restored and gradients taken by
+    torch.autograd.grad: `model`, its .grad and the next random numbers are left as they were.
+    Attention runs as explicit products (the math kernel) so that it is counted too.
+    """
+    import copy
+
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+    from torch.utils.flop_counter import flop_registry
+
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"count_step takes an nn.Module and its inputs, got {type(model).__name__}")
+    products = []
+
+    class Products(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            formula = flop_registry.get(func._overloadpacket)
+            if formula is not None:
+                tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+                products.append((Op(func._overloadpacket.__name__, formula(*args, **kwargs, out_val=out),
+                                    sum(t.numel() * t.element_size() for t in tensors)), tensors[-1].dtype))
+            return out
+
+    # a tensor kept from an earlier forward (an auxiliary loss, say) is no leaf and cannot be deep-copied: detach it
+    kept = {id(t): t.detach() for m in model.modules() for t in vars(m).values()
+            if isinstance(t, torch.Tensor) and not t.is_leaf}
+    copied = copy.deepcopy(model, kept)
+    weights = [w for w in copied.parameters() if w.requires_grad]
+    if not weights:
+        raise ValueError("the model has no parameter that requires grad: there is no training step to count")
+    with torch.random.fork_rng(devices=[]), sdpa_kernel(SDPBackend.MATH), Products():
+        out = copied(*inputs)
+        value = loss(out) if loss is not None else \
+            sum(t.sum() for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point())
+        torch.autograd.grad(value, weights, allow_unused=True)
+    if not products:
+        raise ValueError("no matrix product ran in the model's forward and backward: nothing for MFU to count")
+    by_dtype = {}
+    for op, dtype in products:
+        by_dtype[dtype] = by_dtype.get(dtype, 0) + op.flops
+    dtype = str(max(by_dtype, key=by_dtype.get)).removeprefix("torch.")
+    if dtype not in _SHORT_DTYPE:
+        raise ValueError(f"the products ran in {dtype}; MFU is reported for {sorted(_SHORT_DTYPE)}")
+    return StepCount(tuple(op for op, _ in products), _SHORT_DTYPE[dtype])
+
+
+# Bytes one of p ranks sends per byte of payload it hands a collective that the backend runs
+# (pplab.comm traces that payload, not the backend's bytes on the wire): those of ring algorithms,
+# the least any algorithm sends, and what NCCL's rings send inside a GPU node.
+_RING_SENDS = {"all_reduce": lambda p: 2 * (p - 1) / p, "reduce_scatter": lambda p: (p - 1) / p,
+               "all_to_all": lambda p: (p - 1) / p,
+               "all_gather": lambda p: p - 1, "scatter": lambda p: p - 1,    # the payload is one rank's piece
+               "broadcast": lambda p: 1, "reduce": lambda p: 1, "gather": lambda p: 1, "barrier": lambda p: 0}
+
+
+def sent_per_rank(timeline, steps: int = 1, skip=()) -> float:
+    """The most bytes any rank of a measured `timeline` sent per step, over `steps` steps: its
+    point-to-point sends as traced, plus, for each collective the backend ran, the bytes a ring
+    algorithm sends for its payload (counted on every rank of the group, roots included).
+    skip: kinds of comm events that are no messages (chapter 9's "disk_read", "disk_write")."""
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a positive whole number, got {steps!r}")
+    most = 0.0
+    for rank in range(timeline.world_size):
+        sent = 0.0
+        for e in timeline.select(rank, "comm"):
+            if e.kind in skip:
+                continue
+            if e.bytes_sent or e.kind in ("send", "recv"):
+                sent += e.bytes_sent
+            elif e.kind in _RING_SENDS:
+                sent += _RING_SENDS[e.kind](len(e.group)) * e.meta.get("payload", 0)
+            else:
+                raise ValueError(f"rank {rank} traced a {e.kind!r} whose bytes sent_per_rank cannot tell; "
+                                 f"it knows {sorted(_RING_SENDS)} and point-to-point sends")
+        most = max(most, sent)
+    return most / steps
+
+
+@dataclass(frozen=True)
+class MFUReport:
+    """A training run's MFU on this machine, beside what the same layout would reach on a preset GPU."""
+
+    flops: float                 # model FLOPs of one step, every rank's together
+    seconds: float               # measured seconds per step
+    ranks: int
+    dtype: str                   # the run's dtype, in which this machine's peak is fitted
+    peak_here: float             # FLOP/s of this machine, one device that every rank shares
+    preset: object               # a pplab.hardware.Hardware
+    preset_dtype: str
+    compute_seconds: float       # per rank, on the preset: the least its share of the products can take
+    memory_bound: float | None   # the share of compute_seconds spent waiting on memory (None: no op list)
+    sent_bytes: float | None     # per rank and step, in preset_dtype (None: not traced)
+    link_bandwidth: float        # B/s, one direction
+
+    @property
+    def mfu_here(self) -> float:
+        return self.flops / (self.seconds * self.peak_here)
+
+    @property
+    def comm_seconds(self) -> float:
+        return 0.0 if self.sent_bytes is None else self.sent_bytes / self.link_bandwidth
+
+    @property
+    def preset_seconds(self) -> float:
+        """The predicted step: compute at its roofline, then the sends at the link's bandwidth (no overlap)."""
+        return self.compute_seconds + self.comm_seconds
+
+    @property
+    def mfu_preset(self) -> float:
+        return self.flops / (self.ranks * self.preset_seconds * self.preset.peak(self.preset_dtype))
+
+    def __str__(self):
+        here = (f"this machine: MFU {100 * self.mfu_here:.3g}% ({_si(self.flops, 'FLOP')} a step in {_si(self.seconds, 's')}; "
+                f"{self.ranks} rank{'s' * (self.ranks > 1)} sharing one {self.dtype} peak of "
+                f"{_si(self.peak_here, 'FLOP/s')}, fitted here)")
+        how = ("its FLOPs at peak: no op list, so memory is not counted" if self.memory_bound is None else
+               f"its products at their roofline, {self.memory_bound:.0%} of that time memory-bound")
+        sends = ("sends not traced" if self.sent_bytes is None else
+                 f"{_si(self.comm_seconds, 's')} sending {_si(self.sent_bytes, 'B')} per rank at "
+                 f"{_si(self.link_bandwidth, 'B/s')}")
+        there = (f"{self.ranks} x {self.preset.name} in {self.preset_dtype}, predicted from the roofline, not measured: "
+                 f"{_si(self.compute_seconds, 's')} of compute per rank ({how}) + {sends}; MFU at most "
+                 f"{100 * self.mfu_preset:.3g}% if they do not overlap (kernel launches and latency left out)")
+        return f"{here}\n{there}"
+
+
+def _si(value: float, unit: str) -> str:
+    """3 significant digits and an SI prefix: 0.00468e-6 s -> '4.68 ns'."""
+    for factor, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"), (1, ""), (1e-3, "m"), (1e-6, "µ")):
+        if abs(value) >= factor:
+            return f"{value / factor:.3g} {prefix}{unit}"
+    return f"{value / 1e-9:.3g} n{unit}"
+
+
+def mfu_report(work, seconds: float, ranks: int = 1, sent_bytes: float | None = None, *,
+               dtype: str | None = None, peak: float | None = None, preset=None, preset_dtype: str = "bf16",
+               link_bandwidth: float | None = None) -> MFUReport:
+    """A training run's MFU on this machine, and what the same layout would reach on `preset`.
+
+    work: the step's model FLOPs, every rank's together: a StepCount (`count_step`: FLOPs and the
+      op list), a StepFlops (`step_flops`) or a number of FLOPs (no op list: the preset's compute
+      is then the FLOPs at its peak).
+    seconds: measured seconds per step. ranks: how many ranks ran it.
+    sent_bytes: the most bytes a rank sent per step, in the run's dtype (`sent_per_rank`).
+    dtype: the run's dtype (default: the StepCount's, else "fp32"); peak: this machine's FLOP/s in
+      it (default: `pplab.hardware.peak_here(dtype)`, fitted once per process).
+    preset: a pplab.hardware.Hardware (default H100 SXM), run in `preset_dtype`, its ranks in one
+      node (NVLink; pass link_bandwidth for another link).
+
+    On this machine every rank shares the same cores, so MFU divides by one peak. On the preset
+    each rank is a GPU doing 1/ranks of the products: their roofline time over ranks is the least
+    the slowest rank can take (cutting a product into pieces never moves fewer bytes), and the
+    bytes (converted to preset_dtype) cross the link at its bandwidth. Kernel launches, the
+    element-wise ops and message latency are left out: a real GPU would be slower still.
+    """
+    preset = H100_SXM if preset is None else preset
+    dtype = dtype or (work.dtype if isinstance(work, StepCount) else "fp32")
+    for name, value in (("dtype", dtype), ("preset_dtype", preset_dtype)):
+        if value not in DTYPE_BYTES:
+            raise ValueError(f"{name} must be one of {sorted(DTYPE_BYTES)}, got {value!r}")
+    flops = work.flops if isinstance(work, StepCount) else work.model if isinstance(work, StepFlops) else work
+    if isinstance(flops, bool) or not isinstance(flops, (int, float)) or not flops > 0:
+        raise ValueError(f"work must be a StepCount, a StepFlops or a positive number of FLOPs, got {work!r}")
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+        raise ValueError(f"seconds must be the measured seconds per step (> 0), got {seconds!r}")
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"ranks must be a positive whole number, got {ranks!r}")
+    if sent_bytes is not None and not sent_bytes >= 0:
+        raise ValueError(f"sent_bytes must be the bytes a rank sent per step (>= 0) or None, got {sent_bytes!r}")
+    if link_bandwidth is None:
+        if ranks > 8:
+            raise ValueError(f"{ranks} ranks do not fit one node of 8 GPUs: pass link_bandwidth (e.g. "
+                             f"preset.network, {preset.network:.3g} B/s) for the link between nodes")
+        link_bandwidth = preset.nvlink
+    scale = DTYPE_BYTES[preset_dtype] / DTYPE_BYTES[dtype]      # the same numbers, in the preset's dtype
+    if isinstance(work, StepCount):
+        ops = [Op(op.name, op.flops, op.bytes * scale) for op in work.ops]
+        compute = roofline_seconds(ops, preset, preset_dtype) / ranks
+        memory_bound = roofline_seconds([op for op in ops if roofline(op, preset, preset_dtype).bound == "memory"],
+                                        preset, preset_dtype) / ranks / compute
+    else:
+        compute, memory_bound = flops / ranks / preset.peak(preset_dtype), None
+    return MFUReport(float(flops), float(seconds), ranks, dtype, peak_here(dtype) if peak is None else float(peak),
+                     preset, preset_dtype, compute, memory_bound,
+                     None if sent_bytes is None else sent_bytes * scale, link_bandwidth)

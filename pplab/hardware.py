@@ -22,6 +22,7 @@ each: 2 × its bytes).
 """
 from __future__ import annotations
 
+import functools
 import os
 import time
 from dataclasses import dataclass, field
@@ -137,3 +138,23 @@ def fit_this_machine(dtypes=("fp32", "fp64"), matmul_n: int = 512, copy_bytes: i
     return Hardware("this machine", flops, measure_copy_bandwidth(copy_bytes, repeats, seconds_each), float(memory),
                     source=f"fitted here: fastest of {seconds_each} s of timed {matmul_n}x{matmul_n} matmuls and of "
                            f"{copy_bytes / 2 ** 20:.0f} MiB copies, {torch.get_num_threads()} torch thread(s)")
+
+
+@functools.cache
+def peak_here(dtype: str = "fp32") -> float:
+    """This machine's peak FLOP/s in `dtype`, fitted quickly the first time a process asks, then kept:
+    what `pplab.flops.mfu_report` divides by (`fit_this_machine` tries longer).
+
+    One core's peak (the fastest of 0.05 s of 512 x 512 matmuls on one thread) times the cores this
+    process may use, which the ranks of a run share. One thread finds a quiet moment on a loaded
+    machine far more often than several, which stall whenever one of them is descheduled.
+    """
+    import torch
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return cores * measure_matmul_flops(512, dtype, repeats=3, min_seconds=0.05)
+    finally:
+        torch.set_num_threads(threads)

@@ -7,7 +7,8 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from pplab.flops import (Op, attention, block_ops, gpt_ops, roofline_seconds, elementwise, flops_per_token, forward_flops, hfu, layer_norm,
+from pplab.flops import (Op, StepCount, attention, block_ops, count_step, gpt_ops, mfu_report, roofline_seconds, elementwise,
+                         sent_per_rank, flops_per_token, forward_flops, hfu, layer_norm,
                          matmul, matmul_parameters, megatron_flops, megatron_parameters, mfu, roofline, six_n,
                          step_flops, training_seconds)
 from pplab.hardware import A100_80GB, H100_SXM
@@ -151,3 +152,156 @@ def test_gpt_ops_and_the_roofline_time_by_hand():
     # two ops on the A100 in fp32 (19.5e12 FLOP/s, 2.039e12 B/s): one memory-bound, one compute-bound
     two = [Op("a", 1e6, 1e6), Op("b", 1e9, 1e6)]
     assert roofline_seconds(two, A100_80GB, "fp32") == pytest.approx(1e6 / 2.039e12 + 1e9 / 19.5e12)
+
+
+# ----------------------------------------------------------------------------------
+# A chapter's run reported: count_step, sent_per_rank, mfu_report
+
+def test_count_step_counts_an_mlp_by_hand_and_leaves_the_model_alone():
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(12, 20), nn.Tanh(), nn.Linear(20, 7, bias=False))
+    x = torch.randn(5, 12)
+    mlp(x).sum().backward()                                   # a gradient the count must not touch
+    before = [w.grad.clone() for w in mlp.parameters()], [w.detach().clone() for w in mlp.parameters()]
+    rng = torch.get_rng_state()
+    step = count_step(mlp, x)
+    assert torch.equal(torch.get_rng_state(), rng)
+    for w, grad, value in zip(mlp.parameters(), *before):
+        assert torch.equal(w.grad, grad) and torch.equal(w.detach(), value)
+    # forward: 2·5·12·20 + 2·5·20·7; backward: both weights' gradients, and only the second layer's
+    # input gradient (the first layer's input is data: nobody asks for its gradient)
+    forward = 2 * 5 * 12 * 20 + 2 * 5 * 20 * 7
+    assert step.flops == forward + forward + 2 * 5 * 7 * 20 == 9_000
+    with FlopCounterMode(display=False) as counter:
+        mlp(x).sum().backward()
+    assert step.flops == counter.get_total_flops()
+    assert step.dtype == "fp32" and [op.name for op in step.ops][:2] == ["addmm", "mm"]
+    # addmm(bias [20], x [5, 12], weightᵀ [12, 20]) -> [5, 20], float32: every tensor read or written once
+    assert step.ops[0] == Op("addmm", 2 * 5 * 12 * 20, 4 * (20 + 5 * 12 + 12 * 20 + 5 * 20))
+    assert count_step(mlp.double(), x.double(), loss=lambda y: y.square().mean()).dtype == "fp64"
+    with pytest.raises(TypeError, match="takes an nn.Module"):
+        count_step(lambda t: t, x)
+    with pytest.raises(ValueError, match="no matrix product"):
+        count_step(nn.Sequential(nn.LayerNorm(12)), x)
+
+
+class _KeepsItsLoss(nn.Linear):
+    def forward(self, x):
+        y = super().forward(x)
+        self.aux_loss = y.square().mean()           # kept from the forward: a tensor that is no leaf
+        return y
+
+
+def test_count_step_on_a_model_that_keeps_a_tensor_of_its_last_forward():
+    model = _KeepsItsLoss(3, 2)
+    model(torch.ones(4, 3))
+    kept = model.aux_loss
+    assert count_step(model, torch.ones(4, 3)).flops == 2 * (2 * 4 * 3 * 2) and model.aux_loss is kept
+
+
+def test_count_step_on_the_gpt_is_the_hand_count():
+    cfg = GPTConfig(vocab=30, seq=16, hidden=32, heads=4, ffn=48, layers=2)
+    ids = torch.randint(0, 30, (3, 10), generator=torch.Generator().manual_seed(0))
+    step = count_step(nn.Sequential(*gpt_layers(cfg, seed=1)), ids, loss=lambda logits: gpt_loss(logits, ids))
+    assert step.flops == step_flops(cfg, 3, 10).model == 3 * 994_560 and step.dtype == "fp64"
+
+
+def test_mfu_report_by_hand():
+    # two products of a step in float32: one compute-bound on an H100, one memory-bound
+    big, small = Op("mm", 2 * 4096 ** 3, 4 * 3 * 4096 ** 2), Op("mm", 2 * 64 * 64 * 64, 4 * 3 * 64 * 64)
+    step = StepCount((big, small), "fp32")
+    report = mfu_report(step, seconds=0.5, ranks=4, sent_bytes=9e6, peak=2e12)
+    flops = big.flops + small.flops
+    assert report.mfu_here == pytest.approx(flops / (0.5 * 2e12))           # 4 ranks, one machine: one peak
+    # on 4 H100s in bf16 the bytes halve: big moves 2·3·4096² B, small 2·3·64² B
+    peak, hbm = 989.5e12, 3.35e12
+    compute = (2 * 4096 ** 3 / peak + 2 * 3 * 64 * 64 / hbm) / 4               # big at its peak, small at HBM's speed
+    assert report.compute_seconds == pytest.approx(compute)
+    assert report.memory_bound == pytest.approx(2 * 3 * 64 * 64 / hbm / 4 / compute)
+    assert report.comm_seconds == pytest.approx(4.5e6 / 450e9)                 # 9 MB in fp32, 4.5 MB in bf16, NVLink
+    assert report.mfu_preset == pytest.approx(flops / (4 * (compute + 4.5e6 / 450e9) * peak))
+    text = str(report)
+    assert f"MFU {100 * flops / 1e12:.3g}%" in text and "predicted from the roofline, not measured" in text
+    assert f"MFU at most {100 * report.mfu_preset:.3g}%" in text and "4 x H100 SXM in bf16" in text
+
+    # no op list: the FLOPs at the preset's peak; another preset, dtype and link
+    by_count = mfu_report(6e9, seconds=0.1, ranks=3, sent_bytes=None, dtype="fp64", peak=1e11, preset=A100_80GB,
+                          preset_dtype="fp32", link_bandwidth=25e9)
+    assert by_count.mfu_here == pytest.approx(0.6) and by_count.memory_bound is None
+    assert by_count.compute_seconds == pytest.approx(2e9 / 19.5e12) and by_count.comm_seconds == 0
+    assert by_count.mfu_preset == pytest.approx(1.0) and "sends not traced" in str(by_count)
+    gpt = step_flops(GPTConfig(vocab=30, seq=16, hidden=32, heads=4, ffn=48, layers=2), 3, 10)
+    assert mfu_report(gpt, 1.0, peak=4 * gpt.model).mfu_here == pytest.approx(0.25)
+
+
+def test_mfu_report_names_what_is_wrong():
+    step = StepCount((Op("mm", 100, 40),), "fp32")
+    for kwargs, message in [({"seconds": 0}, "measured seconds per step"), ({"ranks": 0}, "ranks must be"),
+                            ({"ranks": 2.0}, "ranks must be"), ({"sent_bytes": -1}, "sent_bytes must be"),
+                            ({"dtype": "fp8"}, "dtype must be one of"), ({"preset_dtype": "int8"}, "preset_dtype"),
+                            ({"ranks": 16}, "do not fit one node of 8 GPUs")]:
+        with pytest.raises(ValueError, match=message):
+            mfu_report(step, **{"seconds": 1.0, "peak": 1e9, **kwargs})
+    with pytest.raises(ValueError, match="work must be a StepCount"):
+        mfu_report(-5, 1.0, peak=1e9)
+    assert mfu_report(step, 1.0, ranks=16, peak=1e9, link_bandwidth=50e9).ranks == 16
+
+
+def _every_collective(use_rings):
+    from pplab import collectives, comm
+    rank, p = comm.rank(), comm.world_size()
+    x = torch.arange(12.0) + rank                              # 48 bytes, a multiple of 3 pieces
+    out = torch.empty(36)
+    if use_rings:                                              # pplab.collectives: rings of traced sends
+        collectives.all_reduce(x.clone(), algorithm="ring")
+        collectives.all_gather_into_tensor(out, x)
+        collectives.reduce_scatter_tensor(torch.empty(4), x)
+        collectives.all_to_all_single(torch.empty(12), x)
+    else:                                                      # the backend's: the trace holds payloads
+        comm.all_reduce(x.clone())
+        comm.all_gather_into_tensor(out, x)
+        comm.reduce_scatter_tensor(torch.empty(4), x)
+        comm.all_to_all_single(torch.empty(12), x)
+    if rank == 1:                                              # and one point-to-point message
+        comm.send(torch.ones(5), dst=2)
+    elif rank == 2:
+        comm.recv(torch.empty(5), src=1)
+
+
+def test_sent_per_rank_counts_what_rings_send():
+    import pplab
+
+    backend = pplab.launch(_every_collective, False, world_size=3).timeline
+    rings = pplab.launch(_every_collective, True, world_size=3).timeline
+    # 3 ranks, 48 bytes: all-reduce 2·(2/3)·48, all-gather 2·48, reduce-scatter and all-to-all (2/3)·48 each;
+    # rank 1 also sends 20 bytes
+    assert sent_per_rank(backend) == pytest.approx(64 + 96 + 32 + 32 + 20)
+    assert max(rings.bytes_sent(r) for r in range(3)) == sent_per_rank(rings) == sent_per_rank(backend)
+    assert sent_per_rank(backend, steps=4) == pytest.approx(244 / 4)
+    with pytest.raises(ValueError, match="steps must be"):
+        sent_per_rank(backend, steps=0)
+
+
+def test_sent_per_rank_refuses_what_it_cannot_count():
+    from pplab.trace import Event, Timeline
+    odd = Timeline([Event(0, "all_gather_object", "comm", 0.0, 1.0, group=(0, 1), meta={"payload": 8})], world_size=2)
+    with pytest.raises(ValueError, match="'all_gather_object' whose bytes"):
+        sent_per_rank(odd)
+    disk = Timeline([Event(0, "disk_read", "comm", 0.0, 1.0, meta={"payload": 8}),
+                     Event(1, "send", "comm", 0.0, 1.0, bytes_sent=12, peer=0, seq=0)], world_size=2)
+    assert sent_per_rank(disk, skip=("disk_read",)) == 12
+
+
+def test_a_step_count_repeated():
+    one = StepCount((Op("mm", 10, 4), Op("bmm", 6, 2)), "bf16")
+    assert (one * 3).flops == 48 and (one * 3).ops == one.ops * 3 and (one * 3).dtype == "bf16"
+    with pytest.raises(ValueError, match="positive whole number"):
+        one * 0
+
+
+def test_this_machines_peak_is_fitted_once():
+    from pplab.hardware import peak_here
+    threads = torch.get_num_threads()
+    first = peak_here("fp64")
+    assert math.isfinite(first) and first > 0 and peak_here("fp64") == first        # kept, not fitted again
+    assert torch.get_num_threads() == threads, "the fit runs on one thread, then gives torch its threads back"
