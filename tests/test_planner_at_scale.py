@@ -124,23 +124,41 @@ def llama():
 
 
 def test_llama_published_layouts_fit_without_recomputation(llama):
-    for row, est, rank, plan in llama:
+    for row, est, *_ in llama:
         assert est is not None and est.fits and est.layout.recompute == "none"
         assert est.memory["memory"] <= 80e9, row
 
 
-def test_llama_mfu_and_rank(llama):
-    """Predicted MFU of each published layout against Table 4; the distances are explained in
-    notebooks/10_at_scale.ipynb: 8,192 GPUs below the band (interleaving does not fit at 32
-    micro-batches without recomputation, so the 1F1B bubble is 15/32), the others within 2 points of it."""
-    (r8, e8, k8, p8), (r16, e16, k16, _), (rcp, ecp, kcp, _) = llama
+def test_llama_mfu_against_table_4(llama):
+    """Predicted MFU of each published layout against Table 4 (38-43%); the distances are explained in
+    notebooks/10_at_scale.ipynb. 8,192 GPUs: below the band, because interleaving does not fit at 32
+    micro-batches without recomputation, so the planner runs 1F1B with its 15/32 bubble. The others
+    within 2 points of the band."""
+    (r8, e8, _, _, p8), (_, e16, _, _, _), (_, ecp, _, _, _) = llama
     assert e8.layout.v == 1 and 0.33 < e8.mfu < 0.38
     for v in (2, 4, 8):
         assert not estimate(p8.model, p8.cluster, r8.batch, dataclasses.replace(e8.layout, v=v)).fits
     for e in (e16, ecp):
         assert 0.38 - 0.02 <= e.mfu <= 0.43 + 0.02, e
-    assert kcp <= 5
-    assert np.isfinite([k8, k16]).all()
+
+
+def test_llama_published_layouts_rank(llama):
+    """Among the layouts with the paper's cp, the 16,384-GPU layouts are the planner's first choice;
+    at 8,192 GPUs only tp = 16 layouts (tensor parallel across two nodes, which halves the activations
+    so that interleaving fits) rank above it. Overall, layouts with context parallelism at 8K tokens
+    rank first: the planner sees only their bytes (K and V are small with 8 KV heads), not the
+    latency and small kernels that a 512-token slice of a sequence costs."""
+    (r8, _, all8, cp8, p8), (_, _, all16, cp16, _), (_, _, allcp, cpcp, _) = llama
+    assert cp16 == 1 and cpcp == 1 and allcp <= 5
+    assert cp8 <= 10 and all8 > 10 and all16 > 10
+    above, seen = set(), set()
+    for i in p8.order:
+        shape = tuple(int(p8.x[d][i]) for d in ("dp", "tp", "pp", "cp"))
+        if shape == (r8.dp, r8.tp, r8.pp, r8.cp):
+            break
+        if shape[3] == 1:
+            above.add(shape)
+    assert len(above) == cp8 - 1 and {s[1] for s in above} == {16}
 
 
 def test_search_is_complete_and_says_why_not():

@@ -100,7 +100,9 @@ def llama_plan(row: LlamaRow):
 
 def llama_prediction(row: LlamaRow, plan=None):
     """(the fastest fitting variant of the published layout with ZeRO-2 and no recomputation, its rank
-    among the planner's layouts (each dp × tp × pp × cp counted once), the plan)."""
+    among all the planner's layouts, its rank among those with the same cp (each dp × tp × pp × cp
+    counted once), the plan)."""
     plan = plan or llama_plan(row)
     shape = dict(dp=row.dp, tp=row.tp, pp=row.pp, cp=row.cp)
-    return plan.best(**shape, zero=2, recompute="none"), plan.rank(**shape), plan
+    return (plan.best(**shape, zero=2, recompute="none"), plan.rank(**shape),
+            plan.rank(among={"cp": row.cp}, **shape), plan)

@@ -1,0 +1,168 @@
+"""The closed forms of the planner at scale (pplab.planner.at_scale): memory per GPU and step time
+of a layout, written once for numpy arrays so that every layout of a cluster is evaluated at once.
+
+* **compute** (chapter 10a): every operation of a layer on the roofline, max(FLOPs / (EFFICIENCY ×
+  peak), bytes / HBM bandwidth): matrix products, attention (FlashAttention, fused, skips the masked
+  half of a causal mask; "unfused" writes the scores), norms and element-wise ops. Backward = 2 ×
+  forward; full recomputation runs the forward again, selective the attention again.
+* **tensor parallelism** (chapter 3): 2 all-reduces of [b, s, h] a layer forward, 2 backward (with
+  sequence parallelism, chapter 5: all-gathers and reduce-scatters of the same bytes), 2 more when
+  recomputing; **context parallelism** (Llama 3's): an all-gather of K and V forward and a
+  reduce-scatter backward; every collective by `pplab.cluster.predict_all_reduce`, with NVLink inside
+  a node and the network between nodes (chapter 10b), not overlapped with compute.
+* **pipeline** (chapter 4), the heaviest rank's work per micro-batch t (its layers, the last stage's
+  output layer) times m + (p−1)/v + (v−1)·max(0, p−m)/v: the 1F1B bubble (p−1)·t, shrunk v times by
+  interleaving (Narayanan et al. 2021), larger when m < p (`pplab.pipeline.bubble_fraction`).
+* **data parallelism and ZeRO** (chapters 2 and 6): the gradients' all-reduce (reduce-scatter +
+  all-gather for ZeRO-1/2, the same bytes) once a step; ZeRO-3 also all-gathers the weights twice
+  and reduce-scatters each micro-batch; the optimizer step reads and writes its shard once.
+* **memory per GPU** (the first pipeline rank: most micro-batches in flight, the embedding):
+  parameters, gradients, Adam's state by `pplab.zero.model_state_bytes` over dp × cp ranks;
+  activations by Korthikanti et al.'s per-layer count (`layer_activation_bytes`), times the layers
+  of a rank, times the micro-batches in flight: min(p, m) for 1F1B, min(m, p + (p−1)/v) interleaved.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..cluster import Cluster, predict_all_reduce
+from ..flops import attention, elementwise, layer_norm, matmul
+from ..zero import model_state_bytes
+
+# The one efficiency constant: the fraction of dense peak FLOP/s that a training step's matrix
+# products sustain. Not fitted to any row; its justification is in notebooks/10_at_scale.ipynb.
+EFFICIENCY = 0.6
+ADAM_BYTES_TOUCHED = 28        # optimizer step per owned parameter: read + write fp32 master, m, v; read grad, write weight
+
+# ----------------------------------------------------------------------------------
+# Closed forms; every argument may be a numpy array (one entry per layout)
+
+def layer_activation_bytes(model, micro_batch, tp=1, cp=1, sp=True, recompute="none"):
+    """Bytes one layer keeps for backward, Korthikanti et al. 2022 (Table 2) for any transformer:
+    16-bit activations, 1-byte dropout masks. Per token, with t = tp and sequence parallelism
+    dividing the norms' and dropouts' share by t too:
+        norms' inputs 2·2h; attention: its input 2h, q 2h/t, k and v 2·2·kv·d/t, its output 2h/t,
+        (dropout mask h); scores: 5·a·s/t (softmax 2, its dropout mask 1 and output 2) unless
+        fused or recomputed (selective); MLP: its input 2h, 2f/t (GeLU: its input and fc2's) or
+        3f/t (SwiGLU: gate, up and their product) × 2 bytes, (dropout mask h).
+    For f = 4h and a·d = h that is s·b·h·(10 + 24/t + 5·a·s/(h·t)), or 34·s·b·h/t with sequence
+    parallelism (pplab.memory.activation_bytes_formula). Full recomputation keeps the input only.
+    cp splits the sequence: s/cp tokens a GPU, each attending to all s keys."""
+    m, h, d = model, model.hidden, model.head_dim
+    tp, cp, mb = np.asarray(tp), np.asarray(cp), np.asarray(micro_batch)
+    shared = np.where(np.asarray(sp) & (tp > 1), tp, 1)          # what SP cuts: norms, dropouts, layer inputs
+    tokens = mb * m.seq / cp
+    drop = 1.0 if m.dropout else 0.0
+    norms = 2 * 2 * h / shared
+    attn = 2 * h / shared + (2 * h + 4 * m.kv * d + 2 * h) / tp + drop * h / shared
+    mlp = 2 * h / shared + 2 * (3 if m.gated else 2) * m.f / tp + drop * h / shared
+    scores = 0.0 if m.flash else (4 + drop) * m.heads * m.seq / tp    # per query token: a·s of each
+    rec = np.asarray(recompute)
+    per_token = norms + attn + mlp + np.where(rec == "none", scores, 0.0)
+    return tokens * np.where(rec == "full", 2 * h / shared, per_token)
+
+
+def microbatches_in_flight(pp, m, v):
+    """Micro-batches whose activations the first pipeline rank holds at its peak, in units of one
+    micro-batch through all of its layers: 1F1B min(p, m); interleaved (v > 1) min(m, p + (p−1)/v)
+    (Narayanan et al. 2021: the warm-up runs (v−1)·p + 2(p−1) chunk-forwards before the first backward)."""
+    pp, m, v = np.asarray(pp), np.asarray(m), np.asarray(v)
+    return np.where(v == 1, np.minimum(pp, m), np.minimum(m, pp + (pp - 1) / v))
+
+
+def pipeline_steps(pp, m, v):
+    """The step's length in units of the heaviest rank's work for one micro-batch (forward + backward):
+    m + (p−1)/v, plus (v−1)·(p−m)/v when m < p (pplab.pipeline.bubble_fraction's cases)."""
+    pp, m, v = np.asarray(pp), np.asarray(m), np.asarray(v)
+    return m + (pp - 1) / v + (v - 1) * np.maximum(0, pp - m) / v
+
+
+def _span(cluster, sizes, dims):
+    """(nodes, GPUs per node) of a group over `dims`, ranks placed in the order tp, cp, pp, dp, ep
+    innermost first (Llama 3's order): a dimension has min(size, g / stride) members in a node."""
+    g, stride, per_node, total = cluster.gpus_per_node, 1, 1, 1
+    for name in ("tp", "cp", "pp", "dp", "ep"):
+        size = sizes[name]
+        if name in dims:
+            per_node = per_node * np.minimum(size, np.maximum(1, g // stride))
+            total = total * size
+        stride = stride * size
+    return total // per_node, per_node
+
+
+def _all_reduce(cluster, nbytes, nodes, per_node):
+    """predict_all_reduce (hierarchical: ring in the node, ring across) for each layout's group."""
+    hw = cluster.hardware
+    intra, inter = (0.0, 1 / hw.nvlink), (0.0, 1 / hw.network)    # α left out: messages of MBs to GBs
+    nbytes, nodes, per_node = np.broadcast_arrays(np.asarray(nbytes, float), nodes, per_node)
+    out = np.zeros(nbytes.shape)
+    for n, r in set(zip(nodes.ravel().tolist(), per_node.ravel().tolist())):
+        if n * r > 1:
+            sel = (nodes == n) & (per_node == r)
+            out[sel] = predict_all_reduce(nbytes[sel], Cluster(int(n), int(r)), intra, inter, "hierarchical")
+    return out
+
+
+def _heaviest_rank(t_layer, t_head, layers, pp):
+    """Work of the slowest pipeline rank: whole layers, the last rank also the output layer, cut so
+    that the slowest is as fast as it can be (k layers on the last rank, the rest spread evenly)."""
+    best = np.where(pp == 1, layers * t_layer + t_head, np.inf)
+    for k in range(0, -(-layers // int(np.min(pp))) + 1):
+        rest = np.ceil((layers - k) / np.maximum(pp - 1, 1))
+        ok = (pp > 1) & (k <= np.ceil(layers / pp))
+        best = np.where(ok, np.minimum(best, np.maximum(k * t_layer + t_head, rest * t_layer)), best)
+    return best
+
+
+def evaluate(model, cluster, batch: int, x: dict) -> dict:
+    """Memory (bytes per GPU) and time (seconds per step) of every layout in x (arrays of equal length)."""
+    hw, M = cluster.hardware, model
+    dp, tp, pp, cp, ep, zero, mb, v = (np.asarray(x[k]) for k in ("dp", "tp", "pp", "cp", "ep", "zero", "micro_batch", "v"))
+    rec, sp = np.asarray(x["recompute"]), np.asarray(x["sp"]) & (tp > 1)
+    peak, bandwidth = hw.peak("bf16") * EFFICIENCY, hw.memory_bandwidth
+    h, f, V, L = M.hidden, M.f, M.vocab, M.layers
+    m = batch / (dp * mb)                                  # micro-batches per step
+    T = mb * M.seq / cp                                    # tokens a GPU holds in one micro-batch
+    shared = np.where(sp, tp, 1)
+    up = 2 if M.gated else 1
+
+    def seconds(op):                                       # the roofline: compute- or memory-bound
+        return np.maximum(op.flops / peak, op.bytes / bandwidth)
+    att = attention(mb, M.heads / tp, M.seq, M.head_dim, fused=M.flash)
+    t_att = seconds(att) / cp * (0.5 if M.flash else 1.0)     # FlashAttention skips the masked half
+    t_fwd = (seconds(matmul(T, h, (M.heads + 2 * M.kv) * M.head_dim / tp)) + t_att
+             + seconds(matmul(T, h, h / tp)) + M.top_k * (seconds(matmul(T, h, up * f / tp)) + seconds(matmul(T, f / tp, h)))
+             + 2 * seconds(layer_norm(T / shared, h)) + 2 * seconds(elementwise(T * h / shared, 2))
+             + M.top_k * seconds(elementwise(T * f / tp, up, 8)))
+    t_layer = 3 * t_fwd + np.where(rec == "full", t_fwd, np.where(rec == "selective", t_att, 0.0))
+    sizes = {"tp": tp, "cp": cp, "pp": pp, "dp": dp, "ep": ep}
+    tp_ar = _all_reduce(cluster, mb * M.seq / cp * h * 2, *_span(cluster, sizes, {"tp"}))
+    t_layer = t_layer + (4 + 2 * (rec == "full")) * tp_ar
+    kv_gather = _all_reduce(cluster, mb * M.seq * 2 * M.kv * M.head_dim * 2 / tp, *_span(cluster, sizes, {"cp"})) / 2
+    t_layer = t_layer + (2 + (rec == "full")) * kv_gather
+    if M.experts > 1:                                      # dispatch and combine, forward and backward
+        t_layer = t_layer + 2 * _all_reduce(cluster, T * M.top_k * h * 2, *_span(cluster, sizes, {"ep"}))
+    t_head = 3 * seconds(matmul(T, h, V / tp))
+    hop = np.where(pp > 1, 2 * v * T * h * 2 / tp / hw.network, 0.0)   # scatter/gather: 1/tp of [b, s, h] a hop
+    t_micro = _heaviest_rank(t_layer, t_head, L, pp) + hop
+    t_pipeline = t_micro * pipeline_steps(pp, m, v)
+
+    layers_first = np.ceil(L / pp)
+    layer_params = (M.attention_weights + M.experts / ep * M.mlp_weights) / tp
+    psi = layers_first * layer_params + V * h / tp                 # the first rank: its layers + embedding
+    zero_group = dp * cp
+    state = np.zeros(psi.shape)
+    for stage, n in set(zip(zero.ravel().tolist(), zero_group.ravel().tolist())):
+        sel = (zero == stage) & (zero_group == n)
+        state[sel] = psi[sel] * model_state_bytes(int(stage), 1, int(n))    # linear in Ψ: bytes per parameter
+    params = psi * 2 / np.where(zero == 3, zero_group, 1)
+    grads = psi * 2 / np.where(zero >= 2, zero_group, 1)
+    acts = layers_first * layer_activation_bytes(M, mb, tp, cp, sp, rec) * microbatches_in_flight(pp, m, v)
+    acts = acts + np.where(rec == "none", 0.0, layer_activation_bytes(M, mb, tp, cp, sp, "none"))   # a layer recomputed
+    grad_ar = _all_reduce(cluster, psi * 2, *_span(cluster, sizes, {"dp", "cp"}))
+    t_dp = np.where(zero == 3, 1.5 * m, 1.0) * grad_ar
+    t_opt = psi * ADAM_BYTES_TOUCHED / np.where(zero >= 1, zero_group, 1) / bandwidth
+    total = t_pipeline + t_dp + t_opt
+    return {"params": params, "grads": grads, "optimizer": state - params - grads, "activations": acts,
+            "memory": state + acts, "compute": t_micro * m, "bubble": t_micro * (pipeline_steps(pp, m, v) - m),
+            "tp": tp_ar * (4 + 2 * (rec == "full")) * L / pp * m, "dp": t_dp, "optimizer_step": t_opt, "step": total}
