@@ -13,6 +13,7 @@ from pplab.memory import activation_bytes_formula
 from pplab.models import GPTConfig
 from pplab.pipeline import bubble_fraction, make_schedule, simulate
 from pplab.pipeline.bidirectional import dualpipe_table, make_bidirectional
+from pplab.planner import at_scale
 from pplab.planner.at_scale import (AtScaleError, GPUCluster, Layout, Transformer, estimate, layer_activation_bytes,
                                     microbatches_in_flight, pipeline_steps, search)
 from pplab.planner.published import (LLAMA3_405B, LLAMA3_TABLE_4, NARAYANAN_TABLE_1, llama_prediction,
@@ -172,6 +173,41 @@ def test_search_is_complete_and_says_why_not():
     assert best.fits and best.time["step"] == plan.result["step"][plan.order].min()
     again = estimate(plan.model, plan.cluster, 2048, best.layout)
     assert again.time["step"] == pytest.approx(best.time["step"]) and again.memory == pytest.approx(best.memory)
+
+
+def test_compute_of_a_wide_model_is_its_flops_at_efficiency_times_peak():
+    """h = 16384, FlashAttention, no recomputation: the products dominate, so the work is the model's
+    FLOPs (attention halved by the causal mask, as the kernel skips it) at EFFICIENCY × peak."""
+    wide = Transformer("wide", layers=4, hidden=16384, heads=128, vocab=1000, seq=4096)
+    cluster = GPUCluster(H100_SXM, nodes=1, gpus_per_node=8)
+    e = estimate(wide, cluster, 16, Layout(dp=8, recompute="none", micro_batch=2))
+    hand = wide.step_flops(16) / 8 / (at_scale.EFFICIENCY * H100_SXM.peak("bf16"))
+    assert e.time["compute"] == pytest.approx(hand, rel=0.02) and e.time["compute"] > hand
+
+
+def test_collectives_by_hand():
+    """dp = 2 over 2 nodes (tp = 8 fills a node): the gradients' ring across the network,
+    2(n−1)·(N/n)/β_network with N = 2 bytes × the GPU's parameters; tp = 8 in the node:
+    4 all-reduces a layer and micro-batch of 2·s·b·h bytes, 2(r−1)·(N/r)/β_NVLink."""
+    m = Transformer("m", layers=4, hidden=4096, heads=32, vocab=1000, seq=2048)
+    cluster = GPUCluster(H100_SXM, nodes=2, gpus_per_node=8)
+    e = estimate(m, cluster, 8, Layout(dp=2, tp=8, zero=1, recompute="none", micro_batch=1))
+    psi = 4 * (4 * 4096 ** 2 + 2 * 4096 * 4 * 4096) / 8 + 1000 * 4096 / 8
+    assert e.time["dp"] == pytest.approx(2 * 1 * (2 * psi / 2) / H100_SXM.network)
+    per = 2 * 7 * (2 * 2048 * 4096 / 8) / H100_SXM.nvlink
+    assert e.time["tp"] == pytest.approx(4 * per * 4 * 4)                 # 4 a layer, 4 layers, m = 4
+    assert e.memory["params"] == pytest.approx(2 * psi) and e.memory["optimizer"] == pytest.approx(12 * psi / 2)
+
+
+def test_experts_are_sharded_by_ep():
+    moe = Transformer("moe", layers=2, hidden=1024, heads=8, vocab=1000, seq=512, experts=8, top_k=2)
+    cluster = GPUCluster(H100_SXM, nodes=1, gpus_per_node=8)
+    for ep in (1, 2, 8):
+        e = estimate(moe, cluster, 8, Layout(dp=8 // ep, ep=ep, zero=0, recompute="none"))
+        psi = 2 * (4 * 1024 ** 2 + 8 / ep * 2 * 1024 * 4096) + 1000 * 1024
+        assert e.memory["params"] == pytest.approx(2 * psi), ep
+    plan = search(moe, cluster, 8)
+    assert set(plan.x["ep"]) == {1, 2, 4, 8}
 
 
 def test_bad_layouts_say_what_to_change():

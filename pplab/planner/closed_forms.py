@@ -41,10 +41,11 @@ def layer_activation_bytes(model, micro_batch, tp=1, cp=1, sp=True, recompute="n
     """Bytes one layer keeps for backward, Korthikanti et al. 2022 (Table 2) for any transformer:
     16-bit activations, 1-byte dropout masks. Per token, with t = tp and sequence parallelism
     dividing the norms' and dropouts' share by t too:
-        norms' inputs 2·2h; attention: its input 2h, q 2h/t, k and v 2·2·kv·d/t, its output 2h/t,
-        (dropout mask h); scores: 5·a·s/t (softmax 2, its dropout mask 1 and output 2) unless
-        fused or recomputed (selective); MLP: its input 2h, 2f/t (GeLU: its input and fc2's) or
-        3f/t (SwiGLU: gate, up and their product) × 2 bytes, (dropout mask h).
+        norms' inputs 2·2h; attention: its input 2h, q 2h/t, k and v 2·2·kv·d/t (a whole head when
+        t > kv: each rank keeps a copy), its output 2h/t, (dropout mask h); scores: a·s/t × 5
+        (softmax 2, its dropout mask 1 and output 2; 2 without dropout) unless fused or recomputed
+        (selective); MLP: its input 2h, 2f/t (GeLU: its input and fc2's) or 3f/t (SwiGLU: gate, up
+        and their product) × 2 bytes, (dropout mask h).
     For f = 4h and a·d = h that is s·b·h·(10 + 24/t + 5·a·s/(h·t)), or 34·s·b·h/t with sequence
     parallelism (pplab.memory.activation_bytes_formula). Full recomputation keeps the input only.
     cp splits the sequence: s/cp tokens a GPU, each attending to all s keys."""
@@ -54,12 +55,17 @@ def layer_activation_bytes(model, micro_batch, tp=1, cp=1, sp=True, recompute="n
     tokens = mb * m.seq / cp
     drop = 1.0 if m.dropout else 0.0
     norms = 2 * 2 * h / shared
-    attn = 2 * h / shared + (2 * h + 4 * m.kv * d + 2 * h) / tp + drop * h / shared
+    attn = 2 * h / shared + (2 * h + 2 * h) / tp + 4 * kv_heads_per_rank(m, tp) * d + drop * h / shared
     mlp = 2 * h / shared + 2 * (3 if m.gated else 2) * m.f / tp + drop * h / shared
-    scores = 0.0 if m.flash else (4 + drop) * m.heads * m.seq / tp    # per query token: a·s of each
+    scores = 0.0 if m.flash else (2 + 3 * drop) * m.heads * m.seq / tp    # per query token: a·s of each
     rec = np.asarray(recompute)
     per_token = norms + attn + mlp + np.where(rec == "none", scores, 0.0)
     return tokens * np.where(rec == "full", 2 * h / shared, per_token)
+
+
+def kv_heads_per_rank(model, tp):
+    """Key/value heads a tensor-parallel rank holds: kv/tp, or one copy when tp > kv (GQA)."""
+    return np.maximum(model.kv / np.asarray(tp), 1)
 
 
 def microbatches_in_flight(pp, m, v):
@@ -130,7 +136,8 @@ def evaluate(model, cluster, batch: int, x: dict) -> dict:
         return np.maximum(op.flops / peak, op.bytes / bandwidth)
     att = attention(mb, M.heads / tp, M.seq, M.head_dim, fused=M.flash)
     t_att = seconds(att) / cp * (0.5 if M.flash else 1.0)     # FlashAttention skips the masked half
-    t_fwd = (seconds(matmul(T, h, (M.heads + 2 * M.kv) * M.head_dim / tp)) + t_att
+    kv = kv_heads_per_rank(M, tp)
+    t_fwd = (seconds(matmul(T, h, (M.heads / tp + 2 * kv) * M.head_dim)) + t_att
              + seconds(matmul(T, h, h / tp)) + M.top_k * (seconds(matmul(T, h, up * f / tp)) + seconds(matmul(T, f / tp, h)))
              + 2 * seconds(layer_norm(T / shared, h)) + 2 * seconds(elementwise(T * h / shared, 2))
              + M.top_k * seconds(elementwise(T * f / tp, up, 8)))
@@ -138,7 +145,7 @@ def evaluate(model, cluster, batch: int, x: dict) -> dict:
     sizes = {"tp": tp, "cp": cp, "pp": pp, "dp": dp, "ep": ep}
     tp_ar = _all_reduce(cluster, mb * M.seq / cp * h * 2, *_span(cluster, sizes, {"tp"}))
     t_layer = t_layer + (4 + 2 * (rec == "full")) * tp_ar
-    kv_gather = _all_reduce(cluster, mb * M.seq * 2 * M.kv * M.head_dim * 2 / tp, *_span(cluster, sizes, {"cp"})) / 2
+    kv_gather = _all_reduce(cluster, mb * M.seq * 2 * kv * M.head_dim * 2, *_span(cluster, sizes, {"cp"})) / 2
     t_layer = t_layer + (2 + (rec == "full")) * kv_gather
     if M.experts > 1:                                      # dispatch and combine, forward and backward
         t_layer = t_layer + 2 * _all_reduce(cluster, T * M.top_k * h * 2, *_span(cluster, sizes, {"ep"}))
@@ -166,3 +173,5 @@ def evaluate(model, cluster, batch: int, x: dict) -> dict:
     return {"params": params, "grads": grads, "optimizer": state - params - grads, "activations": acts,
             "memory": state + acts, "compute": t_micro * m, "bubble": t_micro * (pipeline_steps(pp, m, v) - m),
             "tp": tp_ar * (4 + 2 * (rec == "full")) * L / pp * m, "dp": t_dp, "optimizer_step": t_opt, "step": total}
+# "compute" is the slowest rank's work over the step's m micro-batches (its collectives included),
+# "bubble" what the pipeline adds to it, "tp" the tensor-parallel all-reduces of an average rank.
