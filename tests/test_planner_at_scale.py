@@ -152,7 +152,7 @@ def test_llama_published_layouts_rank(llama):
     (r8, _, all8, cp8, p8), (_, _, all16, cp16, _), (_, _, allcp, cpcp, _) = llama
     assert cp16 == 1 and cpcp == 1 and allcp <= 5
     assert cp8 <= 10 and all8 > 10 and all16 > 10
-    above, seen = set(), set()
+    above = set()
     for i in p8.order:
         shape = tuple(int(p8.x[d][i]) for d in ("dp", "tp", "pp", "cp"))
         if shape == (r8.dp, r8.tp, r8.pp, r8.cp):
@@ -220,3 +220,7 @@ def test_bad_layouts_say_what_to_change():
         estimate(GPT, c, 12, Layout(dp=8, micro_batch=2))
     with pytest.raises(AtScaleError, match="multiple of heads"):
         Transformer("bad", 2, 100, 3, 10, 8)
+    with pytest.raises(AtScaleError, match="use a GPU preset"):
+        GPUCluster(dataclasses.replace(H100_SXM, nvlink=None), 2)
+    with pytest.raises(AtScaleError, match="nodes must be"):
+        GPUCluster(H100_SXM, 0)

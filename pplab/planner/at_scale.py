@@ -100,9 +100,20 @@ class Transformer:
 
 @dataclass(frozen=True)
 class GPUCluster:
+    """nodes × gpus_per_node GPUs of one preset (pplab.hardware), NVLink inside a node, the network between."""
+
     hardware: Hardware
     nodes: int
     gpus_per_node: int = 8
+
+    def __post_init__(self):
+        for name in ("nodes", "gpus_per_node"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise AtScaleError(f"{name} must be a whole number >= 1, got {v!r}")
+        if not (self.hardware.nvlink and self.hardware.network):
+            raise AtScaleError(f"{self.hardware.name} has no NVLink or network bandwidth: use a GPU preset "
+                               f"(pplab.hardware.A100_80GB, H100_SXM, H200)")
 
     @property
     def gpus(self) -> int:
