@@ -26,10 +26,11 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from ..hardware import Hardware
-from .closed_forms import (EFFICIENCY, evaluate, layer_activation_bytes, microbatches_in_flight,  # noqa: F401
+from .closed_forms import (EFFICIENCY, FLASH_UTILIZATION, evaluate, layer_activation_bytes, microbatches_in_flight,  # noqa: F401
                            pipeline_steps)
 
 RECOMPUTE = ("none", "selective", "full")
+TOP_CHOICE = 0.05        # layouts within 5% of the fastest predicted step are the planner's top choices
 
 
 class AtScaleError(ValueError):
@@ -132,11 +133,12 @@ class Layout:
     micro_batch: int = 1
     v: int = 1                   # interleaved chunks per pipeline rank (1: plain 1F1B)
     sp: bool = True              # Megatron sequence parallelism inside the tp group
+    balanced: bool = False       # Llama 3's split: embedding and output layer each in place of a layer (pp > 2)
 
     @property
     def name(self) -> str:
         parts = [f"{k.upper()} {getattr(self, k)}" for k in ("dp", "tp", "pp", "cp", "ep") if getattr(self, k) > 1]
-        extra = [f"v={self.v}"] if self.v > 1 else []
+        extra = ([f"v={self.v}"] if self.v > 1 else []) + (["balanced"] if self.balanced and self.pp > 2 else [])
         return " × ".join(parts or ["1 GPU"]) + f" (ZeRO-{self.zero}, recompute {self.recompute}, mb {self.micro_batch}" + \
             "".join(", " + e for e in extra) + (", SP" if self.sp and self.tp > 1 else "") + ")"
 
@@ -189,8 +191,9 @@ def _check(model, cluster, batch, layout):
     if model.heads % layout.tp or model.seq % layout.cp or model.experts % layout.ep or layout.pp > model.layers:
         problems.append(f"tp must divide heads ({model.heads}), cp the sequence ({model.seq}), ep the experts "
                         f"({model.experts}), and pp be at most the layers ({model.layers})")
-    if math.ceil(model.layers / layout.pp) % layout.v:
-        problems.append(f"v = {layout.v} chunks must divide the {math.ceil(model.layers / layout.pp)} layers of a rank")
+    slots = _slots(model.layers, layout.pp, layout.balanced)
+    if slots % layout.v:
+        problems.append(f"v = {layout.v} chunks must divide the {slots} layer slots of a rank")
     if problems:
         raise AtScaleError(f"{layout.name}: " + "; ".join(problems))
 
@@ -210,6 +213,12 @@ def estimate(model: Transformer, cluster: GPUCluster, batch: int, layout: Layout
     return _estimate(model, cluster, batch, layout, row)
 
 
+def _slots(layers, pp, balanced):
+    """Layer slots of a pipeline rank: ceil(L/p); balanced (pp > 2): ceil((L+2)/p), the embedding and
+    the output layer each taking one."""
+    return math.ceil((layers + 2) / pp) if balanced and pp > 2 else math.ceil(layers / pp)
+
+
 def _divisors(n):
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -217,7 +226,8 @@ def _divisors(n):
 def candidates(model: Transformer, cluster: GPUCluster, batch: int, max_micro_batch: int = 16, max_v: int = 8,
                sp: bool = True) -> dict:
     """Every valid layout as arrays: dp·tp·pp·cp·ep = GPUs, tp | heads, cp | seq, ep | experts,
-    dp·micro-batch | batch, v | layers of a rank; ZeRO 0-3; recomputation none/selective/full;
+    dp·micro-batch | batch, v | layer slots of a rank; with pp > 2 both stage splits (even, and
+    Llama 3's balanced); ZeRO 0-3; recomputation none/selective/full;
     sequence parallelism whenever tp > 1 unless sp=False (same bytes as tp's all-reduces, less memory)."""
     n, rows = cluster.gpus, []
     for tp, cp, ep in itertools.product(_divisors(model.heads), _divisors(model.seq), _divisors(model.experts)):
@@ -227,16 +237,18 @@ def candidates(model: Transformer, cluster: GPUCluster, batch: int, max_micro_ba
             dp = n // (tp * cp * ep * pp)
             if pp > model.layers or batch % dp:
                 continue
-            per_rank = math.ceil(model.layers / pp)
             for mb in (b for b in _divisors(batch // dp) if b <= max_micro_batch):
-                for v in (c for c in _divisors(per_rank) if c <= max_v and (c == 1 or pp > 1)):
-                    rows.append((dp, tp, pp, cp, ep, mb, v))
+                for bal in ((False, True) if pp > 2 else (False,)):
+                    per_rank = _slots(model.layers, pp, bal)
+                    for v in (c for c in _divisors(per_rank) if c <= max_v and (c == 1 or pp > 1)):
+                        rows.append((dp, tp, pp, cp, ep, mb, v, bal))
     if not rows:
         raise AtScaleError(f"no layout splits {n} GPUs for {model.name} with a batch of {batch}: "
                            f"the batch must be divisible by some data-parallel size")
     base = np.array(rows).T
     k = base.shape[1]
-    grid = {name: np.tile(col, 12) for name, col in zip(("dp", "tp", "pp", "cp", "ep", "micro_batch", "v"), base)}
+    grid = {name: np.tile(col, 12) for name, col in zip(("dp", "tp", "pp", "cp", "ep", "micro_batch", "v", "balanced"), base)}
+    grid["balanced"] = grid["balanced"].astype(bool)
     grid["zero"] = np.repeat(np.arange(4), 3 * k)
     grid["recompute"] = np.tile(np.repeat(np.array(RECOMPUTE), k), 4)
     grid["sp"] = (grid["tp"] > 1) & sp
@@ -280,6 +292,18 @@ class Plan:
             if all(self.x[d][i].item() == want for d, want in shape.items()):
                 return len(seen)
         return 0
+
+    def distance(self, among: dict | None = None, **shape) -> float:
+        """How much longer the best fitting layout with this shape steps than the fastest layout that
+        fits (among: only layouts with these fields compete): 0.0 for the planner's first choice,
+        0.05 for 5% slower. The planner's closed forms are good to several percent (the Megatron-LM
+        rows), so layouts within TOP_CHOICE of the fastest are, to it, equally good: its top choices."""
+        among = among or {}
+        best = self.best(**{**among, **shape})
+        first = self.best(**among)
+        if best is None:
+            raise AtScaleError(f"no layout with {shape} fits: see why_not")
+        return best.time["step"] / first.time["step"] - 1
 
     @property
     def why_not(self) -> dict:

@@ -7,19 +7,24 @@ of a layout, written once for numpy arrays so that every layout of a cluster is 
   forward; full recomputation runs the forward again, selective the attention again.
 * **tensor parallelism** (chapter 3): 2 all-reduces of [b, s, h] a layer forward, 2 backward (with
   sequence parallelism, chapter 5: all-gathers and reduce-scatters of the same bytes), 2 more when
-  recomputing; **context parallelism** (Llama 3's): an all-gather of K and V forward and a
-  reduce-scatter backward; every collective by `pplab.cluster.predict_all_reduce`, with NVLink inside
+  recomputing; **context parallelism** (Llama 3's): an all-gather of K and V forward, the same
+  again backward (a GPU keeps only its own tokens' K and V) and a reduce-scatter of their gradients; every collective by `pplab.cluster.predict_all_reduce`, with NVLink inside
   a node and the network between nodes (chapter 10b), not overlapped with compute.
 * **pipeline** (chapter 4), the heaviest rank's work per micro-batch t (its layers, the last stage's
   output layer) times m + (p−1)/v + (v−1)·max(0, p−m)/v: the 1F1B bubble (p−1)·t, shrunk v times by
   interleaving (Narayanan et al. 2021), larger when m < p (`pplab.pipeline.bubble_fraction`).
+  Balanced (Llama 3's): the embedding and the output layer each take the place of one layer, so the
+  first and last ranks hold one layer fewer (`stage_layers`).
 * **data parallelism and ZeRO** (chapters 2 and 6): the gradients' all-reduce (reduce-scatter +
   all-gather for ZeRO-1/2, the same bytes) once a step; ZeRO-3 also all-gathers the weights twice
   and reduce-scatters each micro-batch; the optimizer step reads and writes its shard once.
 * **memory per GPU** (the first pipeline rank: most micro-batches in flight, the embedding):
   parameters, gradients, Adam's state by `pplab.zero.model_state_bytes` over dp × cp ranks;
   activations by Korthikanti et al.'s per-layer count (`layer_activation_bytes`), times the layers
-  of a rank, times the micro-batches in flight: min(p, m) for 1F1B, min(m, p + (p−1)/v) interleaved.
+  the first rank holds at its peak (`layers_in_flight`): its layers × min(p, m) for 1F1B; for the
+  interleaved schedule Megatron-LM's warm-up count, chunk by chunk.
+* **attention** (FlashAttention) runs at its own fraction of peak, FLASH_UTILIZATION: a fused kernel of
+  matrix products and a softmax does not reach what a plain matrix product does.
 """
 from __future__ import annotations
 
@@ -32,6 +37,9 @@ from ..zero import model_state_bytes
 # The one efficiency constant: the fraction of dense peak FLOP/s that a training step's matrix
 # products sustain. Not fitted to any row; its justification is in notebooks/10_at_scale.ipynb.
 EFFICIENCY = 0.6
+# FlashAttention-2, the attention kernel of 2023-24, reaches about 35% of an H100's peak (Shah et al.
+# 2024, "FlashAttention-3", whose kernel reaches 75%); a published figure, not fitted to any row.
+FLASH_UTILIZATION = 0.35
 ADAM_BYTES_TOUCHED = 28        # optimizer step per owned parameter: read + write fp32 master, m, v; read grad, write weight
 
 # ----------------------------------------------------------------------------------
@@ -76,6 +84,33 @@ def microbatches_in_flight(pp, m, v):
     return np.where(v == 1, np.minimum(pp, m), np.minimum(m, pp + (pp - 1) / v))
 
 
+def stage_layers(layers, pp, balanced):
+    """(layers of the first rank, layers of the heaviest middle rank, layers of the last rank).
+    Unbalanced: ceil(L/p) on the first, the last as many; balanced (Llama 3, "The Llama 3 Herd of
+    Models" §3.3.2): the embedding and the output layer each fill one layer's slot, so with
+    n = ceil((L+2)/p) slots a rank the first and last ranks hold n − 1 layers, the middle ones the rest."""
+    L, pp, bal = layers, np.asarray(pp), np.asarray(balanced) & (np.asarray(pp) > 2)
+    n = np.where(bal, np.ceil((L + 2) / pp), np.ceil(L / pp))
+    edge = np.where(bal, n - 1, n)
+    middle = np.where(bal, np.ceil((L - 2 * edge) / np.maximum(pp - 2, 1)), n)
+    return edge, middle, edge
+
+
+def layers_in_flight(pp, m, v, slots, balanced):
+    """Layer-micro-batches whose activations the first pipeline rank holds at its peak.
+    1F1B: min(p, m) micro-batches through its `slots` layers. Interleaved, v chunks of slots/v layers:
+    Megatron-LM's warm-up runs 2(p−1) + (v−1)·N chunk-forwards (N = p micro-batches a group, chunk 0
+    first), then one more forward before the first backward: W = min(m·v, (v−1)p + 2(p−1) + 1).
+    Balanced (the first chunk holds the embedding in place of one layer): one layer fewer for each
+    of the W that ran the first chunk."""
+    pp, m, v = np.asarray(pp), np.asarray(m), np.asarray(v)
+    w = np.where(v == 1, np.minimum(pp, m), np.minimum(m * v, (v - 1) * pp + 2 * (pp - 1) + 1))
+    group = pp * v                                         # chunk-forwards of one round: p micro-batches × v chunks
+    first_chunk = np.where(v == 1, w, (w // group) * pp + np.minimum(w % group, pp))
+    edge = np.where(np.asarray(balanced) & (pp > 2), 1, 0)
+    return slots / v * w - edge * first_chunk
+
+
 def pipeline_steps(pp, m, v):
     """The step's length in units of the heaviest rank's work for one micro-batch (forward + backward):
     m + (p−1)/v, plus (v−1)·(p−m)/v when m < p (pplab.pipeline.bubble_fraction's cases)."""
@@ -109,15 +144,18 @@ def _all_reduce(cluster, nbytes, nodes, per_node):
     return out
 
 
-def _heaviest_rank(t_layer, t_head, layers, pp):
+def _heaviest_rank(t_layer, t_head, layers, pp, balanced):
     """Work of the slowest pipeline rank: whole layers, the last rank also the output layer, cut so
-    that the slowest is as fast as it can be (k layers on the last rank, the rest spread evenly)."""
+    that the slowest is as fast as it can be (k layers on the last rank, the rest spread evenly);
+    balanced: Llama 3's split (stage_layers)."""
+    _, middle, last = stage_layers(layers, pp, balanced)
+    balanced = np.asarray(balanced) & (pp > 2)
     best = np.where(pp == 1, layers * t_layer + t_head, np.inf)
     for k in range(0, -(-layers // int(np.min(pp))) + 1):
         rest = np.ceil((layers - k) / np.maximum(pp - 1, 1))
         ok = (pp > 1) & (k <= np.ceil(layers / pp))
         best = np.where(ok, np.minimum(best, np.maximum(k * t_layer + t_head, rest * t_layer)), best)
-    return best
+    return np.where(balanced, np.maximum(last * t_layer + t_head, middle * t_layer), best)
 
 
 def evaluate(model, cluster, batch: int, x: dict) -> dict:
@@ -125,6 +163,7 @@ def evaluate(model, cluster, batch: int, x: dict) -> dict:
     hw, M = cluster.hardware, model
     dp, tp, pp, cp, ep, zero, mb, v = (np.asarray(x[k]) for k in ("dp", "tp", "pp", "cp", "ep", "zero", "micro_batch", "v"))
     rec, sp = np.asarray(x["recompute"]), np.asarray(x["sp"]) & (tp > 1)
+    bal = np.asarray(x["balanced"]) & (pp > 2)
     peak, bandwidth = hw.peak("bf16") * EFFICIENCY, hw.memory_bandwidth
     h, f, V, L = M.hidden, M.f, M.vocab, M.layers
     m = batch / (dp * mb)                                  # micro-batches per step
@@ -135,7 +174,10 @@ def evaluate(model, cluster, batch: int, x: dict) -> dict:
     def seconds(op):                                       # the roofline: compute- or memory-bound
         return np.maximum(op.flops / peak, op.bytes / bandwidth)
     att = attention(mb, M.heads / tp, M.seq, M.head_dim, fused=M.flash)
-    t_att = seconds(att) / cp * (0.5 if M.flash else 1.0)     # FlashAttention skips the masked half
+    if M.flash:                                            # fused: skips the masked half, at its own utilization
+        t_att = 0.5 * att.flops / (hw.peak("bf16") * FLASH_UTILIZATION) / cp
+    else:
+        t_att = seconds(att) / cp
     kv = kv_heads_per_rank(M, tp)
     t_fwd = (seconds(matmul(T, h, (M.heads / tp + 2 * kv) * M.head_dim)) + t_att
              + seconds(matmul(T, h, h / tp)) + M.top_k * (seconds(matmul(T, h, up * f / tp)) + seconds(matmul(T, f / tp, h)))
@@ -146,15 +188,18 @@ def evaluate(model, cluster, batch: int, x: dict) -> dict:
     tp_ar = _all_reduce(cluster, mb * M.seq / cp * h * 2, *_span(cluster, sizes, {"tp"}))
     t_layer = t_layer + (4 + 2 * (rec == "full")) * tp_ar
     kv_gather = _all_reduce(cluster, mb * M.seq * 2 * kv * M.head_dim * 2, *_span(cluster, sizes, {"cp"})) / 2
-    t_layer = t_layer + (2 + (rec == "full")) * kv_gather
+    # forward: all-gather K and V; backward: gather them again (only the local ones are kept, as
+    # layer_activation_bytes counts) and reduce-scatter their gradients; full recomputation: a third gather
+    t_layer = t_layer + (3 + (rec == "full")) * kv_gather
     if M.experts > 1:                                      # dispatch and combine, forward and backward
         t_layer = t_layer + 2 * _all_reduce(cluster, T * M.top_k * h * 2, *_span(cluster, sizes, {"ep"}))
     t_head = 3 * seconds(matmul(T, h, V / tp))
     hop = np.where(pp > 1, 2 * v * T * h * 2 / tp / hw.network, 0.0)   # scatter/gather: 1/tp of [b, s, h] a hop
-    t_micro = _heaviest_rank(t_layer, t_head, L, pp) + hop
+    t_micro = _heaviest_rank(t_layer, t_head, L, pp, bal) + hop
     t_pipeline = t_micro * pipeline_steps(pp, m, v)
 
-    layers_first = np.ceil(L / pp)
+    layers_first = stage_layers(L, pp, bal)[0]
+    slots = np.where(bal, layers_first + 1, layers_first)        # a rank's layer slots (balanced: one is the embedding)
     layer_params = (M.attention_weights + M.experts / ep * M.mlp_weights) / tp
     psi = layers_first * layer_params + V * h / tp                 # the first rank: its layers + embedding
     zero_group = dp * cp
@@ -164,7 +209,7 @@ def evaluate(model, cluster, batch: int, x: dict) -> dict:
         state[sel] = psi[sel] * model_state_bytes(int(stage), 1, int(n))    # linear in Ψ: bytes per parameter
     params = psi * 2 / np.where(zero == 3, zero_group, 1)
     grads = psi * 2 / np.where(zero >= 2, zero_group, 1)
-    acts = layers_first * layer_activation_bytes(M, mb, tp, cp, sp, rec) * microbatches_in_flight(pp, m, v)
+    acts = layer_activation_bytes(M, mb, tp, cp, sp, rec) * layers_in_flight(pp, m, v, slots, bal)
     acts = acts + np.where(rec == "none", 0.0, layer_activation_bytes(M, mb, tp, cp, sp, "none"))   # a layer recomputed
     grad_ar = _all_reduce(cluster, psi * 2, *_span(cluster, sizes, {"dp", "cp"}))
     t_dp = np.where(zero == 3, 1.5 * m, 1.0) * grad_ar

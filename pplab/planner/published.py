@@ -15,8 +15,10 @@ Llama Team, Meta 2024, "The Llama 3 Herd of Models", Table 4 and section 3.3.2: 
 126 layers, hidden 16,384, FFN 53,248 (SwiGLU), 128 heads, 8 key/value heads, vocabulary 128,256,
 16M tokens a step, on H100s of 80 GB (8 a server, 400 Gb/s a GPU between servers). FSDP shards the
 optimizer state and the gradients but keeps the weights between forward and backward: ZeRO-2. No
-activation recomputation at 8K tokens (the paper's words); V (interleaving) is not given: the planner
-picks it. The long-context row prints DP 4 in the paper, which contradicts its own 16,384 GPUs
+activation recomputation at 8K tokens (the paper's words), made possible by its balanced pipeline:
+the first and last stages hold one layer fewer, the embedding and the output layer in their place
+(126 + 2 = 128 slots, 8 a rank). V (interleaving) is not given: the planner picks it (the paper's
+"the first model chunk on the first stage has only the embedding" implies chunks of one slot, V = 8). The long-context row prints DP 4 in the paper, which contradicts its own 16,384 GPUs
 (8 × 16 × 16 × 4 = 8,192) and 16M tokens (4 × 16 × 131,072 = 8.4M); DP 8 satisfies both.
 """
 from __future__ import annotations
@@ -59,10 +61,10 @@ def megatron_gpt(row: MegatronRow) -> Transformer:
 
 def narayanan_prediction(row: MegatronRow):
     """The fastest layout with the published tp, pp and dp that fits, as run in 2021 (full recomputation,
-    no ZeRO, no SP); returns (estimate, predicted TFLOP/s per GPU by their equation 3)."""
+    no ZeRO, no SP, an even split of the layers); returns (estimate, predicted TFLOP/s per GPU by their equation 3)."""
     model, dp = megatron_gpt(row), row.gpus // (row.tp * row.pp)
     plan = search(model, GPUCluster(A100_80GB, row.gpus // 8, 8), row.batch, sp=False)
-    est = plan.best(dp=dp, tp=row.tp, pp=row.pp, cp=1, zero=0, recompute="full")
+    est = plan.best(dp=dp, tp=row.tp, pp=row.pp, cp=1, zero=0, recompute="full", balanced=False)
     flops = megatron_flops(row.batch, model.seq, model.layers, model.hidden, model.vocab)
     return est, flops / est.time["step"] / row.gpus / 1e12
 
@@ -99,10 +101,10 @@ def llama_plan(row: LlamaRow):
 
 
 def llama_prediction(row: LlamaRow, plan=None):
-    """(the fastest fitting variant of the published layout with ZeRO-2 and no recomputation, its rank
-    among all the planner's layouts, its rank among those with the same cp (each dp × tp × pp × cp
-    counted once), the plan)."""
+    """(the fastest fitting variant of the published layout as the paper ran it: ZeRO-2, no
+    recomputation, the balanced stage split; its rank among all the planner's layouts, its rank among
+    those with the same cp (each dp × tp × pp × cp counted once), the plan)."""
     plan = plan or llama_plan(row)
     shape = dict(dp=row.dp, tp=row.tp, pp=row.pp, cp=row.cp)
-    return (plan.best(**shape, zero=2, recompute="none"), plan.rank(**shape),
+    return (plan.best(**shape, zero=2, recompute="none", balanced=True), plan.rank(**shape),
             plan.rank(among={"cp": row.cp}, **shape), plan)
