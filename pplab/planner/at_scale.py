@@ -26,7 +26,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from ..hardware import Hardware
-from .closed_forms import (EFFICIENCY, FLASH_UTILIZATION, evaluate, layer_activation_bytes, microbatches_in_flight,  # noqa: F401
+from .closed_forms import (EFFICIENCY, FLASH_UTILIZATION, NETWORK_LATENCY, evaluate, layer_activation_bytes, microbatches_in_flight,  # noqa: F401
                            pipeline_steps)
 
 RECOMPUTE = ("none", "selective", "full")

@@ -9,7 +9,8 @@ of a layout, written once for numpy arrays so that every layout of a cluster is 
   sequence parallelism, chapter 5: all-gathers and reduce-scatters of the same bytes), 2 more when
   recomputing; **context parallelism** (Llama 3's): an all-gather of K and V forward, the same
   again backward (a GPU keeps only its own tokens' K and V) and a reduce-scatter of their gradients; every collective by `pplab.cluster.predict_all_reduce`, with NVLink inside
-  a node and the network between nodes (chapter 10b), not overlapped with compute.
+  a node and the network between nodes (chapter 10b, with NETWORK_LATENCY a step between nodes),
+  not overlapped with compute.
 * **pipeline** (chapter 4), the heaviest rank's work per micro-batch t (its layers, the last stage's
   output layer) times m + (p−1)/v + (v−1)·max(0, p−m)/v: the 1F1B bubble (p−1)·t, shrunk v times by
   interleaving (Narayanan et al. 2021), larger when m < p (`pplab.pipeline.bubble_fraction`).
@@ -40,6 +41,9 @@ EFFICIENCY = 0.6
 # FlashAttention-2, the attention kernel of 2023-24, reaches about 35% of an H100's peak (Shah et al.
 # 2024, "FlashAttention-3", whose kernel reaches 75%); a published figure, not fitted to any row.
 FLASH_UTILIZATION = 0.35
+# Latency of one step of a collective between nodes: "as high as tens of microseconds" on Llama 3's
+# cluster ("The Llama 3 Herd of Models" §3.3.3); the low end, 10 µs. Inside a node it is left out.
+NETWORK_LATENCY = 10e-6
 ADAM_BYTES_TOUCHED = 28        # optimizer step per owned parameter: read + write fp32 master, m, v; read grad, write weight
 
 # ----------------------------------------------------------------------------------
@@ -134,7 +138,7 @@ def _span(cluster, sizes, dims):
 def _all_reduce(cluster, nbytes, nodes, per_node):
     """predict_all_reduce (hierarchical: ring in the node, ring across) for each layout's group."""
     hw = cluster.hardware
-    intra, inter = (0.0, 1 / hw.nvlink), (0.0, 1 / hw.network)    # α left out: messages of MBs to GBs
+    intra, inter = (0.0, 1 / hw.nvlink), (NETWORK_LATENCY, 1 / hw.network)    # α inside a node left out
     nbytes, nodes, per_node = np.broadcast_arrays(np.asarray(nbytes, float), nodes, per_node)
     out = np.zeros(nbytes.shape)
     for n, r in set(zip(nodes.ravel().tolist(), per_node.ravel().tolist())):
@@ -194,7 +198,7 @@ def evaluate(model, cluster, batch: int, x: dict) -> dict:
     if M.experts > 1:                                      # dispatch and combine, forward and backward
         t_layer = t_layer + 2 * _all_reduce(cluster, T * M.top_k * h * 2, *_span(cluster, sizes, {"ep"}))
     t_head = 3 * seconds(matmul(T, h, V / tp))
-    hop = np.where(pp > 1, 2 * v * T * h * 2 / tp / hw.network, 0.0)   # scatter/gather: 1/tp of [b, s, h] a hop
+    hop = np.where(pp > 1, 2 * v * (NETWORK_LATENCY + T * h * 2 / tp / hw.network), 0.0)   # 1/tp of [b, s, h] a hop
     t_micro = _heaviest_rank(t_layer, t_head, L, pp, bal) + hop
     t_pipeline = t_micro * pipeline_steps(pp, m, v)
 
