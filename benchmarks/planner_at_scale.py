@@ -2,8 +2,8 @@
 
 Llama 3 405B (batch 2,048 sequences of 8,192 tokens) on 16,384 and 8,192 H100s, and Narayanan et
 al.'s 1T GPT (batch 3,072) on 3,072 A100s: every dp × tp × pp × cp layout with ZeRO 0-3, three
-recomputation modes, micro-batches up to 16 and interleaving up to 8, evaluated at once
-(pplab.planner.at_scale.search). Printed: how many layouts, how many fit, the median and range of
+recomputation modes, micro-batches up to 16, interleaving up to 8 and both stage splits (even,
+Llama 3's balanced), evaluated at once (pplab.planner.at_scale.search). Printed: how many layouts, how many fit, the median and range of
 `--repeats` timed searches (after one warm-up), and the fastest layout.
 
     python benchmarks/planner_at_scale.py [--repeats 5]

@@ -4,7 +4,7 @@
                         ffn=53248, kv_heads=8, gated=True, tied=False)
     cluster = GPUCluster(H100_SXM, nodes=1024, gpus_per_node=8)
     plan = search(llama, cluster, batch=2048)            # every layout, ranked: plan.top(5), plan.why_not
-    estimate(llama, cluster, 2048, Layout(dp=64, tp=8, pp=16, v=4, zero=2, recompute="none"))
+    estimate(llama, cluster, 2048, Layout(dp=64, tp=8, pp=16, v=8, zero=2, recompute="none", balanced=True))
 
 Chapter 7's planner measures a tiny GPT on this machine and simulates its schedule. A cluster
 cannot be measured from here, so this one puts together the course's closed forms, each checked on
@@ -26,8 +26,9 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from ..hardware import Hardware
-from .closed_forms import (EFFICIENCY, FLASH_UTILIZATION, NETWORK_LATENCY, evaluate, layer_activation_bytes, microbatches_in_flight,  # noqa: F401
-                           pipeline_steps)
+from .closed_forms import (EFFICIENCY, FLASH_UTILIZATION, NETWORK_LATENCY, evaluate,  # noqa: F401
+                           layer_activation_bytes, layers_in_flight, microbatches_in_flight, pipeline_steps,
+                           stage_layers)
 
 RECOMPUTE = ("none", "selective", "full")
 TOP_CHOICE = 0.05        # layouts within 5% of the fastest predicted step are the planner's top choices

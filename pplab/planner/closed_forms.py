@@ -8,7 +8,8 @@ of a layout, written once for numpy arrays so that every layout of a cluster is 
 * **tensor parallelism** (chapter 3): 2 all-reduces of [b, s, h] a layer forward, 2 backward (with
   sequence parallelism, chapter 5: all-gathers and reduce-scatters of the same bytes), 2 more when
   recomputing; **context parallelism** (Llama 3's): an all-gather of K and V forward, the same
-  again backward (a GPU keeps only its own tokens' K and V) and a reduce-scatter of their gradients; every collective by `pplab.cluster.predict_all_reduce`, with NVLink inside
+  again backward (a GPU keeps only its own tokens' K and V) and a reduce-scatter of their gradients;
+  every collective by `pplab.cluster.predict_all_reduce`, with NVLink inside
   a node and the network between nodes (chapter 10b, with NETWORK_LATENCY a step between nodes),
   not overlapped with compute.
 * **pipeline** (chapter 4), the heaviest rank's work per micro-batch t (its layers, the last stage's

@@ -18,7 +18,8 @@ optimizer state and the gradients but keeps the weights between forward and back
 activation recomputation at 8K tokens (the paper's words), made possible by its balanced pipeline:
 the first and last stages hold one layer fewer, the embedding and the output layer in their place
 (126 + 2 = 128 slots, 8 a rank). V (interleaving) is not given: the planner picks it (the paper's
-"the first model chunk on the first stage has only the embedding" implies chunks of one slot, V = 8). The long-context row prints DP 4 in the paper, which contradicts its own 16,384 GPUs
+"the first model chunk on the first stage has only the embedding" implies chunks of one slot, V = 8).
+The long-context row prints DP 4 in the paper, which contradicts its own 16,384 GPUs
 (8 × 16 × 16 × 4 = 8,192) and 16M tokens (4 × 16 × 131,072 = 8.4M); DP 8 satisfies both.
 """
 from __future__ import annotations
