@@ -78,6 +78,7 @@ def test_balanced_stages_and_their_layers_in_flight_by_hand():
     assert layers_in_flight(16, 32, 8, 8, False) == 143
     assert layers_in_flight(16, 16, 8, 8, True) == 16 * 8 - 16      # all 128 in warm-up, 16 of them the embedding
     assert layers_in_flight(4, 8, 1, 5, True) == 4 * 4               # 1F1B: min(p, m) × (5 − 1) layers
+    assert layers_in_flight(4, 2, 2, 2, True) == 2                   # m < p: all 4 in warm-up, 2 the embedding's
 
 
 # ----------------------------------------------------------------------------------
@@ -238,6 +239,8 @@ def test_bad_layouts_say_what_to_change():
         estimate(GPT, c, 16, Layout(dp=2, tp=4))
     with pytest.raises(AtScaleError, match="whole number of micro-batches"):
         estimate(GPT, c, 12, Layout(dp=8, micro_batch=2))
+    with pytest.raises(AtScaleError, match="pick pp dividing 6"):
+        estimate(GPT, c, 16, Layout(dp=2, pp=4, balanced=True))
     with pytest.raises(AtScaleError, match="multiple of heads"):
         Transformer("bad", 2, 100, 3, 10, 8)
     with pytest.raises(AtScaleError, match="use a GPU preset"):

@@ -192,6 +192,9 @@ def _check(model, cluster, batch, layout):
     if model.heads % layout.tp or model.seq % layout.cp or model.experts % layout.ep or layout.pp > model.layers:
         problems.append(f"tp must divide heads ({model.heads}), cp the sequence ({model.seq}), ep the experts "
                         f"({model.experts}), and pp be at most the layers ({model.layers})")
+    if layout.balanced and layout.pp > 2 and (model.layers + 2) % layout.pp:
+        problems.append(f"balanced: the {model.layers} layers + embedding + output layer must split evenly "
+                        f"into pp = {layout.pp} stages; pick pp dividing {model.layers + 2}")
     slots = _slots(model.layers, layout.pp, layout.balanced)
     if slots % layout.v:
         problems.append(f"v = {layout.v} chunks must divide the {slots} layer slots of a rank")
@@ -228,7 +231,7 @@ def candidates(model: Transformer, cluster: GPUCluster, batch: int, max_micro_ba
                sp: bool = True) -> dict:
     """Every valid layout as arrays: dp·tp·pp·cp·ep = GPUs, tp | heads, cp | seq, ep | experts,
     dp·micro-batch | batch, v | layer slots of a rank; with pp > 2 both stage splits (even, and
-    Llama 3's balanced); ZeRO 0-3; recomputation none/selective/full;
+    Llama 3's balanced where pp divides layers + 2); ZeRO 0-3; recomputation none/selective/full;
     sequence parallelism whenever tp > 1 unless sp=False (same bytes as tp's all-reduces, less memory)."""
     n, rows = cluster.gpus, []
     for tp, cp, ep in itertools.product(_divisors(model.heads), _divisors(model.seq), _divisors(model.experts)):
@@ -239,7 +242,7 @@ def candidates(model: Transformer, cluster: GPUCluster, batch: int, max_micro_ba
             if pp > model.layers or batch % dp:
                 continue
             for mb in (b for b in _divisors(batch // dp) if b <= max_micro_batch):
-                for bal in ((False, True) if pp > 2 else (False,)):
+                for bal in ((False, True) if pp > 2 and (model.layers + 2) % pp == 0 else (False,)):
                     per_rank = _slots(model.layers, pp, bal)
                     for v in (c for c in _divisors(per_rank) if c <= max_v and (c == 1 or pp > 1)):
                         rows.append((dp, tp, pp, cp, ep, mb, v, bal))

@@ -110,8 +110,8 @@ def layers_in_flight(pp, m, v, slots, balanced):
     of the W that ran the first chunk."""
     pp, m, v = np.asarray(pp), np.asarray(m), np.asarray(v)
     w = np.where(v == 1, np.minimum(pp, m), np.minimum(m * v, (v - 1) * pp + 2 * (pp - 1) + 1))
-    group = pp * v                                         # chunk-forwards of one round: p micro-batches × v chunks
-    first_chunk = np.where(v == 1, w, (w // group) * pp + np.minimum(w % group, pp))
+    n = np.minimum(pp, m)                                  # micro-batches a group (fewer when m < p)
+    first_chunk = np.where(v == 1, w, (w // (n * v)) * n + np.minimum(w % (n * v), n))
     edge = np.where(np.asarray(balanced) & (pp > 2), 1, 0)
     return slots / v * w - edge * first_chunk
 
