@@ -100,6 +100,13 @@ class Transformer:
         return sequences * self.seq * (6 * met + (6 if causal else 12) * self.layers * self.seq * self.hidden)
 
 
+# What a GPU's memory holds, in MiB, as its driver reports it (nvidia-smi's memory.total). The
+# datasheets' "80GB" of HBM are binary gigabytes: an A100 80GB has 81,920 MiB = 80 GiB, an H100 80GB
+# HBM3 shows 81,559 MiB, an H200 143,771 MiB. The presets' `memory` is the datasheet number in
+# decimal bytes (80e9), 7% less than the GPU holds.
+DRIVER_MIB = {"A100 80GB SXM": 81920, "H100 SXM": 81559, "H200 SXM": 143771}
+
+
 @dataclass(frozen=True)
 class GPUCluster:
     """nodes × gpus_per_node GPUs of one preset (pplab.hardware), NVLink inside a node, the network between."""
@@ -120,6 +127,14 @@ class GPUCluster:
     @property
     def gpus(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @property
+    def capacity(self) -> float:
+        """Bytes a GPU holds (DRIVER_MIB; the preset's `memory` for others). The planner's count
+        leaves out the CUDA context, NCCL's buffers and short-lived tensors: a layout within a few GB
+        of it is tight."""
+        mib = DRIVER_MIB.get(self.hardware.name)
+        return mib * 2 ** 20 if mib else self.hardware.memory
 
 
 @dataclass(frozen=True)
@@ -163,17 +178,17 @@ class Estimate:
 
     def why_not(self) -> str:
         """'' when it fits, else what fills the GPU."""
-        mem, cap = self.memory, self.capacity / 1e9
+        mem, cap, gib = self.memory, self.capacity / 2 ** 30, 2 ** 30
         if self.fits:
             return ""
-        state = (mem["memory"] - mem["activations"]) / 1e9
+        state = (mem["memory"] - mem["activations"]) / gib
         if state > cap:
-            return f"model state alone is {state:.1f} GB > {cap:.0f} GB: more tp, pp or a higher ZeRO stage"
-        return (f"activations {mem['activations'] / 1e9:.1f} GB on top of {state:.1f} GB of model state exceed "
-                f"{cap:.0f} GB: recompute, a smaller micro-batch, more tp, cp or pp")
+            return f"model state alone is {state:.1f} GiB > {cap:.1f} GiB: more tp, pp or a higher ZeRO stage"
+        return (f"activations {mem['activations'] / gib:.1f} GiB on top of {state:.1f} GiB of model state exceed "
+                f"{cap:.1f} GiB: recompute, a smaller micro-batch, more tp, cp or pp")
 
     def __repr__(self):
-        return (f"{self.layout.name}: {self.memory['memory'] / 1e9:.1f} GB/GPU, step {self.time['step']:.2f} s, "
+        return (f"{self.layout.name}: {self.memory['memory'] / 2 ** 30:.1f} GiB/GPU, step {self.time['step']:.2f} s, "
                 f"{self.tflops_per_gpu:.0f} TFLOP/s/GPU, MFU {self.mfu:.1%}" + ("" if self.fits else " — does not fit"))
 
 
@@ -206,7 +221,7 @@ def _estimate(model, cluster, batch, layout, row) -> Estimate:
     keys = ("params", "grads", "optimizer", "activations", "memory")
     return Estimate(layout, {k: float(row[k]) for k in keys},
                     {k: float(row[k]) for k in ("compute", "bubble", "tp", "dp", "optimizer_step", "step")},
-                    model.step_flops(batch), cluster.gpus, cluster.hardware.peak("bf16"), cluster.hardware.memory)
+                    model.step_flops(batch), cluster.gpus, cluster.hardware.peak("bf16"), cluster.capacity)
 
 
 def estimate(model: Transformer, cluster: GPUCluster, batch: int, layout: Layout) -> Estimate:
@@ -312,7 +327,7 @@ class Plan:
     @property
     def why_not(self) -> dict:
         """How many layouts do not fit, by reason."""
-        mem, cap = self.result["memory"], self.cluster.hardware.memory
+        mem, cap = self.result["memory"], self.cluster.capacity
         state = mem - self.result["activations"]
         return {"model state alone exceeds memory": int(np.sum(state > cap)),
                 "activations exceed what model state leaves": int(np.sum((state <= cap) & (mem > cap))),
@@ -324,6 +339,6 @@ def search(model: Transformer, cluster: GPUCluster, batch: int, **limits) -> Pla
     by step time (then memory)."""
     x = candidates(model, cluster, batch, **limits)
     result = evaluate(model, cluster, batch, x)
-    fit = np.flatnonzero(result["memory"] <= cluster.hardware.memory)
+    fit = np.flatnonzero(result["memory"] <= cluster.capacity)
     order = fit[np.lexsort((result["memory"][fit], result["step"][fit]))]
     return Plan(model, cluster, batch, x, result, order)

@@ -20,10 +20,11 @@ of a layout, written once for numpy arrays so that every layout of a cluster is 
 * **data parallelism and ZeRO** (chapters 2 and 6): the gradients' all-reduce (reduce-scatter +
   all-gather for ZeRO-1/2, the same bytes) once a step; ZeRO-3 also all-gathers the weights twice
   and reduce-scatters each micro-batch; the optimizer step reads and writes its shard once.
-* **memory per GPU** (the first pipeline rank: most micro-batches in flight, the embedding):
+* **memory per GPU** (the first pipeline rank: most micro-batches in flight, the embedding; with the
+  balanced split the second rank when it holds more):
   parameters, gradients, Adam's state by `pplab.zero.model_state_bytes` over dp × cp ranks;
   activations by Korthikanti et al.'s per-layer count (`layer_activation_bytes`), times the layers
-  the first rank holds at its peak (`layers_in_flight`): its layers × min(p, m) for 1F1B; for the
+  the rank holds at its peak (`layers_in_flight`): its layers × min(p − rank, m) for 1F1B; for the
   interleaved schedule Megatron-LM's warm-up count, chunk by chunk.
 * **attention** (FlashAttention) runs at its own fraction of peak, FLASH_UTILIZATION: a fused kernel of
   matrix products and a softmax does not reach what a plain matrix product does.
@@ -101,19 +102,19 @@ def stage_layers(layers, pp, balanced):
     return edge, middle, edge
 
 
-def layers_in_flight(pp, m, v, slots, balanced):
-    """Layer-micro-batches whose activations the first pipeline rank holds at its peak.
-    1F1B: min(p, m) micro-batches through its `slots` layers. Interleaved, v chunks of slots/v layers:
-    Megatron-LM's warm-up runs 2(p−1) + (v−1)·N chunk-forwards (N = p micro-batches a group, chunk 0
-    first), then one more forward before the first backward: W = min(m·v, (v−1)p + 2(p−1) + 1).
-    Balanced (the first chunk holds the embedding in place of one layer): one layer fewer for each
-    of the W that ran the first chunk."""
+def layers_in_flight(pp, m, v, slots, balanced, rank=0):
+    """Layer-micro-batches whose activations pipeline rank `rank` holds at its peak.
+    1F1B: min(p − rank, m) micro-batches through its `slots` layers. Interleaved, v chunks of
+    slots/v layers: Megatron-LM's warm-up runs 2(p−1−rank) + (v−1)·N chunk-forwards (N = p
+    micro-batches a group, m if fewer; chunk 0 first), then one more forward before the first
+    backward: W = min(m·v, (v−1)·N + 2(p−1−rank) + 1). Balanced, rank 0 (its first chunk holds the
+    embedding in place of one layer): one layer fewer for each of the W that ran the first chunk."""
     pp, m, v = np.asarray(pp), np.asarray(m), np.asarray(v)
-    w = np.where(v == 1, np.minimum(pp, m), np.minimum(m * v, (v - 1) * pp + 2 * (pp - 1) + 1))
     n = np.minimum(pp, m)                                  # micro-batches a group (fewer when m < p)
+    w = np.where(v == 1, np.minimum(pp - rank, m), np.minimum(m * v, (v - 1) * n + 2 * (pp - 1 - rank) + 1))
     first_chunk = np.where(v == 1, w, (w // (n * v)) * n + np.minimum(w % (n * v), n))
-    edge = np.where(np.asarray(balanced) & (pp > 2), 1, 0)
-    return slots / v * w - edge * first_chunk
+    light = np.where(np.asarray(balanced) & (pp > 2) & (rank == 0), 1, 0)
+    return slots / v * w - light * first_chunk
 
 
 def pipeline_steps(pp, m, v):
@@ -203,19 +204,26 @@ def evaluate(model, cluster, batch: int, x: dict) -> dict:
     t_micro = _heaviest_rank(t_layer, t_head, L, pp, bal) + hop
     t_pipeline = t_micro * pipeline_steps(pp, m, v)
 
-    layers_first = stage_layers(L, pp, bal)[0]
-    slots = np.where(bal, layers_first + 1, layers_first)        # a rank's layer slots (balanced: one is the embedding)
+    # memory of the two ranks that can be heaviest: rank 0 (most in flight, the embedding) and, when
+    # the split is balanced, rank 1 (two chunk-forwards fewer in flight, but a whole layer in every chunk)
+    edge, middle, _ = stage_layers(L, pp, bal)
     layer_params = (M.attention_weights + M.experts / ep * M.mlp_weights) / tp
-    psi = layers_first * layer_params + V * h / tp                 # the first rank: its layers + embedding
     zero_group = dp * cp
-    state = np.zeros(psi.shape)
+    per_param = np.zeros(edge.shape)                               # model state bytes per parameter
     for stage, n in set(zip(zero.ravel().tolist(), zero_group.ravel().tolist())):
         sel = (zero == stage) & (zero_group == n)
-        state[sel] = psi[sel] * model_state_bytes(int(stage), 1, int(n))    # linear in Ψ: bytes per parameter
+        per_param[sel] = model_state_bytes(int(stage), 1, int(n))
+    recomputed = np.where(rec == "none", 0.0, layer_activation_bytes(M, mb, tp, cp, sp, "none"))   # a layer redone
+    per_layer = layer_activation_bytes(M, mb, tp, cp, sp, rec)
+    psi0 = edge * layer_params + V * h / tp                        # rank 0: its layers + the embedding
+    acts0 = per_layer * layers_in_flight(pp, m, v, np.where(bal, edge + 1, edge), bal, 0) + recomputed
+    psi1 = middle * layer_params
+    acts1 = np.where(pp > 2, per_layer * layers_in_flight(pp, m, v, middle, bal, 1) + recomputed, 0.0)
+    second = psi1 * per_param + acts1 > psi0 * per_param + acts0
+    psi, acts = np.where(second, psi1, psi0), np.where(second, acts1, acts0)
+    state = psi * per_param
     params = psi * 2 / np.where(zero == 3, zero_group, 1)
     grads = psi * 2 / np.where(zero >= 2, zero_group, 1)
-    acts = layer_activation_bytes(M, mb, tp, cp, sp, rec) * layers_in_flight(pp, m, v, slots, bal)
-    acts = acts + np.where(rec == "none", 0.0, layer_activation_bytes(M, mb, tp, cp, sp, "none"))   # a layer recomputed
     grad_ar = _all_reduce(cluster, psi * 2, *_span(cluster, sizes, {"dp", "cp"}))
     t_dp = np.where(zero == 3, 1.5 * m, 1.0) * grad_ar
     t_opt = psi * ADAM_BYTES_TOUCHED / np.where(zero >= 1, zero_group, 1) / bandwidth
