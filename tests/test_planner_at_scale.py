@@ -4,7 +4,6 @@ Korthikanti formula, pplab.flops' FLOP count, pplab.pipeline's simulator, and pu
 DualPipe table)."""
 import dataclasses
 
-import numpy as np
 import pytest
 
 from pplab.flops import step_flops

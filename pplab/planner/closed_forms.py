@@ -37,7 +37,7 @@ from ..cluster import Cluster, predict_all_reduce
 from ..flops import attention, elementwise, layer_norm, matmul
 from ..zero import model_state_bytes
 
-# The one efficiency constant: the fraction of dense peak FLOP/s that a training step's matrix
+# The efficiency of matrix products: the fraction of dense peak FLOP/s that a training step's matrix
 # products sustain. Not fitted to any row; its justification is in notebooks/10_at_scale.ipynb.
 EFFICIENCY = 0.6
 # FlashAttention-2, the attention kernel of 2023-24, reaches about 35% of an H100's peak (Shah et al.
