@@ -88,6 +88,10 @@ ANSWERS = {
         "my_full_bytes": "4 * 2 * s * b * h",
         "my_full_flops_ratio": "4 / 3",
     },
+    "10_at_scale": {
+        "my_in_flight": "4 + (4 - 1) / 2",
+        "my_bubble_16k": "(16 - 1) / (8 * 16)",
+    },
     "10b_two_tier_networks": {
         "my_flat_cross_bytes": "N_NODES * 2 * (P - 1) / P * NBYTES",
         "my_hsdp_cross_bytes": "P * 2 * (N_NODES - 1) / N_NODES * (90 / R) * 8",

@@ -30,12 +30,13 @@ from wrong_solutions_mixed_precision import WRONG as WRONG_MIXED_PRECISION
 from wrong_solutions_tp3d import WRONG as WRONG_TP3D
 from wrong_solutions_cluster import WRONG as WRONG_CLUSTER
 from wrong_solutions_quantised_gather import WRONG as WRONG_QUANTISED_GATHER
+from wrong_solutions_at_scale import WRONG as WRONG_AT_SCALE
 
 WRONG_CHAPTERS = {**WRONG_CHAPTERS, **WRONG_TENSOR_PARALLEL, **WRONG_ZERO, **WRONG_SEQUENCE_PARALLEL,
                   **WRONG_HARD, **WRONG_HYBRID, **WRONG_EXPERTS, **WRONG_PLANNER, **WRONG_CAPSTONE_SP,
                   **WRONG_SCORED, **WRONG_CAPSTONE_ZERO, **WRONG_CAPSTONE_RING, **WRONG_CAPSTONE_HYBRID,
                   **WRONG_GRAD_CLIP, **WRONG_RECOMPUTE, **WRONG_MIXED_PRECISION, **WRONG_CAPSTONE_FSDP, **WRONG_TP3D,
-                  **WRONG_CLUSTER, **WRONG_QUANTISED_GATHER}
+                  **WRONG_CLUSTER, **WRONG_QUANTISED_GATHER, **WRONG_AT_SCALE}
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 

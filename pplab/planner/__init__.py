@@ -27,8 +27,13 @@ Every number comes from an earlier chapter, put together:
 Measuring (times.py, calibrate.py): `measure`, `estimate`, `contention`, `calibrate`. On this CPU the ranks outnumber the cores: `calibrate` measures, with the ranks running at once,
 how much slower compute gets and how long a message waits for its partner's time slice (added
 to α). `compare(plan, measured)` puts predicted next to measured; `widget()` draws it all.
+
+At scale (chapter 10, at_scale.py): the same questions for GPU clusters by closed forms, every layout of
+16,384 GPUs at once; published.py holds the published runs it is checked against.
 """
 
+from . import at_scale, published
+from .at_scale import GPUCluster, Transformer
 from .calibrate import calibrate
 from .predict import Layout, Plan, PlanError, Prediction, compare, enumerate_layouts, plan, predict, stages, step_traffic
 from .times import LayerTimes, contention, estimate, layer_params, measure, parallel_saved
@@ -36,4 +41,5 @@ from .widget import draw, widget
 
 __all__ = ["Layout", "Plan", "PlanError", "Prediction", "LayerTimes", "plan", "predict", "compare",
            "enumerate_layouts", "stages", "measure", "estimate", "contention", "calibrate", "layer_params",
-           "parallel_saved", "draw", "widget", "step_traffic"]
+           "parallel_saved", "draw", "widget", "step_traffic", "at_scale", "published", "Transformer",
+           "GPUCluster"]
