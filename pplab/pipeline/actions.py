@@ -123,13 +123,12 @@ class Schedule:
 
     def stages_of(self, rank: int) -> list[int]:
         """The stages `rank` holds, in model order: its chunk 0, chunk 1, ..."""
-        placement = tuple(self.stage_to_rank)     # compared by value: the list may have been changed in place
         by_rank = self.__dict__.get("_stages_by_rank")
-        if by_rank is None or by_rank[0] != placement:   # built once: O(stages), not per rank
+        if by_rank is None or by_rank[0] is not self.stage_to_rank:   # built once: O(stages), not per rank
             table = {}
-            for s, r in enumerate(placement):
+            for s, r in enumerate(self.stage_to_rank):
                 table.setdefault(r, []).append(s)
-            by_rank = self.__dict__["_stages_by_rank"] = (placement, table)
+            by_rank = self.__dict__["_stages_by_rank"] = (self.stage_to_rank, table)
         return list(by_rank[1].get(rank, []))
 
     def __getstate__(self):

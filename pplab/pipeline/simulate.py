@@ -25,7 +25,7 @@ from array import array
 from dataclasses import dataclass
 from numbers import Real
 from itertools import accumulate, compress
-from operator import attrgetter, sub
+from operator import add, attrgetter, sub
 
 from ..trace import Event, Timeline
 from .actions import KINDS, Action, Schedule, ScheduleError, gc_paused
@@ -145,6 +145,7 @@ def _play(schedule: Schedule, order, duration: dict, latency: float = 0.0):
     p, S, m = schedule.num_ranks, schedule.num_stages, schedule.num_microbatches
     wiring = _wiring(schedule)
     finished = [0.0] * (2 * S * m)                  # finished[result]: when it was made
+    pair_time = duration.get("&")
     start = [[0.0] * len(acts) for acts in schedule.actions]
     end = [[0.0] * len(acts) for acts in schedule.actions]
     nxt, free = [0] * p, [0.0] * p
@@ -160,18 +161,21 @@ def _play(schedule: Schedule, order, duration: dict, latency: float = 0.0):
             if not overlap:
                 starts[k] = t
                 t = ends[k] = t + duration[kind][s]
-            else:                     # an F&B pair: drawn one after the other, both done when the block is
+            else:                     # an F&B pair: it starts when the B's inputs are there too
                 b = acts[k + 1]
-                for first, remote in wiring[b.kind][b.stage][0]:
+                b_inputs, b_result = wiring[b.kind][b.stage]
+                for first, remote in b_inputs:
                     t = max(t, finished[first + b.microbatch] + (latency if remote else 0.0))
-                times = [duration[kind][s], duration[b.kind][b.stage]]
-                fb = duration["&"][s] if duration.get("&") else sum(times)
-                times = [fb * x / sum(times) if sum(times) else fb / 2 for x in times]
-                starts[k], ends[k] = t, t + times[0]
-                starts[k + 1], ends[k + 1] = t + times[0], t + sum(times)
+                f_time, b_time = duration[kind][s], duration[b.kind][b.stage]
+                both = pair_time[s] if pair_time else f_time + b_time
+                # drawn one after the other, F then B, in proportion; both are done when the block is
+                f_part = both * f_time / (f_time + b_time) if f_time + b_time else both / 2
+                b_part = both * b_time / (f_time + b_time) if f_time + b_time else both / 2
+                starts[k], ends[k] = t, t + f_part
+                starts[k + 1], ends[k + 1] = t + f_part, t + (f_part + b_part)
                 t = ends[k + 1]
-                if wiring[b.kind][b.stage][1] is not None:
-                    finished[wiring[b.kind][b.stage][1] + b.microbatch] = t
+                if b_result is not None:
+                    finished[b_result + b.microbatch] = t
                 k += 1
             if result is not None:
                 finished[result + i] = t
@@ -228,7 +232,10 @@ def _check_parts(schedule: Schedule) -> None:
         raise ScheduleError(f"schedule.replicas must be 1, or 2 with an even number of stages and of "
                             f"micro-batches (each copy of the model takes half of them), got replicas={k!r}, "
                             f"{S} stages, {m} micro-batches")
-    chunk_of = {s: c for r in range(p) for c, s in enumerate(schedule.stages_of(r))}
+    stages = [[] for _ in range(p)]     # each rank's stages, in model order (from the list itself, not
+    for s, r in enumerate(schedule.stage_to_rank):   # stages_of's cache: it may have changed in place)
+        stages[r].append(s)
+    chunk_of = {s: c for mine in stages for c, s in enumerate(mine)}
 
     def problem(r, a):            # what is wrong with action a on rank r, if anything
         if not isinstance(a, Action):
@@ -246,7 +253,7 @@ def _check_parts(schedule: Schedule) -> None:
             return f"stage {a.stage} is chunk {chunk_of[a.stage]} of rank {r}, but the action says chunk {a.chunk}"
 
     for r, acts in enumerate(schedule.actions):
-        if _plain_and_in_place(acts, {(s, c) for c, s in enumerate(schedule.stages_of(r))}, m):
+        if _plain_and_in_place(acts, {(s, c) for c, s in enumerate(stages[r])}, m):
             continue
         for j, a in enumerate(acts):              # action by action, to say what is wrong and where
             if (why := problem(r, a)) is not None:
@@ -281,12 +288,16 @@ def _check_counts(schedule: Schedule) -> None:
     S, m = schedule.num_stages, schedule.num_microbatches
     count = {k: [[0] * m for _ in range(S)] for k in KINDS}      # [kind][stage][mb]
     for acts in schedule.actions:
-        for a in acts:
-            count[a.kind][a.stage][a.microbatch] += 1
+        for kind, i, s, _, _ in acts:
+            count[kind][s][i] += 1
     problems = []
     for s in range(S):
         mine = schedule.replica_microbatches(s // schedule.stages_per_replica)
-        for i, (f, b, i_, w) in enumerate(zip(*(count[k][s] for k in KINDS))):
+        once = [1 if i in mine else 0 for i in range(m)] if schedule.replicas > 1 else [1] * m
+        F, B, I, W = (count[k][s] for k in KINDS)
+        if F == once and list(map(add, B, I)) == once and I == W:
+            continue              # the whole stage at once, compared in C: one F, and one B or one I and one W
+        for i, (f, b, i_, w) in enumerate(zip(F, B, I, W)):
             if i not in mine:             # the other copy of the model runs this micro-batch
                 if f or b or i_ or w:
                     problems.append(f"micro-batch {i} runs on stage {s}, but it belongs to the other replica "
