@@ -29,7 +29,7 @@ deepest stage; m = k*p micro-batches concatenate k units, as the paper's direct 
 """
 from __future__ import annotations
 
-from .actions import Action, Schedule, ScheduleError
+from .actions import Action, Schedule, ScheduleError, gc_paused
 from .simulate import validate
 
 
@@ -248,8 +248,8 @@ def make_bidirectional(name: str, num_stages: int, num_microbatches: int) -> Sch
     generate, placement, replicas = BIDIRECTIONAL[key]
     _check_sizes(key, num_stages, num_microbatches)
     p, m = num_stages, num_microbatches
-    schedule = Schedule(key, p, m, 2, generate(p, m), placement(p), replicas=replicas)
-    return validate(schedule)
+    with gc_paused():                                   # many new Actions: see actions.gc_paused
+        return validate(Schedule(key, p, m, 2, generate(p, m), placement(p), replicas=replicas))
 
 
 # ----------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ Schedule with its placement of stages on ranks, and validates it (simulate.py).
 """
 from __future__ import annotations
 
-from .actions import Action, Schedule, ScheduleError
+from .actions import Action, Schedule, ScheduleError, gc_paused
 from .looped import interleaved_zero_bubble, looped_bfs
 from .simulate import validate
 
@@ -194,8 +194,9 @@ ANY_CHUNKS = {"interleaved-1f1b", "looped-bfs", "interleaved-zb"}   # v is a cho
 
 
 # A schedule is a list of Action objects that validate, simulate and the executor walk one
-# by one: about 1-2 us and 100 bytes each (plus the validator's tables). A million actions
-# is seconds and ~150 MB; beyond that the lesson is better told by the formulas.
+# by one: building, validating and simulating take about 1.5 us and 150 bytes per action
+# (benchmarks/simulator.py), so a million actions take a second or two and ~150 MB; beyond
+# that the lesson is better told by the formulas.
 MAX_ACTIONS = 1_000_000
 
 
@@ -235,19 +236,12 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int, chunks: int
     _positive_int(num_microbatches, "num_microbatches (m)")
     p, m, v = num_stages, num_microbatches, default_chunks if chunks is None else chunks
     _positive_int(v, "chunks (v, stages per rank)")
-    if key == "interleaved-1f1b":
-        if v < 2:
-            raise ScheduleError("interleaved-1f1b needs chunks >= 2 (with one chunk per rank, use '1f1b')")
-        _size_check(key, p, m, v)
-        actions = generate(p, m, v)
-    elif key in ANY_CHUNKS:
-        _size_check(key, p, m, v)
-        actions = generate(p, m, v)
-    elif v != default_chunks:
+    if key == "interleaved-1f1b" and v < 2:
+        raise ScheduleError("interleaved-1f1b needs chunks >= 2 (with one chunk per rank, use '1f1b')")
+    if key not in ANY_CHUNKS and v != default_chunks:
         hint = " (for several chunks per rank use 'interleaved-1f1b' or 'zb-v')" if default_chunks == 1 else ""
         raise ScheduleError(f"{key} puts {default_chunks} chunk(s) on each rank, got chunks={v}{hint}")
-    else:
-        _size_check(key, p, m, v)
-        actions = generate(p, m)
-    schedule = Schedule(key, p, m, v, actions, placement(p, v))
-    return validate(schedule)                           # validating = playing the schedule out
+    _size_check(key, p, m, v)
+    with gc_paused():                                   # up to a million new Actions: see gc_paused
+        actions = generate(p, m, v) if key in ANY_CHUNKS else generate(p, m)
+        return validate(Schedule(key, p, m, v, actions, placement(p, v)))   # validating = playing it out
