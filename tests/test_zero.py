@@ -308,6 +308,47 @@ def test_stage3_gathers_one_unit_at_a_time_and_frees_it(prefetch):
         assert held.count(shards) >= 3              # down to the shards again between units
 
 
+def read_between_uses():
+    """A learner's reads of a wrapped model's parameter between steps: each answer or error, as text."""
+    model = make_model(seed=pplab.comm.rank())       # the wrap broadcasts rank 0's, make_model(0)
+    fsdp = FullyShardedModule(model)
+    x, y = shard(data(), pplab.comm.rank(), pplab.comm.world_size())
+    nn.functional.mse_loss(fsdp(x), y).backward()
+    weight = model[2].weight                         # unit "2", freed after its backward
+    out = {"type": type(weight).__name__, "bytes": weight.untyped_storage().nbytes(), "repr": repr(weight),
+           "described": (tuple(weight.shape), weight.numel(), weight.dim(), weight.dtype, weight.grad)}
+    reads = {"sum": weight.sum, "data": lambda: weight.data, "add": lambda: weight + 1,
+             "state_dict": model.state_dict, "forward": lambda: model[2].weight @ torch.ones(7, dtype=torch.float64),
+             "load": lambda: model.load_state_dict(make_model().state_dict())}
+    for what, read in reads.items():
+        try:
+            read()
+            out[what] = "no error"
+        except RuntimeError as e:
+            out[what] = str(e)
+    with fsdp.full_parameters():                     # the way to read them: whole again
+        out["full"] = weight.detach().clone()
+    nn.functional.mse_loss(fsdp(x), y).backward()    # the wrapper still works after the refused reads
+    return out
+
+
+def test_reading_a_parameter_between_uses_says_where_the_values_are():
+    """Between uses the full parameters hold 0 bytes; a read is a clear error, not a crash (a view into a
+    freed storage would read freed memory), and what describes the parameter still answers."""
+    results = pplab.launch(read_between_uses, world_size=3, timeout=30)
+    want = make_model()[2].weight.detach()
+    for rank, out in enumerate(results):
+        assert out["type"] == "ShardedParameter" and out["bytes"] == 0, f"rank {rank}: {out['type']}, {out['bytes']} B"
+        assert out["described"] == ((6, 7), 42, 2, torch.float64, None), f"rank {rank}: {out['described']}"
+        assert "'2.weight'" in out["repr"] and "full_parameters()" in out["repr"], out["repr"]
+        for what in ("sum", "data", "add", "state_dict", "forward", "load"):
+            message = out[what]     # a whole module's state_dict or load stops at its first parameter
+            named = "'0.weight' (shape (7, 5))" if what in ("state_dict", "load") else "'2.weight' (shape (6, 7))"
+            assert f"{named} is sharded" in message and "fsdp.full_parameters()" in message \
+                and "fsdp.state_dict()" in message, f"rank {rank}, {what}: {message}"
+        assert torch.equal(out["full"], want), f"rank {rank}: full_parameters() must give rank 0's initial weight"
+
+
 # ----------------------------------------------------------------------------------
 # Offload, sub-groups, bad input
 

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import sealed
-from .core import Parts, exercise, first_difference, refuse_library, require_function
+from .core import Parts, WatchedStage, exercise, first_difference, refuse_library, require_function
 from .core import _fmt
 
 PARTS = ("gradients", "loss", "pipeline traffic", "dp all-reduce", "1F1B memory")
@@ -130,23 +130,6 @@ def _reference(trial):
 # In every sealed rank
 
 
-class _WatchedStage(nn.Sequential):
-    """The stage the answer gets: an nn.Sequential that notes "F" at each forward and "B" when a
-    gradient reaches that forward's output (its backward), for the checker's memory count."""
-
-    def __init__(self, layers, events):
-        super().__init__(*layers)
-        self._events = events
-
-    def forward(self, x):
-        out = super().forward(x)
-        if torch.is_grad_enabled():
-            self._events.append("F")
-            if out.requires_grad:
-                out.register_hook(lambda grad: self._events.append("B"))
-        return out
-
-
 def _trainer_rank(fn, trials):
     t = trials[0]
     sealed.begin(0)
@@ -159,7 +142,8 @@ def _trainer_rank(fn, trials):
     with torch.no_grad():
         for q, value in zip(layers.parameters(), t["parameters"]):
             q.copy_(value)
-    stage = _WatchedStage(layers, events)
+    stage = WatchedStage(layers, lambda k, x: events.append("F"),      # for the 1F1B memory count
+                         lambda k, grad: events.append("B"))
     sealed.phase("step")
     loss = fn(stage, t["inputs"].clone(), t["targets"].clone(), nn.MSELoss(), t["m"], pp_group, dp_group)
     sealed.phase("")

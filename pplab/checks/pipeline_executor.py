@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import sealed
-from .core import Fail, exercise, first_difference, refuse_library, require_function
+from .core import Fail, WatchedStage, exercise, first_difference, refuse_library, require_function
 from .core import _fmt
 
 _ATOL, _RTOL = 1e-12, 1e-9
@@ -59,26 +59,6 @@ def _microbatches(trial, seed, t):
     return [(x, y) for x, y in zip(xs, ys)]
 
 
-class _WatchedStage(nn.Sequential):
-    """The stage the answer gets: an nn.Sequential that also notes, for the checker, each
-    forward's input ("F", input) and each gradient that reaches a forward's output
-    ("B", which forward, gradient), and records them after every event (so a hang still
-    tells how far each rank got)."""
-
-    def __init__(self, stage, note):
-        super().__init__(*stage)
-        self._note = note
-
-    def forward(self, x):
-        out = super().forward(x)
-        if torch.is_grad_enabled():
-            k = sum(e[0] == "F" for e in self._note.events)
-            self._note(("F", x.detach().clone()))
-            if out.requires_grad:
-                out.register_hook(lambda grad, k=k: self._note(("B", k, grad.detach().clone())))
-        return out
-
-
 def _executor_rank(fn, trials):
     """In every sealed rank: the answer runs this rank's actions on its stage; the stage's
     notes go to the checker after every event (so a hang still tells how far each rank got)."""
@@ -96,7 +76,8 @@ def _executor_rank(fn, trials):
         with torch.no_grad():
             for q, value in zip(layers.parameters(), trial["parameters"]):
                 q.copy_(value)
-        stage = _WatchedStage(layers, note)
+        stage = WatchedStage(layers, lambda k, x: note(("F", x.detach().clone())),   # each input, each gradient
+                             lambda k, grad: note(("B", k, grad.detach().clone())))
         actions = list(make_schedule(trial["schedule"], p, trial["m"]).actions[rank])
         fn(actions, stage, trial["microbatches"], nn.MSELoss(),
            rank - 1 if rank > 0 else None, rank + 1 if rank < p - 1 else None)

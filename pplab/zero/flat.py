@@ -30,13 +30,10 @@ class FlatBucket:
         self.shard_size = math.ceil(self.numel / world_size)
         self.padded = self.shard_size * world_size
         self.dtype, self.device = self.params[0].dtype, self.params[0].device
+        self.shapes = [p.shape for p in self.params]  # kept: ZeRO-3 empties the parameters between uses
         self.offsets = [0]
         for p in self.params:
             self.offsets.append(self.offsets[-1] + p.numel())
-
-    @property
-    def element_size(self) -> int:
-        return self.params[0].element_size()
 
     def flatten(self, tensors, dtype=None) -> torch.Tensor:
         """A new padded flat buffer holding `tensors` (one per parameter, same shapes) end to end."""
@@ -47,7 +44,7 @@ class FlatBucket:
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each parameter's piece of a full flat buffer, shaped like the parameter (views, no copy)."""
-        return [flat[a:b].view_as(p) for p, a, b in zip(self.params, self.offsets, self.offsets[1:])]
+        return [flat[a:b].view(shape) for shape, a, b in zip(self.shapes, self.offsets, self.offsets[1:])]
 
     def shard(self, flat: torch.Tensor, rank: int | None = None) -> torch.Tensor:
         """Rank `rank`'s (default: this rank's) equal piece of a full flat buffer (a view)."""

@@ -8,13 +8,15 @@
 
 Each unit (by default each child of `model` with trainable parameters: a layer, a block) gets
 one FlatBucket. Between steps a rank keeps only its shard of every unit (`fsdp.parameters()`
-are these shards); the full flat buffer's memory is released, and the model's parameters stay
-views into it. Around each unit:
+are these shards); the full flat buffer's memory is released, and the model's parameters become
+`ShardedParameter`s that hold no values: reading one (.sum(), module.state_dict()) raises an
+error that says how to read the full values, and printing one says so. While a unit is gathered
+its parameters are nn.Parameters again, views into the full buffer. Around each unit:
 
 * **before its forward**: all-gather the unit's full parameters from everyone's shards ("AG"),
   and start the *next* unit's all-gather at once (prefetch), so that it travels while this
   unit computes;
-* **after its forward**: free the full parameters (the storage shrinks to 0 bytes);
+* **after its forward**: free the full parameters (the buffer's storage shrinks to 0 bytes);
 * **before its backward** (a hook on the unit's output gradient): gather them again, and
   prefetch the unit before it, which backward reaches next;
 * **after its backward** (all its parameters' gradients are final): flatten the gradients,
@@ -55,6 +57,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from ..runtime import comm
 from .. import trace
@@ -62,6 +65,68 @@ from ..data_parallel.ddp import _tensors, end_trace_when_done
 from ..trace import Event, now
 from .flat import FlatBucket, reduce_scatter
 from .optimizer import root_rank
+
+
+class ShardedParameter(nn.Parameter):
+    """What a FullyShardedModule's parameter is between uses: its full values exist on no rank.
+
+    Each rank keeps only its shard (in fsdp.parameters()); the parameter's data is an empty
+    tensor, so that it holds no memory. What describes the parameter still answers as for the
+    whole one (.shape, .size(), .numel(), .dim(), .dtype, .grad, .requires_grad, gradient hooks);
+    whatever would read its values (any torch operation, .data, print) raises or says how to
+    read them. The wrapper turns the parameter into one when it frees its unit and back into an
+    nn.Parameter when it gathers it (torch's UninitializedParameter, of lazy modules, guards a
+    parameter not made yet the same way).
+    """
+
+    _ALLOWED = {torch.Tensor.__format__, torch.Tensor.untyped_storage, torch.Tensor.element_size,  # 0 bytes held
+                torch.Tensor.is_floating_point, torch.Tensor.is_complex, torch.Tensor.get_device,
+                torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook}
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in cls._ALLOWED or type(func).__name__ == "method-wrapper":    # or a property: .grad, .dtype
+            return super().__torch_function__(func, types, args, kwargs or {})   # as nn.Parameter: plain torch
+        sharded = next((a for a in tree_leaves((args, kwargs)) if isinstance(a, ShardedParameter)), None)
+        raise RuntimeError(_between_uses(sharded, getattr(func, "__name__", str(func))))
+
+    @property
+    def shape(self):
+        return self._pplab_shape
+
+    @property
+    def ndim(self):
+        return len(self._pplab_shape)
+
+    def size(self, dim=None):
+        return self._pplab_shape if dim is None else self._pplab_shape[dim]
+
+    def numel(self):
+        return self._pplab_shape.numel()
+
+    def dim(self):
+        return len(self._pplab_shape)
+
+    @property
+    def data(self):
+        raise RuntimeError(_between_uses(self, ".data"))
+
+    @data.setter
+    def data(self, value):
+        raise RuntimeError(_between_uses(self, "setting .data; to change the parameters, use fsdp.load_state_dict"))
+
+    def __repr__(self) -> str:
+        return (f"ShardedParameter {self._pplab_name!r}, shape {tuple(self._pplab_shape)}: no values between uses "
+                f"(this rank keeps only its shard, in fsdp.parameters()); read them inside "
+                f"`with fsdp.full_parameters():`")
+
+
+def _between_uses(p, asked: str) -> str:
+    name = f"parameter {p._pplab_name!r} (shape {tuple(p._pplab_shape)})" if p is not None else "a parameter"
+    return (f"{name} is sharded by FullyShardedModule: its full values exist only inside forward/backward "
+            f"(between uses each rank keeps only its shard, in fsdp.parameters()). To read the full parameters, "
+            f"use `with fsdp.full_parameters() as module:` on every rank, or fsdp.state_dict() for the full state "
+            f"on rank 0. (Asked for: {asked}.)")
 
 
 class _Unit:
@@ -75,11 +140,26 @@ class _Unit:
         self.shard._pplab_bucket, self.shard._pplab_zero = self.bucket, 3
         if compute_dtype is not None:                  # what forward sees (and the all-gather carries)
             self.full = self.full.to(compute_dtype)
-        self.bucket.point_params_into(self.full)
-        self.nbytes = self.bucket.padded * self.bucket.element_size
-        self.full.untyped_storage().resize_(0)        # free: the parameters' storage is now 0 bytes
+        self.nbytes = self.full.numel() * self.full.element_size()
+        for n, p in named_params:                      # for ShardedParameter's messages, and the way back
+            p._pplab_name, p._pplab_shape, p._pplab_class = n, p.shape, type(p)
         self.state, self.handle = "free", None         # "free" | "gathering" | "full"
         self.compute_start = None                      # when its forward / backward compute began
+
+    def allocate(self) -> None:
+        """Give the full buffer its memory back (for an all-gather to fill) and make the parameters
+        views into it again."""
+        self.full.untyped_storage().resize_(self.nbytes)
+        for p, view in zip(self.bucket.params, self.bucket.views(self.full)):
+            p.__class__ = p._pplab_class
+            p.data = view
+
+    def release(self) -> None:
+        """Free the full buffer; the parameters become ShardedParameters that hold nothing."""
+        for p in self.bucket.params:
+            p.data = torch.empty(0, dtype=self.full.dtype, device=self.full.device)
+            p.__class__ = ShardedParameter
+        self.full.untyped_storage().resize_(0)        # what autograd saved of them shrinks too: 0 bytes
 
 
 class FullyShardedModule(nn.Module):
@@ -160,6 +240,7 @@ class FullyShardedModule(nn.Module):
             for p in u.bucket.params:
                 p._pplab_zero = 3                      # pplab's DDP refuses these parameters
                 p.register_post_accumulate_grad_hook(lambda param, u=u: self._grad_ready(u, param))
+            u.release()                                # between uses: my shard only
         for u in self.layers:
             submodules[u.name].register_forward_pre_hook(lambda mod, args, u=u: self._before_forward(u))
             submodules[u.name].register_forward_hook(lambda mod, args, out, u=u: self._after_forward(u, out))
@@ -176,13 +257,16 @@ class FullyShardedModule(nn.Module):
             return
         if self.shard_store is not None:               # my shard back in RAM, the next one on its way
             self.shard_store.fetch(u, self._gathered_after(u))
-        u.full.untyped_storage().resize_(u.nbytes)
-        trace.hold(u.nbytes, f"gather {u.name}")
+        self._allocate(u)
         mine = u.shard.detach().to(u.full.dtype)       # the compute dtype's copy of my master shard
         u.handle = comm.all_gather_into_tensor(u.full, mine, group=self.group, async_op=True)
         u.handle.event.label, u.handle.event.meta["unit"] = f"AG{u.index}", u.name
         end_trace_when_done(u.handle)
         u.state = "gathering"
+
+    def _allocate(self, u: _Unit) -> None:
+        u.allocate()
+        trace.hold(u.nbytes, f"gather {u.name}")
 
     def _wait(self, u: _Unit) -> None:
         if u.state == "gathering":
@@ -195,7 +279,7 @@ class FullyShardedModule(nn.Module):
         if u.state == "free":
             return
         self._wait(u)                                  # never free memory a collective writes into
-        u.full.untyped_storage().resize_(0)
+        u.release()
         trace.release(u.nbytes, f"free {u.name}")
         u.state = "free"
 
@@ -280,10 +364,14 @@ class FullyShardedModule(nn.Module):
             p.grad = None                              # my shard of the sum is all I keep
         self._free(u)
         out = torch.empty(u.bucket.shard_size, dtype=self.reduce_dtype, device=u.shard.device)
+        self._handles.append((u, self._reduce_scatter(u, out, grads), out))
+
+    def _reduce_scatter(self, u: _Unit, out, grads):
+        """Start out = my shard of the sum over ranks of unit u's flat gradients; returns its handle."""
         h = reduce_scatter(out, grads, group=self.group)
         h.event.label, h.event.meta["unit"] = f"RS{u.index}", u.name
         end_trace_when_done(h)
-        self._handles.append((u, h, out))
+        return h
 
     def _end_backward(self) -> None:
         try:
@@ -345,7 +433,7 @@ class FullyShardedModule(nn.Module):
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load a full state (the same dict on every rank): each rank keeps its shard of it."""
-        expected = set(self.module.state_dict().keys())
+        expected = set(self.module.state_dict(keep_vars=True))      # names only: no values read
         missing, unexpected = expected - set(state_dict), set(state_dict) - expected
         if strict and (missing or unexpected):
             raise KeyError(f"state_dict does not fit the model: missing {sorted(missing)[:5]}, "

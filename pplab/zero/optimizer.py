@@ -336,8 +336,8 @@ class ZeroOptimizer:
                                  f"all: it was not saved from this model and optimizer")
             new = {}
             for key, v in entries[0].items():
-                if key != "step" and all(torch.is_tensor(e[key]) and e[key].shape == p.shape
-                                         for e, p in zip(entries, b.params)):
+                if key != "step" and all(torch.is_tensor(e[key]) and e[key].shape == shape
+                                         for e, shape in zip(entries, b.shapes)):
                     full = b.flatten([e[key].to(b.device) for e in entries], dtype=v.dtype)
                     new[key] = b.shard(full).clone().to(m.device)
                 else:

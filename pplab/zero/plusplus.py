@@ -198,8 +198,7 @@ class ZeroPlusPlus(FullyShardedModule):
     def _gather(self, u) -> None:
         if u.state != "free":
             return
-        u.full.untyped_storage().resize_(u.nbytes)
-        trace.hold(u.nbytes, f"gather {u.name}")
+        self._allocate(u)
         start = now()
         if self._in_backward and u.secondary is not None:          # hpZ: inside my node only
             collectives.all_gather_into_tensor(u.full, u.secondary, group=self.node)
@@ -222,26 +221,14 @@ class ZeroPlusPlus(FullyShardedModule):
             trace.hold(u.secondary.numel() * u.secondary.element_size(), f"secondary {u.name}")
         super()._after_forward(u, out)
 
-    def _grad_ready(self, u, param) -> None:
-        self._start_backward()
-        self._waiting[u.index].discard(id(param))
-        if self._waiting[u.index]:
-            return
-        if u is not self.root:
-            trace.record(Event(comm.rank(), "B", "compute", u.compute_start or now(), now(), f"B{u.index}",
-                               meta={"unit": u.name}))
-        grads = u.bucket.flatten([p.grad for p in u.bucket.params], dtype=self.reduce_dtype)
-        for p in u.bucket.params:
-            p.grad = None
-        self._free(u)
-        out = torch.empty(u.bucket.shard_size, dtype=self.reduce_dtype)
+    def _reduce_scatter(self, u, out, grads):
         start = now()
         if self.qgz:
             quantised_reduce_scatter(out, grads, self.cluster, self.grad_bits, self.block)
         else:
             collectives.reduce_scatter_tensor(out, grads)
         label = f"RS{u.index}" + (f" (int{self.grad_bits})" if self.qgz else "")
-        self._handles.append((u, self._record("reduce_scatter", label, None, start, grads.numel()), out))
+        return self._record("reduce_scatter", label, None, start, grads.numel())
 
     def _end_backward(self) -> None:
         try:
