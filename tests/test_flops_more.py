@@ -1,0 +1,64 @@
+"""pplab.flops.sent_per_rank and pplab.split.ring_sends beyond tests/test_flops.py: an all-reduce the
+ranks do not divide, collectives run over point-to-point sends (pplab.cluster.two_tier), every
+kind's ring count against bytes traced by pplab.collectives' own rings or worked out by hand."""
+import math
+
+import pytest
+import torch
+
+import pplab
+from pplab import collectives, comm
+from pplab.cluster import Cluster, two_tier
+from pplab.flops import Op, StepCount, mfu_report, sent_per_rank
+from pplab.split import ring_sends
+from pplab.trace import Event, Timeline
+
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")
+
+
+def test_ring_sends_by_hand():
+    # 10 things on 4 ranks, chunks [3, 3, 2, 2]: rank 0 sends all but its 3, then all but rank 1's 3
+    assert [ring_sends("all_reduce", 10, 4, me) for me in range(4)] == [14, 15, 16, 15]
+    assert ring_sends("all_gather", 12, 3, 2) == ring_sends("reduce_scatter", 12, 3, 0) == 8
+    assert ring_sends("all_to_all", 12, 3, 1) == 8 and ring_sends("all_reduce", 12, 1, 0) == 0
+    with pytest.raises(ValueError, match="ring_sends knows"):
+        ring_sends("broadcast", 12, 3, 0)
+
+
+def _uneven(how):
+    """An all-reduce of 10 one-byte numbers on 3 ranks: the backend's, pplab's ring, or under two_tier."""
+    x = torch.arange(10, dtype=torch.uint8) + comm.rank()
+    if how == "backend":
+        comm.all_reduce(x)
+    elif how == "ring":
+        collectives.all_reduce(x, algorithm="ring")
+    else:
+        with two_tier(Cluster(3, 1), bandwidth=math.inf):       # comm.all_reduce runs as pplab's ring
+            comm.all_reduce(x)
+    return x
+
+
+def test_sent_per_rank_for_an_uneven_all_reduce_and_over_point_to_point():
+    runs = {how: pplab.launch(_uneven, how, world_size=3) for how in ("backend", "ring", "two_tier")}
+    for how, res in runs.items():
+        assert all(torch.equal(x, torch.arange(10, dtype=torch.uint8) * 3 + 3) for x in res), how
+    ring = runs["ring"].timeline
+    # chunks [4, 3, 3]: rank 1 sends 20 - 3 - 3 = 14 bytes, ranks 0 and 2 13, as the rings' traced sends say
+    assert [ring.bytes_sent(r) for r in range(3)] == [13, 14, 13]
+    assert sent_per_rank(runs["backend"].timeline) == 14
+    # under two_tier the all-reduce's sends are in the trace, beside the box that says it ran: counted once
+    tiered = runs["two_tier"].timeline
+    assert max(tiered.bytes_sent(r) for r in range(3)) == sent_per_rank(tiered) == 14
+
+
+def test_sent_per_rank_for_the_kinds_sent_as_chains():
+    # a broadcast of 40 bytes, a reduce of 40, a scatter of 8-byte pieces, a gather of 8-byte pieces,
+    # a barrier, over 4 ranks: NCCL's chains send the payload once per rank, a scatter's root 3 pieces
+    events = [Event(0, kind, "comm", 0.0, 1.0, group=(0, 1, 2, 3), meta={"payload": n})
+              for kind, n in (("broadcast", 40), ("reduce", 40), ("scatter", 8), ("gather", 8), ("barrier", 0))]
+    assert sent_per_rank(Timeline(events, world_size=4)) == 40 + 40 + 3 * 8 + 8
+
+
+def test_mfu_report_on_eight_ranks_uses_the_node_link():
+    report = mfu_report(StepCount((Op("mm", 1e9, 1e6),), "fp32"), 1.0, ranks=8, sent_bytes=0, peak=1e9)
+    assert report.link_bandwidth == report.preset.nvlink
