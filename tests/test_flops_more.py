@@ -62,3 +62,37 @@ def test_sent_per_rank_for_the_kinds_sent_as_chains():
 def test_mfu_report_on_eight_ranks_uses_the_node_link():
     report = mfu_report(StepCount((Op("mm", 1e9, 1e6),), "fp32"), 1.0, ranks=8, sent_bytes=0, peak=1e9)
     assert report.link_bandwidth == report.preset.nvlink
+
+
+def test_count_step_of_a_strided_cnn_is_torchs_flop_counter():
+    from torch import nn
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from pplab.flops import count_step
+    torch.manual_seed(0)
+    cnn = nn.Sequential(nn.Conv2d(3, 5, 3, padding=1), nn.ReLU(), nn.Conv2d(5, 4, 3, stride=2), nn.Flatten(),
+                        nn.Linear(4 * 3 * 3, 2))
+    x = torch.randn(2, 3, 8, 8)
+    with FlopCounterMode(display=False) as counter:
+        cnn(x).sum().backward()
+    assert count_step(cnn, x).flops == counter.get_total_flops() == 89_424
+
+
+class _Attention(torch.nn.Module):
+    """One fused qkv layer and torch's scaled_dot_product_attention, 4 heads of 4 on [2, 7, 16]."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(16, 48)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(2, 7, 3, 4, 4).permute(2, 0, 3, 1, 4)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def test_count_step_counts_fused_attention_as_its_products_by_hand():
+    from pplab.flops import count_step
+    # qkv: forward 2·14·16·48 and its weight's gradient as much (x is data); attention: q·kᵀ and ·v,
+    # 2 · 2·b·heads·s²·d forward, twice that backward (every score counted, as the published counts do)
+    attention = 2 * 2 * 2 * 4 * 7 * 7 * 4
+    assert count_step(_Attention(), torch.randn(2, 7, 16)).flops == 2 * (2 * 14 * 16 * 48) + 3 * attention

@@ -64,3 +64,37 @@ def test_placement_groups_are_torchs_device_mesh_in_another_order():
         for d, (ours, torchs) in groups.items():
             assert ours == torchs == next(g for g in p.groups(d) if rank in g), (rank, d)
         assert back == next(g for g in p.groups("tp") if rank in g)
+
+
+def test_predict_prices_tp_when_only_some_of_its_groups_cross():
+    from pplab import costfit, planner
+    from pplab.hybrid import GPTConfig
+    cfg = GPTConfig(vocab=32, seq=8, hidden=16, heads=4, ffn=24, layers=2)
+    fit, times = costfit.Fit(2e-5, 1e-9, 0.0, [1, 2], [2e-5, 2e-5]), planner.estimate(cfg)
+    c, (a, b) = Cluster(2, 3), (1e-3, 1 / 20e6)
+    layout = planner.Layout(3, 2, 1, order=("dp", "tp"))
+    assert place(c, dp=3, tp=2, order=("dp", "tp")).nodes_spanned("tp") == [1, 2, 1]    # pair [2, 3] crosses
+    placed = planner.predict(cfg, layout, 6, fit, times, cluster=c, inter=(a, b))
+    plain = planner.predict(cfg, planner.Layout(3, 2, 1), 6, fit, times)
+    mb, s, h, L = 2, cfg.seq, cfg.hidden, cfg.layers
+    # every tp all-reduce waits for the pair that crosses: 2 steps of (α + N/2 β) each, as in test_placement
+    extra = (4 * L + 2) * (2 * a + mb * s * h * 4 * b) + 2 * (2 * a + 2 * mb * s * 4 * b)
+    assert placed.time["tp"] - plain.time["tp"] == pytest.approx(extra)
+
+
+def test_step_traffic_of_zero_recomputation_and_wider_rings_by_hand():
+    from pplab import planner
+    from pplab.hybrid import GPTConfig
+    cfg = GPTConfig(vocab=32, seq=8, hidden=16, heads=4, ffn=24, layers=2)
+    N = sum(planner.layer_params(cfg, 1)) * 4                  # every parameter's gradient, fp32
+    dp = {z: planner.step_traffic(cfg, planner.Layout(2, 1, 1, zero=z), 8)["dp"] for z in (1, 2, 3)}
+    # 2 ranks: a reduce-scatter or an all-gather sends N/2. ZeRO-1, -2: one of each; ZeRO-3: two gathers
+    assert dp == {1: N, 2: N, 3: 1.5 * N}
+    # 4 ranks, ZeRO-3: three passes of 3/4 N each
+    assert planner.step_traffic(cfg, planner.Layout(4, 1, 1, zero=3), 8)["dp"] == pytest.approx(3 * 0.75 * N)
+    # tp = 4: each all-reduce of n sends 2·3/4·n; recomputation adds 2 per block
+    act = 8 * cfg.seq * cfg.hidden * 4                        # one micro-batch of 8 sequences
+    plain = planner.step_traffic(cfg, planner.Layout(1, 4, 1), 8)["tp"]
+    again = planner.step_traffic(cfg, planner.Layout(1, 4, 1, recompute=True), 8)["tp"]
+    assert plain == pytest.approx(1.5 * ((4 * cfg.layers + 2) * act + 8 * cfg.seq * 4 + 2 * 8 * cfg.seq * 4))
+    assert again - plain == pytest.approx(1.5 * 2 * cfg.layers * act)
