@@ -96,3 +96,20 @@ def test_count_step_counts_fused_attention_as_its_products_by_hand():
     # 2 · 2·b·heads·s²·d forward, twice that backward (every score counted, as the published counts do)
     attention = 2 * 2 * 2 * 4 * 7 * 7 * 4
     assert count_step(_Attention(), torch.randn(2, 7, 16)).flops == 2 * (2 * 14 * 16 * 48) + 3 * attention
+
+
+def test_count_step_reports_the_dtype_that_ran_most_flops():
+    from torch import nn
+
+    from pplab.flops import count_step
+
+    class Widen(nn.Module):                    # bf16 in, a wide bf16 product, then a small fp32 one
+        def __init__(self):
+            super().__init__()
+            self.big, self.small = nn.Linear(8, 32).bfloat16(), nn.Linear(32, 2)
+
+        def forward(self, x):
+            return self.small(self.big(x.bfloat16()).float())
+    step = count_step(Widen(), torch.randn(4, 8))
+    # big: 2·4·8·32 forward and its weight's gradient (its input is data); small: 2·4·32·2, three times
+    assert step.flops == 2 * (2 * 4 * 8 * 32) + 3 * (2 * 4 * 32 * 2) and step.dtype == "bf16"
