@@ -395,7 +395,7 @@ def placement_rule(traffic: dict) -> tuple:
     unknown = set(traffic) - set(mesh.DIMS)
     if unknown:
         raise PlacementError(f"traffic names {sorted(unknown)}: the dimensions are {', '.join(mesh.DIMS)}")
-    return tuple(sorted(traffic, key=lambda d: (traffic[d], -mesh.DIMS.index(d))))
+    return tuple(sorted(traffic, key=lambda d: (traffic[d], mesh.DIMS.index(d))))
 
 
 def orders(**sizes) -> list[tuple]:

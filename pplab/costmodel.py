@@ -45,7 +45,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .split import split_sizes
+from .split import ring_sends, split_sizes
 
 COLLECTIVES = {      # collective: its algorithms in pplab.collectives (the first is the default)
     "broadcast": ("tree",), "reduce": ("tree",), "scatter": ("linear",), "gather": ("linear",),
@@ -180,14 +180,13 @@ def bytes_sent_per_rank(collective: str, algorithm: str | None, p: int, n_bytes:
         if collective == "gather":
             return piece if me != root else 0
         if collective in _PIECES:                 # all_gather, reduce_scatter, all_to_all
-            return (p - 1) * piece
+            return ring_sends(collective, n, p, me)
         if algorithm == "naive":                  # workers send n; the server sends n to each
             return (p - 1) * n if me == 0 else n
         if algorithm == "tree":                   # reduce to rank 0, then broadcast from it
             return (me != 0) * n + _tree_sends(me, p) * n
         if algorithm == "ring":                   # all chunks but mine, then all but my right's
-            c = split_sizes(n, p)
-            return 2 * n - c[me] - c[(me + 1) % p]
+            return ring_sends("all_reduce", n, p, me)
         return _doubling_sends(algorithm, n, p, me)
 
     return [element_size * sends(me) for me in range(p)]

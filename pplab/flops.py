@@ -56,6 +56,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .hardware import DTYPE_NAMES, H100_SXM, peak_here
+from .split import RING, ring_sends
 
 RECOMPUTE = ("none", "selective", "full")
 
@@ -374,35 +375,44 @@ def count_step(model, *inputs, loss=None) -> StepCount:
     return StepCount(tuple(op for op, _ in products), _SHORT_DTYPE[dtype])
 
 
-# Bytes one of p ranks sends per byte of payload it hands a collective that the backend runs
-# (pplab.comm traces that payload, not the backend's bytes on the wire): those of ring algorithms,
-# the least any algorithm sends, and what NCCL's rings send inside a GPU node.
-_RING_SENDS = {"all_reduce": lambda p: 2 * (p - 1) / p, "reduce_scatter": lambda p: (p - 1) / p,
-               "all_to_all": lambda p: (p - 1) / p,
-               "all_gather": lambda p: p - 1, "scatter": lambda p: p - 1,    # the payload is one rank's piece
-               "broadcast": lambda p: 1, "reduce": lambda p: 1, "gather": lambda p: 1, "barrier": lambda p: 0}
+# Bytes a rank sends for the payload it hands a collective that the backend runs (pplab.comm traces
+# that payload, not the backend's bytes on the wire): the rings' (pplab.split.ring_sends, exact for
+# equal pieces, to a byte or so for an all-reduce the ranks do not divide), the least any algorithm
+# sends, and NCCL's inside a GPU node; the rest as NCCL's rings and chains send them.
+_OTHER_SENDS = {"scatter": lambda p: p - 1,        # the payload is one rank's piece
+                "broadcast": lambda p: 1, "reduce": lambda p: 1, "gather": lambda p: 1, "barrier": lambda p: 0}
+
+
+def _collective_sends(kind: str, payload: int, group, rank: int) -> float:
+    p = len(group)
+    if kind in RING:
+        whole = payload * p if kind == "all_gather" else payload      # an all-gather's payload: one piece
+        return ring_sends(kind, whole, p, group.index(rank))
+    return _OTHER_SENDS[kind](p) * payload
 
 
 def sent_per_rank(timeline, steps: int = 1, skip=()) -> float:
     """The most bytes any rank of a measured `timeline` sent per step, over `steps` steps: its
     point-to-point sends as traced, plus, for each collective the backend ran, the bytes a ring
-    algorithm sends for its payload (counted on every rank of the group, roots included).
+    algorithm sends for its payload (counted on every rank of the group, roots included). A
+    collective run over point-to-point sends (pplab.cluster.two_tier, ZeRO++) is counted by its sends.
     skip: kinds of comm events that are no messages (chapter 9's "disk_read", "disk_write")."""
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive whole number, got {steps!r}")
+    known = sorted(RING + tuple(_OTHER_SENDS))
     most = 0.0
     for rank in range(timeline.world_size):
         sent = 0.0
         for e in timeline.select(rank, "comm"):
-            if e.kind in skip:
+            if e.kind in skip or e.meta.get("via") == "p2p":        # the latter's sends are in the trace
                 continue
             if e.bytes_sent or e.kind in ("send", "recv"):
                 sent += e.bytes_sent
-            elif e.kind in _RING_SENDS:
-                sent += _RING_SENDS[e.kind](len(e.group)) * e.meta.get("payload", 0)
+            elif e.kind in known:
+                sent += _collective_sends(e.kind, e.meta.get("payload", 0), list(e.group), rank)
             else:
                 raise ValueError(f"rank {rank} traced a {e.kind!r} whose bytes sent_per_rank cannot tell; "
-                                 f"it knows {sorted(_RING_SENDS)} and point-to-point sends")
+                                 f"it knows {known} and point-to-point sends")
         most = max(most, sent)
     return most / steps
 

@@ -21,8 +21,8 @@ dp fastest, so its tp groups are [0, 2] and [1, 3]. Chapter 10 (pplab.cluster.Pl
 a mesh onto nodes and compares orders by the bytes each one sends between nodes.
 
 torch has the same idea in `torch.distributed.device_mesh.DeviceMesh`; `init_device_mesh`
-with the same sizes and names lays ranks out exactly as this mesh does (row-major), and
-`device_mesh()` builds it, so torch's DTensor layers can run on our layout.
+with the same sizes and names, in the mesh's order, lays ranks out exactly as this mesh does
+(row-major), and `device_mesh()` builds it, so torch's DTensor layers can run on our layout.
 """
 from __future__ import annotations
 
@@ -49,8 +49,11 @@ def _order(order, sizes: dict) -> tuple:
     and go where DIMS puts them. None: DIMS itself (tp fastest)."""
     if order is None:
         return DIMS
-    order = tuple(order)
-    if any(d not in DIMS for d in order) or len(set(order)) != len(order):
+    order = (order,) if isinstance(order, str) else tuple(order)
+    unknown = [d for d in order if d not in DIMS]
+    if unknown:
+        raise ValueError(f"order names unknown dimension(s) {unknown}: a mesh has {', '.join(DIMS)}")
+    if len(set(order)) != len(order):
         raise ValueError(f"order names each of {', '.join(DIMS)} at most once (outermost first), got {order!r}")
     left_out = [d for d in DIMS if d not in order and sizes[d] > 1]
     if left_out:
@@ -166,24 +169,23 @@ class Mesh:
         return stages[i + 1] if i + 1 < len(stages) else None
 
     def device_mesh(self, device_type: str = "cpu"):
-        """torch's DeviceMesh with the same layout (only the dimensions larger than one)."""
+        """torch's DeviceMesh with the same layout (only the dimensions larger than one): init_device_mesh
+        numbers ranks row-major in the order its dimensions are named, so they are named along self.order."""
         from torch.distributed.device_mesh import init_device_mesh
-        if self.order != DIMS:
-            raise ValueError(f"init_device_mesh numbers ranks row-major in the order it is given; this mesh's "
-                             f"order is {self.order}: build the DeviceMesh from mesh.grid(...) yourself")
-        used = [d for d in DIMS if self.sizes[d] > 1] or ["dp"]
+        used = [d for d in self.order if self.sizes[d] > 1] or ["dp"]
         return init_device_mesh(device_type, tuple(self.sizes[d] for d in used), mesh_dim_names=tuple(used))
 
     @classmethod
     def from_device_mesh(cls, device_mesh) -> "Mesh":
-        """Our mesh for a DeviceMesh whose dimension names are among pp, dp, ep, cp, tp."""
-        names = device_mesh.mesh_dim_names or ()
-        if not names or any(n not in DIMS for n in names) or list(names) != sorted(names, key=DIMS.index):
-            raise ValueError(f"the DeviceMesh's dimensions must be named from {DIMS} in that order, got {names}")
+        """Our mesh for a DeviceMesh whose dimension names are among pp, dp, ep, cp, tp (in any order:
+        it becomes the mesh's order)."""
+        names = tuple(device_mesh.mesh_dim_names or ())
+        if not names or any(n not in DIMS for n in names) or len(set(names)) != len(names):
+            raise ValueError(f"the DeviceMesh's dimensions must be named from {DIMS}, each once, got {names}")
         sizes = dict(zip(names, device_mesh.mesh.shape))
         if not torch.equal(device_mesh.mesh.flatten().cpu(), torch.arange(device_mesh.mesh.numel())):
             raise ValueError("this DeviceMesh does not lay ranks out in order (row-major): pplab's mesh cannot match it")
-        return cls(**sizes)
+        return cls(order=names, **sizes)
 
     def __repr__(self) -> str:
         used = {d: n for d, n in self.sizes.items() if n > 1}

@@ -293,3 +293,13 @@ def test_an_answer_scored_on_quality_earns_what_it_is_worth(scored_exercises):
 def test_a_one_point_exercise_reads_as_before():
     result = checks.run_check("1f1b_order", 0.5, seed=1)
     assert result.points == 1 and result.score in (0, 1) and "points]" not in result.message
+
+
+def test_other_correct_chapter_10_answers_pass():
+    """Chapter 10's checks pass right answers written apart from the solutions: a gather by direct
+    sends (wrong_solutions_quantised_gather), the bytes counted group by group (wrong_solutions_cluster)."""
+    from wrong_solutions_cluster import _place
+    from wrong_solutions_quantised_gather import quantised_gather
+    for exercise_id, fn in (("quantised_gather", quantised_gather), ("place_layout", _place)):
+        result = checks.run_check(exercise_id, fn)
+        assert result, result.message

@@ -83,6 +83,7 @@ def quantize(x: torch.Tensor, bits: int = 8, block: int = BLOCK):
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
     """q (int8, n numbers), scales (one per block) -> fp32 q·scale, n numbers."""
+    _check_bits_block(8, block)
     n = q.numel()
     if scales.numel() != math.ceil(n / block):
         raise ValueError(f"{n} numbers in blocks of {block} need {math.ceil(n / block)} scales, got {scales.numel()}")
@@ -200,17 +201,21 @@ class ZeroPlusPlus(FullyShardedModule):
             return
         self._allocate(u)
         start = now()
+        # payload: the bytes this rank hands the gather (its piece), as pplab.comm traces a collective
         if self._in_backward and u.secondary is not None:          # hpZ: inside my node only
+            payload = u.secondary.numel() * u.secondary.element_size()
             collectives.all_gather_into_tensor(u.full, u.secondary, group=self.node)
             self._drop_secondary(u)
             group, label = self.node, f"AG{u.index} (node)"
         elif self.qwz and not self._masters:                       # qwZ: int8 + scales from everyone
+            payload = u.shard.numel() + SCALE_BYTES * math.ceil(u.shard.numel() / self.block)
             quantised_all_gather(u.full, u.shard.detach(), self.block)
             group, label = None, f"AG{u.index} (int8)"
         else:
+            payload = u.shard.numel() * u.full.element_size()
             collectives.all_gather_into_tensor(u.full, u.shard.detach().to(u.full.dtype))
             group, label = None, f"AG{u.index}"
-        u.handle = self._record("all_gather", label, group, start, u.nbytes)
+        u.handle = self._record("all_gather", label, group, start, payload)
         u.state = "gathering"
 
     def _after_forward(self, u, out) -> None:
@@ -228,7 +233,7 @@ class ZeroPlusPlus(FullyShardedModule):
         else:
             collectives.reduce_scatter_tensor(out, grads)
         label = f"RS{u.index}" + (f" (int{self.grad_bits})" if self.qgz else "")
-        return self._record("reduce_scatter", label, None, start, grads.numel())
+        return self._record("reduce_scatter", label, None, start, grads.numel() * grads.element_size())
 
     def _end_backward(self) -> None:
         try:
