@@ -89,10 +89,13 @@ def test_chimera_bubble_and_activations_are_the_papers(p):
 
 
 @pytest.mark.parametrize("pp", [4, 6, 8])
-@pytest.mark.parametrize("F,FB", [(1.0, 3.0), (1.0, 2.5), (2.0, 5.0), (2.0, 4.5)])
-def test_dualpipe_readme_table(pp, F, FB):
-    """Rows 1F1B, ZB1P, DualPipe of the README, with B = 2F, W = F and B <= F&B <= F + B."""
-    B, W, m = 2 * F, F, 2 * pp + 4
+@pytest.mark.parametrize("F,B,W,FB", [(1.0, 2.0, 1.0, 3.0), (1.0, 2.0, 1.0, 2.5), (2.0, 4.0, 2.0, 5.0),
+                                      (2.0, 4.0, 2.0, 4.5), (1.0, 1.8, 0.8, 2.5)])
+def test_dualpipe_readme_table(pp, F, B, W, FB):
+    """Rows 1F1B, ZB1P, DualPipe of the README (DeepSeek-V3's Table 2), with B <= F&B <= F + B: B = 2F,
+    W = F as the README draws them, and F, B, W, F&B all different. The DualPipe row holds when the
+    input-gradient part B − W lasts F (as it does in each case here)."""
+    m = 2 * pp + 4
     table = dualpipe_table(pp, F, B, W, FB)
     runs = {"1F1B": simulate(make_schedule("1f1b", pp, m), t_f=F, t_b=B),
             "ZB1P": simulate(make_schedule("zb-h1", pp, m), t_f=F, t_b=B, t_w=W),
@@ -103,6 +106,14 @@ def test_dualpipe_readme_table(pp, F, FB):
         held = len(r.schedule.stages_of(0)) * r.schedule.num_ranks // r.schedule.stages_per_replica
         assert held == params, name                      # stages of one pp-stage model per device
         assert max(r.peak_activations) == activations, name
+
+
+@pytest.mark.parametrize("pp", [4, 6, 8])
+def test_dualpipe_bubble_when_the_input_gradient_is_not_f(pp):
+    """When B − W differs from F the table's (PP/2−1)(F&B+B−3W) no longer holds: the simulated
+    bubble is (PP/2−1)(F&B+F−2W), the same where B − W = F."""
+    other = simulate(make_bidirectional("dualpipe", pp, 2 * pp + 4), t_f=1.0, t_b=1.7, t_w=0.6, t_fb=2.3)
+    assert max(other.bubble) == pytest.approx((pp // 2 - 1) * (2.3 + 1.0 - 2 * 0.6))
 
 
 @pytest.mark.parametrize("p", [2, 3, 4])

@@ -11,7 +11,6 @@ from pplab.hardware import A100_80GB, H100_SXM
 from pplab.memory import activation_bytes_formula
 from pplab.models import GPTConfig
 from pplab.pipeline import bubble_fraction, make_schedule, simulate
-from pplab.pipeline.bidirectional import dualpipe_table, make_bidirectional
 from pplab.planner import at_scale
 from pplab.planner.at_scale import (TOP_CHOICE, AtScaleError, GPUCluster, Layout, Transformer, estimate,
                                     layer_activation_bytes, microbatches_in_flight, pipeline_steps, search)
@@ -96,26 +95,6 @@ def test_zero_papers_memory_figures():
         e = estimate(seven, cluster, 64, Layout(dp=64, zero=stage, recompute="full"))
         got.append(round((e.memory["params"] + e.memory["grads"] + e.memory["optimizer"]) * 7.5e9 / psi / 1e9, 1))
     assert got == [120.0, 31.4, 16.6, 1.9]
-
-
-@pytest.mark.parametrize("pp", [4, 6, 8])
-def test_dualpipe_table_with_distinct_times(pp):
-    """DeepSeek-V3 Table 2 with F, B, W, F&B all different (tests/test_pipeline_bidirectional.py checks
-    B = 2F, W = F): bubbles (PP−1)(F+B), (PP−1)(F+B−2W), (PP/2−1)(F&B+B−3W); parameters 1, 1, 2;
-    activations PP, PP, PP+1. The DualPipe row holds when the input-gradient part B − W lasts F (as
-    with B = 2F, W = F); otherwise the simulated bubble is (PP/2−1)(F&B+F−2W), checked below."""
-    F, B, W, FB, m = 1.0, 1.8, 0.8, 2.5, 2 * pp + 4
-    table = dualpipe_table(pp, F, B, W, FB)
-    runs = {"1F1B": simulate(make_schedule("1f1b", pp, m), t_f=F, t_b=B),
-            "ZB1P": simulate(make_schedule("zb-h1", pp, m), t_f=F, t_b=B, t_w=W),
-            "DualPipe": simulate(make_bidirectional("dualpipe", pp, m), t_f=F, t_b=B, t_w=W, t_fb=FB)}
-    for name, r in runs.items():
-        bubble, params, activations = table[name]
-        assert max(r.bubble) == pytest.approx(bubble), name
-        assert len(r.schedule.stages_of(0)) * r.schedule.num_ranks // r.schedule.stages_per_replica == params
-        assert max(r.peak_activations) == activations, name
-    other = simulate(make_bidirectional("dualpipe", pp, m), t_f=1.0, t_b=1.7, t_w=0.6, t_fb=2.3)
-    assert max(other.bubble) == pytest.approx((pp // 2 - 1) * (2.3 + 1.0 - 2 * 0.6))
 
 
 @pytest.fixture(scope="module")
