@@ -152,14 +152,16 @@ def _all_reduce(cluster, nbytes, nodes, per_node):
 
 def _heaviest_rank(t_layer, t_head, layers, pp, balanced):
     """Work of the slowest pipeline rank: whole layers, the last rank also the output layer, cut so
-    that the slowest is as fast as it can be (k layers on the last rank, the rest spread evenly);
+    that the slowest is as fast as it can be (k layers on the last rank, the rest spread evenly, no
+    rank holding more than the ceil(L/p) that stage_layers, and so the memory, counts on the first);
     balanced: Llama 3's split (stage_layers)."""
     _, middle, last = stage_layers(layers, pp, balanced)
     balanced = np.asarray(balanced) & (pp > 2)
     best = np.where(pp == 1, layers * t_layer + t_head, np.inf)
+    n = np.ceil(layers / pp)
     for k in range(0, -(-layers // int(np.min(pp))) + 1):
         rest = np.ceil((layers - k) / np.maximum(pp - 1, 1))
-        ok = (pp > 1) & (k <= np.ceil(layers / pp))
+        ok = (pp > 1) & (k <= n) & (rest <= n)
         best = np.where(ok, np.minimum(best, np.maximum(k * t_layer + t_head, rest * t_layer)), best)
     return np.where(balanced, np.maximum(last * t_layer + t_head, middle * t_layer), best)
 
@@ -192,7 +194,8 @@ def evaluate(model, cluster, batch: int, x: dict) -> dict:
     t_layer = 3 * t_fwd + np.where(rec == "full", t_fwd, np.where(rec == "selective", t_att, 0.0))
     sizes = {"tp": tp, "cp": cp, "pp": pp, "dp": dp, "ep": ep}
     tp_ar = _all_reduce(cluster, mb * M.seq / cp * h * 2, *_span(cluster, sizes, {"tp"}))
-    t_layer = t_layer + (4 + 2 * (rec == "full")) * tp_ar
+    tp_calls = 4 + 2 * (rec == "full")                     # 2 forward, 2 backward, 2 more in the recomputed forward
+    t_layer = t_layer + tp_calls * tp_ar
     kv_gather = _all_reduce(cluster, mb * M.seq * 2 * kv * M.head_dim * 2, *_span(cluster, sizes, {"cp"})) / 2
     # forward: all-gather K and V; backward: gather them again (only the local ones are kept, as
     # layer_activation_bytes counts) and reduce-scatter their gradients; full recomputation: a third gather
@@ -230,6 +233,6 @@ def evaluate(model, cluster, batch: int, x: dict) -> dict:
     total = t_pipeline + t_dp + t_opt
     return {"params": params, "grads": grads, "optimizer": state - params - grads, "activations": acts,
             "memory": state + acts, "compute": t_micro * m, "bubble": t_micro * (pipeline_steps(pp, m, v) - m),
-            "tp": tp_ar * (4 + 2 * (rec == "full")) * L / pp * m, "dp": t_dp, "optimizer_step": t_opt, "step": total}
+            "tp": tp_ar * tp_calls * L / pp * m, "dp": t_dp, "optimizer_step": t_opt, "step": total}
 # "compute" is the slowest rank's work over the step's m micro-batches (its collectives included),
 # "bubble" what the pipeline adds to it, "tp" the tensor-parallel all-reduces of an average rank.
