@@ -154,3 +154,32 @@ def test_estimate_is_what_the_search_ranked():
     for e in plan.top(3):
         again = estimate(m, plan.cluster, 16, e.layout)
         assert again.time == pytest.approx(e.time) and again.memory == pytest.approx(e.memory)
+
+
+# ----------------------------------------------------------------------------------
+# the exercise's checker (pplab/checks/at_scale.py)
+
+def test_every_seed_has_a_problem_that_each_slip_gets_wrong():
+    from pplab.checks.at_scale import SLIPS, problems, reference
+    for seed in range(40):
+        cases = problems(seed)
+        for slip in SLIPS:
+            assert any(abs(sum(reference(p, slip)) / right - 1) > 0.01 for p, right in cases), (seed, slip)
+
+
+def test_a_right_answer_written_with_numpy_passes():
+    """The rule in another order and with other types: numpy arrays, the state as one sum over a
+    vector of byte counts, a numpy integer returned."""
+    from pplab.checks import run_check
+
+    def memory_per_gpu(p):
+        import numpy as np
+        s, b, h, a, tp = p["seq"], p["micro_batch"], p["hidden"], p["heads"], p["tp"]
+        layers_here = p["layers"] // p["pp"]
+        act = {"full": 2.0, "selective": 34.0, "none": 34 + 5 * a * s / h}[p["recompute"]] * s * b * h / tp
+        psi = np.int64(12 * h * h * layers_here + p["vocab"] * h) // tp
+        split = np.where(np.array([3, 2, 1]) <= p["zero"], p["dp"], 1)
+        return np.int64(round(min(p["m"], p["pp"]) * layers_here * act + np.sum(np.array([2, 2, 12]) * psi / split)))
+    for seed in (7, 8):
+        result = run_check("find_layout", memory_per_gpu, seed=seed)
+        assert result, result.message
