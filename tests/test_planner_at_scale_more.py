@@ -183,3 +183,22 @@ def test_a_right_answer_written_with_numpy_passes():
     for seed in (7, 8):
         result = run_check("find_layout", memory_per_gpu, seed=seed)
         assert result, result.message
+
+
+def test_expert_parallel_ranks_read_their_own_data():
+    """Mixture of 8 experts, top 2, on 8 GPUs: ep = 8 ranks each hold one expert and read their own
+    sequences, as dp = 8 ranks would; per GPU the same work (m = 1 micro-batch each), plus ep's
+    dispatch and combine, forward and backward: 2 all-reduces' worth of T·k·h·2 bytes a layer. The
+    attention and the embedding are replicated over all 8 ranks and sharded by ZeRO over them; each
+    expert has one copy, so ZeRO cannot shard it, and only the shared weights' gradients are reduced."""
+    moe = Transformer("moe", layers=2, hidden=1024, heads=8, vocab=1000, seq=512, experts=8, top_k=2)
+    h = 1024
+    by_ep = {ep: estimate(moe, ONE_NODE, 8, Layout(dp=8 // ep, ep=ep, zero=1, recompute="none")) for ep in (1, 8)}
+    a2a = 2 * 7 * (512 * 2 * h * 2 / 8) / H100_SXM.nvlink                   # one all-reduce's worth in the node
+    assert by_ep[8].time["compute"] - by_ep[1].time["compute"] == pytest.approx(2 * 2 * a2a)   # 2 layers, m = 1
+    shared, expert = 2 * 4 * h * h + 1000 * h, 2 * 2 * h * 4 * h        # 2 layers: attention, one expert's MLP
+    assert by_ep[8].memory["optimizer"] == pytest.approx(12 * (shared / 8 + expert))
+    assert by_ep[1].memory["optimizer"] == pytest.approx(12 * (shared + 8 * expert) / 8)
+    assert by_ep[8].time["dp"] == pytest.approx(2 * 7 * (2 * shared / 8) / H100_SXM.nvlink)
+    with pytest.raises(AtScaleError, match="dp × ep = 8 replicas"):
+        estimate(moe, ONE_NODE, 4, Layout(dp=1, ep=8))

@@ -143,7 +143,7 @@ class Layout:
     tp: int = 1
     pp: int = 1
     cp: int = 1
-    ep: int = 1
+    ep: int = 1                  # expert parallelism: ep ranks hold different experts, read different data
     zero: int = 1
     recompute: str = "selective"
     micro_batch: int = 1
@@ -201,9 +201,10 @@ def _check(model, cluster, batch, layout):
         problems.append(f"recompute must be one of {RECOMPUTE}, got {layout.recompute!r}")
     if layout.zero not in (0, 1, 2, 3):
         problems.append(f"zero must be 0 (DDP), 1, 2 or 3, got {layout.zero!r}")
-    if batch % (layout.dp * layout.micro_batch):
+    replicas = layout.dp * layout.ep                 # ep ranks hold different experts and read different data
+    if batch % (replicas * layout.micro_batch):
         problems.append(f"the batch of {batch} sequences is not a whole number of micro-batches of "
-                        f"{layout.micro_batch} on each of {layout.dp} replicas")
+                        f"{layout.micro_batch} on each of dp × ep = {replicas} replicas")
     if model.heads % layout.tp:
         problems.append(f"tp = {layout.tp} must divide the {model.heads} attention heads")
     elif not _kv_splits(model, layout.tp):
@@ -270,9 +271,9 @@ def candidates(model: Transformer, cluster: GPUCluster, batch: int, max_micro_ba
             continue
         for pp in _divisors(n // (tp * cp * ep)):
             dp = n // (tp * cp * ep * pp)
-            if pp > model.layers or batch % dp:
+            if pp > model.layers or batch % (dp * ep):
                 continue
-            for mb in (b for b in _divisors(batch // dp) if b <= max_micro_batch):
+            for mb in (b for b in _divisors(batch // (dp * ep)) if b <= max_micro_batch):
                 for bal in ((False, True) if pp > 2 and (model.layers + 2) % pp == 0 else (False,)):
                     per_rank = _slots(model.layers, pp, bal)
                     for v in (c for c in _divisors(per_rank) if c <= max_v and (c == 1 or pp > 1)):
