@@ -95,6 +95,9 @@ def test_recomputation_adds_one_layers_working_set():
     e = estimate(m, GPUCluster(H100_SXM, 1, 1), 4, Layout(dp=1, zero=0, recompute="full", micro_batch=2))
     hand = 3 * 2 * 64 * 2 * 96 + activation_bytes_formula(64, 2, 96, 6, 1, False, "none")
     assert e.memory["activations"] == pytest.approx(hand)
+    # selective keeps 34·s·b·h a layer and brings back one layer's scores, 5·a·s²·b
+    e = estimate(m, GPUCluster(H100_SXM, 1, 1), 4, Layout(dp=1, zero=0, recompute="selective", micro_batch=2))
+    assert e.memory["activations"] == pytest.approx(3 * 34 * 64 * 2 * 96 + 5 * 6 * 64 * 64 * 2)
 
 
 def test_full_recomputation_repeats_tensor_parallel_all_reduces():

@@ -224,7 +224,11 @@ def evaluate(model, cluster, batch: int, x: dict) -> dict:
             out[(zero == stage) & (group == n)] = model_state_bytes(int(stage), 1, int(n))
         return out
     per_param, per_expert_param = state_per_param(zero_group), state_per_param(expert_group)
-    recomputed = np.where(rec == "none", 0.0, layer_activation_bytes(M, mb, tp, cp, sp, "none"))   # a layer redone
+    # while one layer is redone in backward, what its recomputation brings back: all of it (full), its
+    # attention scores (selective: the rest is kept anyway)
+    whole = layer_activation_bytes(M, mb, tp, cp, sp, "none")
+    recomputed = np.where(rec == "full", whole, np.where(rec == "selective",
+                                                         whole - layer_activation_bytes(M, mb, tp, cp, sp, "selective"), 0.0))
     per_layer = layer_activation_bytes(M, mb, tp, cp, sp, rec)
     psi0 = edge * layer_params + V * h / tp                        # rank 0: its layers + the embedding
     acts0 = per_layer * layers_in_flight(pp, m, v, np.where(bal, edge + 1, edge), bal, 0) + recomputed
