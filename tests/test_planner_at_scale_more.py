@@ -205,3 +205,22 @@ def test_expert_parallel_ranks_read_their_own_data():
     assert by_ep[8].time["dp"] == pytest.approx(2 * 7 * (2 * shared / 8) / H100_SXM.nvlink)
     with pytest.raises(AtScaleError, match="dp × ep = 8 replicas"):
         estimate(moe, ONE_NODE, 4, Layout(dp=1, ep=8))
+
+
+def test_collectives_are_pplab_costmodels():
+    """Each collective the planner charges, by chapter 1's α-β cost model (pplab.costmodel): tp's
+    all-reduce of [s, b, h] as a ring over NVLink (no α inside a node); dp's gradients as a ring
+    across 2 nodes, α = NETWORK_LATENCY; ep's dispatch and combine, forward and backward, as 4
+    pairwise all-to-alls of the T·k·h tokens a rank routes."""
+    from pplab.costmodel import predict
+    dense = Transformer("m", layers=4, hidden=4096, heads=32, vocab=1000, seq=2048)
+    e = estimate(dense, TWO_NODES, 8, Layout(dp=2, tp=8, zero=1, recompute="none"))
+    per_tp = predict("all_reduce", "ring", 8, 2 * 2048 * 4096, 0.0, 1 / H100_SXM.nvlink)
+    assert e.time["tp"] == pytest.approx(4 * per_tp * 4 * 4)                      # 4 a layer, 4 layers, m = 4
+    psi = 4 * 12 * 4096 ** 2 / 8 + 1000 * 4096 / 8
+    assert e.time["dp"] == pytest.approx(predict("all_reduce", "ring", 2, 2 * psi, at_scale.NETWORK_LATENCY,
+                                                 1 / H100_SXM.network))
+    moe = Transformer("moe", layers=2, hidden=1024, heads=8, vocab=1000, seq=512, experts=8, top_k=2)
+    by_ep = {ep: estimate(moe, ONE_NODE, 8, Layout(dp=8 // ep, ep=ep, zero=1, recompute="none")) for ep in (1, 8)}
+    a2a = predict("all_to_all", "pairwise", 8, 512 * 2 * 1024 * 2, 0.0, 1 / H100_SXM.nvlink)
+    assert by_ep[8].time["compute"] - by_ep[1].time["compute"] == pytest.approx(2 * 4 * a2a)   # 2 layers, m = 1
