@@ -228,7 +228,7 @@ def test_bad_layouts_say_what_to_change():
     c = GPUCluster(H100_SXM, 1, 8)
     with pytest.raises(AtScaleError, match="cluster has 8 GPUs"):
         estimate(GPT, c, 16, Layout(dp=4))
-    with pytest.raises(AtScaleError, match="tp must divide heads"):
+    with pytest.raises(AtScaleError, match="tp = 4 must divide the 6 attention heads"):
         estimate(GPT, c, 16, Layout(dp=2, tp=4))
     with pytest.raises(AtScaleError, match="whole number of micro-batches"):
         estimate(GPT, c, 12, Layout(dp=8, micro_batch=2))

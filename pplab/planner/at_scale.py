@@ -143,7 +143,7 @@ class Layout:
     tp: int = 1
     pp: int = 1
     cp: int = 1
-    ep: int = 1
+    ep: int = 1                  # expert parallelism: ep ranks hold different experts, read different data
     zero: int = 1
     recompute: str = "selective"
     micro_batch: int = 1
@@ -201,12 +201,23 @@ def _check(model, cluster, batch, layout):
         problems.append(f"recompute must be one of {RECOMPUTE}, got {layout.recompute!r}")
     if layout.zero not in (0, 1, 2, 3):
         problems.append(f"zero must be 0 (DDP), 1, 2 or 3, got {layout.zero!r}")
-    if batch % (layout.dp * layout.micro_batch):
+    replicas = layout.dp * layout.ep                 # ep ranks hold different experts and read different data
+    if batch % (replicas * layout.micro_batch):
         problems.append(f"the batch of {batch} sequences is not a whole number of micro-batches of "
-                        f"{layout.micro_batch} on each of {layout.dp} replicas")
-    if model.heads % layout.tp or model.seq % layout.cp or model.experts % layout.ep or layout.pp > model.layers:
-        problems.append(f"tp must divide heads ({model.heads}), cp the sequence ({model.seq}), ep the experts "
-                        f"({model.experts}), and pp be at most the layers ({model.layers})")
+                        f"{layout.micro_batch} on each of dp × ep = {replicas} replicas")
+    if model.heads % layout.tp:
+        problems.append(f"tp = {layout.tp} must divide the {model.heads} attention heads")
+    elif not _kv_splits(model, layout.tp):
+        problems.append(f"tp = {layout.tp} must divide the {model.kv} key/value heads, or be a multiple of them "
+                        f"(each rank then holds a copy of one)")
+    if model.seq % layout.cp:
+        problems.append(f"cp = {layout.cp} must divide the sequence of {model.seq} tokens")
+    if layout.ep > 1 and model.experts == 1:
+        problems.append(f"ep = {layout.ep} needs a mixture of experts: {model.name} has one MLP a layer (experts=1)")
+    elif model.experts % layout.ep:
+        problems.append(f"ep = {layout.ep} must divide the {model.experts} experts")
+    if layout.pp > model.layers:
+        problems.append(f"pp = {layout.pp} stages for {model.layers} layers: at most one stage a layer")
     if layout.balanced and layout.pp > 2 and (model.layers + 2) % layout.pp:
         problems.append(f"balanced: the {model.layers} layers + embedding + output layer must split evenly "
                         f"into pp = {layout.pp} stages; pick pp dividing {model.layers + 2}")
@@ -238,25 +249,31 @@ def _slots(layers, pp, balanced):
     return math.ceil((layers + 2) / pp) if balanced and pp > 2 else math.ceil(layers / pp)
 
 
+def _kv_splits(model, tp):
+    """Whether tp ranks can share the key/value heads: whole heads each (tp divides kv), or one copy
+    of one head each (tp a multiple of kv, as when tp = 8 exceeds a GQA model's kv heads)."""
+    return model.kv % tp == 0 or tp % model.kv == 0
+
+
 def _divisors(n):
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def candidates(model: Transformer, cluster: GPUCluster, batch: int, max_micro_batch: int = 16, max_v: int = 8,
                sp: bool = True) -> dict:
-    """Every valid layout as arrays: dp·tp·pp·cp·ep = GPUs, tp | heads, cp | seq, ep | experts,
-    dp·micro-batch | batch, v | layer slots of a rank; with pp > 2 both stage splits (even, and
+    """Every valid layout as arrays: dp·tp·pp·cp·ep = GPUs, tp | heads (and tp | kv heads or kv | tp),
+    cp | seq, ep | experts, dp·micro-batch | batch, v | layer slots of a rank; with pp > 2 both stage splits (even, and
     Llama 3's balanced where pp divides layers + 2); ZeRO 0-3; recomputation none/selective/full;
     sequence parallelism whenever tp > 1 unless sp=False (same bytes as tp's all-reduces, less memory)."""
     n, rows = cluster.gpus, []
     for tp, cp, ep in itertools.product(_divisors(model.heads), _divisors(model.seq), _divisors(model.experts)):
-        if n % (tp * cp * ep):
+        if n % (tp * cp * ep) or not _kv_splits(model, tp):
             continue
         for pp in _divisors(n // (tp * cp * ep)):
             dp = n // (tp * cp * ep * pp)
-            if pp > model.layers or batch % dp:
+            if pp > model.layers or batch % (dp * ep):
                 continue
-            for mb in (b for b in _divisors(batch // dp) if b <= max_micro_batch):
+            for mb in (b for b in _divisors(batch // (dp * ep)) if b <= max_micro_batch):
                 for bal in ((False, True) if pp > 2 and (model.layers + 2) % pp == 0 else (False,)):
                     per_rank = _slots(model.layers, pp, bal)
                     for v in (c for c in _divisors(per_rank) if c <= max_v and (c == 1 or pp > 1)):

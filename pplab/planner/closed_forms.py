@@ -18,11 +18,13 @@ of a layout, written once for numpy arrays so that every layout of a cluster is 
   Balanced (Llama 3's): the embedding and the output layer each take the place of one layer, so the
   first and last ranks hold one layer fewer (`stage_layers`).
 * **data parallelism and ZeRO** (chapters 2 and 6): the gradients' all-reduce (reduce-scatter +
-  all-gather for ZeRO-1/2, the same bytes) once a step; ZeRO-3 also all-gathers the weights twice
+  all-gather for ZeRO-1/2, the same bytes) once a step (ZeRO-2 at its best: each rank keeps only its
+  shard of the gradients, yet they are reduced once, not after every micro-batch); ZeRO-3 also all-gathers the weights twice
   and reduce-scatters each micro-batch; the optimizer step reads and writes its shard once.
 * **memory per GPU** (the first pipeline rank: most micro-batches in flight, the embedding; with the
   balanced split the second rank when it holds more):
-  parameters, gradients, Adam's state by `pplab.zero.model_state_bytes` over dp × cp ranks;
+  parameters, gradients, Adam's state by `pplab.zero.model_state_bytes` over the ranks that hold the
+  same weights: dp × cp for an expert's, dp × ep × cp for the rest (ep ranks read different data);
   activations by Korthikanti et al.'s per-layer count (`layer_activation_bytes`), times the layers
   the rank holds at its peak (`layers_in_flight`): its layers × min(p − rank, m) for 1F1B; for the
   interleaved schedule Megatron-LM's warm-up count, chunk by chunk.
@@ -152,14 +154,16 @@ def _all_reduce(cluster, nbytes, nodes, per_node):
 
 def _heaviest_rank(t_layer, t_head, layers, pp, balanced):
     """Work of the slowest pipeline rank: whole layers, the last rank also the output layer, cut so
-    that the slowest is as fast as it can be (k layers on the last rank, the rest spread evenly);
+    that the slowest is as fast as it can be (k layers on the last rank, the rest spread evenly, no
+    rank holding more than the ceil(L/p) that stage_layers, and so the memory, counts on the first);
     balanced: Llama 3's split (stage_layers)."""
     _, middle, last = stage_layers(layers, pp, balanced)
     balanced = np.asarray(balanced) & (pp > 2)
     best = np.where(pp == 1, layers * t_layer + t_head, np.inf)
+    n = np.ceil(layers / pp)
     for k in range(0, -(-layers // int(np.min(pp))) + 1):
         rest = np.ceil((layers - k) / np.maximum(pp - 1, 1))
-        ok = (pp > 1) & (k <= np.ceil(layers / pp))
+        ok = (pp > 1) & (k <= n) & (rest <= n)
         best = np.where(ok, np.minimum(best, np.maximum(k * t_layer + t_head, rest * t_layer)), best)
     return np.where(balanced, np.maximum(last * t_layer + t_head, middle * t_layer), best)
 
@@ -172,7 +176,7 @@ def evaluate(model, cluster, batch: int, x: dict) -> dict:
     bal = np.asarray(x["balanced"]) & (pp > 2)
     peak, bandwidth = hw.peak("bf16") * EFFICIENCY, hw.memory_bandwidth
     h, f, V, L = M.hidden, M.f, M.vocab, M.layers
-    m = batch / (dp * mb)                                  # micro-batches per step
+    m = batch / (dp * ep * mb)                             # micro-batches per step (ep ranks read different data)
     T = mb * M.seq / cp                                    # tokens a GPU holds in one micro-batch
     shared = np.where(sp, tp, 1)
     up = 2 if M.gated else 1
@@ -192,7 +196,8 @@ def evaluate(model, cluster, batch: int, x: dict) -> dict:
     t_layer = 3 * t_fwd + np.where(rec == "full", t_fwd, np.where(rec == "selective", t_att, 0.0))
     sizes = {"tp": tp, "cp": cp, "pp": pp, "dp": dp, "ep": ep}
     tp_ar = _all_reduce(cluster, mb * M.seq / cp * h * 2, *_span(cluster, sizes, {"tp"}))
-    t_layer = t_layer + (4 + 2 * (rec == "full")) * tp_ar
+    tp_calls = 4 + 2 * (rec == "full")                     # 2 forward, 2 backward, 2 more in the recomputed forward
+    t_layer = t_layer + tp_calls * tp_ar
     kv_gather = _all_reduce(cluster, mb * M.seq * 2 * kv * M.head_dim * 2, *_span(cluster, sizes, {"cp"})) / 2
     # forward: all-gather K and V; backward: gather them again (only the local ones are kept, as
     # layer_activation_bytes counts) and reduce-scatter their gradients; full recomputation: a third gather
@@ -205,31 +210,50 @@ def evaluate(model, cluster, batch: int, x: dict) -> dict:
     t_pipeline = t_micro * pipeline_steps(pp, m, v)
 
     # memory of the two ranks that can be heaviest: rank 0 (most in flight, the embedding) and, when
-    # the split is balanced, rank 1 (two chunk-forwards fewer in flight, but a whole layer in every chunk)
+    # the split is balanced, rank 1 (two chunk-forwards fewer in flight, but a whole layer in every chunk).
+    # Weights every rank of an ep group holds (attention, embedding) are replicated over dp·ep·cp ranks,
+    # an expert's over dp·cp; ZeRO shards each over its replicas, the gradients are reduced over them.
     edge, middle, _ = stage_layers(L, pp, bal)
-    layer_params = (M.attention_weights + M.experts / ep * M.mlp_weights) / tp
-    zero_group = dp * cp
-    per_param = np.zeros(edge.shape)                               # model state bytes per parameter
-    for stage, n in set(zip(zero.ravel().tolist(), zero_group.ravel().tolist())):
-        sel = (zero == stage) & (zero_group == n)
-        per_param[sel] = model_state_bytes(int(stage), 1, int(n))
-    recomputed = np.where(rec == "none", 0.0, layer_activation_bytes(M, mb, tp, cp, sp, "none"))   # a layer redone
+    shared_layer, expert_layer = M.attention_weights / tp, M.experts / ep * M.mlp_weights / tp
+    layer_params = shared_layer + expert_layer
+    zero_group, expert_group = dp * ep * cp, dp * cp
+
+    def state_per_param(group):                                    # model state bytes per parameter
+        out = np.zeros(np.shape(group))
+        for stage, n in set(zip(zero.ravel().tolist(), np.ravel(group).tolist())):
+            out[(zero == stage) & (group == n)] = model_state_bytes(int(stage), 1, int(n))
+        return out
+    per_param, per_expert_param = state_per_param(zero_group), state_per_param(expert_group)
+    # while one layer is redone in backward, what its recomputation brings back: all of it (full), its
+    # attention scores (selective: the rest is kept anyway)
+    whole = layer_activation_bytes(M, mb, tp, cp, sp, "none")
+    recomputed = np.where(rec == "full", whole, np.where(rec == "selective",
+                                                         whole - layer_activation_bytes(M, mb, tp, cp, sp, "selective"), 0.0))
     per_layer = layer_activation_bytes(M, mb, tp, cp, sp, rec)
     psi0 = edge * layer_params + V * h / tp                        # rank 0: its layers + the embedding
     acts0 = per_layer * layers_in_flight(pp, m, v, np.where(bal, edge + 1, edge), bal, 0) + recomputed
     psi1 = middle * layer_params
     acts1 = np.where(pp > 2, per_layer * layers_in_flight(pp, m, v, middle, bal, 1) + recomputed, 0.0)
-    second = psi1 * per_param + acts1 > psi0 * per_param + acts0
+    experts0, experts1 = edge * expert_layer, middle * expert_layer        # of psi0, psi1: the experts' weights
+    state0 = (psi0 - experts0) * per_param + experts0 * per_expert_param
+    state1 = (psi1 - experts1) * per_param + experts1 * per_expert_param
+    second = state1 + acts1 > state0 + acts0
     psi, acts = np.where(second, psi1, psi0), np.where(second, acts1, acts0)
-    state = psi * per_param
-    params = psi * 2 / np.where(zero == 3, zero_group, 1)
-    grads = psi * 2 / np.where(zero >= 2, zero_group, 1)
+    experts, state = np.where(second, experts1, experts0), np.where(second, state1, state0)
+    shared = psi - experts
+
+    def sharded(n_bytes, stages):                                  # bytes a rank keeps of n_bytes a parameter
+        return (shared / np.where(stages, zero_group, 1) + experts / np.where(stages, expert_group, 1)) * n_bytes
+    params, grads = sharded(2, zero == 3), sharded(2, zero >= 2)
     grad_ar = _all_reduce(cluster, psi * 2, *_span(cluster, sizes, {"dp", "cp"}))
+    if np.any(ep > 1):                                             # two groups: shared weights, experts
+        grad_ar = np.where(ep > 1, _all_reduce(cluster, shared * 2, *_span(cluster, sizes, {"dp", "ep", "cp"}))
+                           + _all_reduce(cluster, experts * 2, *_span(cluster, sizes, {"dp", "cp"})), grad_ar)
     t_dp = np.where(zero == 3, 1.5 * m, 1.0) * grad_ar
-    t_opt = psi * ADAM_BYTES_TOUCHED / np.where(zero >= 1, zero_group, 1) / bandwidth
+    t_opt = sharded(ADAM_BYTES_TOUCHED, zero >= 1) / bandwidth
     total = t_pipeline + t_dp + t_opt
     return {"params": params, "grads": grads, "optimizer": state - params - grads, "activations": acts,
             "memory": state + acts, "compute": t_micro * m, "bubble": t_micro * (pipeline_steps(pp, m, v) - m),
-            "tp": tp_ar * (4 + 2 * (rec == "full")) * L / pp * m, "dp": t_dp, "optimizer_step": t_opt, "step": total}
+            "tp": tp_ar * tp_calls * L / pp * m, "dp": t_dp, "optimizer_step": t_opt, "step": total}
 # "compute" is the slowest rank's work over the step's m micro-batches (its collectives included),
 # "bubble" what the pipeline adds to it, "tp" the tensor-parallel all-reduces of an average rank.

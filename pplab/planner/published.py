@@ -11,16 +11,17 @@ counts the recomputed forward). The table does not give the micro-batch size nor
 the planner picks the fastest that fits. The runs of 2021 had neither sequence parallelism
 (Korthikanti et al., 2022) nor a sharded optimizer, nor fused attention.
 
-Llama Team, Meta 2024, "The Llama 3 Herd of Models", Table 4 and section 3.3.2: 405B parameters,
-126 layers, hidden 16,384, FFN 53,248 (SwiGLU), 128 heads, 8 key/value heads, vocabulary 128,256,
-16M tokens a step, on H100s of 80 GB (8 a server, 400 Gb/s a GPU between servers). FSDP shards the
+Llama Team, Meta 2024, "The Llama 3 Herd of Models", Tables 3 and 4 and section 3.3: 405B parameters,
+126 layers, hidden 16,384, FFN 53,248 (SwiGLU), 128 heads, 8 key/value heads, a vocabulary of 128K
+(Table 3 rounds it to 128,000; the released tokenizer has 128,256, used here), 16M tokens a step, on H100s of 80 GB (8 a server, 400 Gb/s a GPU between servers). FSDP shards the
 optimizer state and the gradients but keeps the weights between forward and backward: ZeRO-2. No
 activation recomputation at 8K tokens (the paper's words), made possible by its balanced pipeline:
 the first and last stages hold one layer fewer, the embedding and the output layer in their place
 (126 + 2 = 128 slots, 8 a rank). V (interleaving) is not given: the planner picks it (the paper's
 "the first model chunk on the first stage has only the embedding" implies chunks of one slot, V = 8).
-The long-context row prints DP 4 in the paper, which contradicts its own 16,384 GPUs
-(8 × 16 × 16 × 4 = 8,192) and 16M tokens (4 × 16 × 131,072 = 8.4M); DP 8 satisfies both.
+The long-context row of Table 4 printed DP 4 in the paper's first versions (July and August 2024),
+which contradicts the row's own 16,384 GPUs (8 × 16 × 16 × 4 = 8,192) and 16M tokens
+(4 × 16 × 131,072 = 8.4M); the revised version (v3, November 2024) prints DP 8, which satisfies both.
 """
 from __future__ import annotations
 
