@@ -625,3 +625,15 @@ def test_after_a_failed_launch_trials_are_judged_up_to_the_first_one_a_rank_neve
         del checks.EXERCISES["test_judged"]
     assert judged == [(0, [0, 1, 2]), (1, [0, 1])]
     assert not result and "rank 2 raised ValueError: rank 2 stops here" in result.message
+
+
+def test_a_rank_keeps_the_folder_pplab_is_imported_from(monkeypatch):
+    """A course cloned into a folder the rank hides (/tmp) and installed editable is found without
+    sys.path (a notebook's kernel runs in solutions/): the rank must keep pplab's own folder, or a
+    checker that imports a chapter module inside the rank fails with ModuleNotFoundError."""
+    import pplab
+    from pplab.checks import isolation
+    root = os.path.dirname(os.path.dirname(os.path.realpath(pplab.__file__)))
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p and os.path.realpath(p) != root])
+    kept = isolation._needed_under((os.path.dirname(root),))
+    assert any(root == p or root.startswith(p + "/") for p in kept), kept

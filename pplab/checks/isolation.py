@@ -71,11 +71,14 @@ def _mounts() -> list:
 def _needed_under(hidden) -> list:
     """Folders the rank must still read that lie in a folder it gets a private copy of (a
     checkout, or a virtual environment, in /tmp): Python's installation, the folders on
-    sys.path (pplab, the tests), outermost first and none inside another."""
+    sys.path (the tests), and the folder pplab is imported from (an editable install finds it
+    without sys.path: a notebook's kernel runs in solutions/, and a checker that imports a
+    chapter module in the rank must still find it), outermost first and none inside another."""
     import sys
 
     places = {sys.prefix, sys.base_prefix, os.path.dirname(os.path.dirname(os.path.realpath(sys.executable)))}
     places |= {p for p in sys.path if p}
+    places.add(os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__)))))   # above pplab/
     under = [os.path.realpath(p) for p in places if os.path.isdir(p)
              and any(os.path.realpath(p).startswith(h + "/") for h in hidden)]     # never all of /tmp
     return sorted(p for p in set(under) if not any(p != q and p.startswith(q + "/") for q in under))
