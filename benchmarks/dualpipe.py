@@ -10,9 +10,7 @@ rounds, their spread, and the ratio pplab / torch.
 
     python benchmarks/dualpipe.py [--width 256] [--layers-per-stage 2] [--batch 64] [--microbatches 8]
 """
-import argparse
 import os
-import statistics
 
 import torch
 import torch.distributed as dist
@@ -21,7 +19,7 @@ from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV
 from torch.distributed.pipelining.schedules import _ComputationType as C
 
 import pplab
-from pipeline_race import batches, build, gradient_gap, race, slowest, training_step
+from pipeline_race import arguments, batches, build, check_then_race, report_times, training_step
 from pplab.pipeline import PipelineExecutor, make_bidirectional
 
 P = 4
@@ -68,25 +66,13 @@ def run(width, per_stage, batch, m, steps, warmup, rounds):
             theirs.step()
     their_step = training_step(their_step, theirs_opt)
 
-    our_step(*data[0], keep_grads=True)
-    their_step(*data[0], keep_grads=True)
-    diff, scale = gradient_gap(ours, [(s * n, mod) for s, mod in zip(mine, modules)])
-    ours_opt.zero_grad(set_to_none=True)
-    theirs_opt.zero_grad(set_to_none=True)
-    rounds = race(our_step, their_step, data, steps, warmup, rounds)
-    return {"order": order_ok, "diff": diff, "scale": scale, "rounds": rounds}
+    return {"order": order_ok, **check_then_race(ours, ours_opt, theirs_opt, our_step, their_step,
+                                                 [(s * n, mod) for s, mod in zip(mine, modules)],
+                                                 data, steps, warmup, rounds)}
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--width", type=int, default=256)
-    ap.add_argument("--layers-per-stage", type=int, default=2)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--microbatches", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=7)
-    args = ap.parse_args()
+    args = arguments(__doc__.splitlines()[0], width=256, layers_per_stage=2, steps=5, warmup=2, rounds=7)
     print(f"torch {torch.__version__}, {os.cpu_count()} cores, {P} ranks (gloo, 1 thread each), "
           f"load {os.getloadavg()[0]:.1f}" + (" - more ranks than cores" if (os.cpu_count() or 1) < P else ""))
     print(f"model: {STAGES} stages (a V over {P} ranks) x {args.layers_per_stage} x (Linear({args.width}, "
@@ -98,17 +84,7 @@ def main():
     diff, scale = max(r["diff"] for r in results), max(r["scale"] for r in results)
     print(f"same order as torch's pipeline_order on every rank; same gradients from the same weights: "
           f"max |pplab - torch| = {diff:.2e} (largest gradient {scale:.2e})")
-    per_round = slowest(results, args.rounds)                 # a step lasts until its slowest rank is done
-    ours = [a for a, _ in per_round]
-    theirs = [b for _, b in per_round]
-    ratios = [a / b for a, b in per_round]
-    print(f"pplab PipelineExecutor (dualpipev): {statistics.median(ours) * 1e3:7.1f} ms/step "
-          f"(min-max {min(ours) * 1e3:.1f}-{max(ours) * 1e3:.1f})")
-    print(f"torch ScheduleDualPipeV:            {statistics.median(theirs) * 1e3:7.1f} ms/step "
-          f"(min-max {min(theirs) * 1e3:.1f}-{max(theirs) * 1e3:.1f})")
-    print(f"pplab / torch: {statistics.median(ours) / statistics.median(theirs):.2f}x "
-          f"(per round: {', '.join(f'{x:.2f}' for x in ratios)})")
-
+    report_times(results, args.rounds, "pplab PipelineExecutor (dualpipev)", "torch ScheduleDualPipeV")
 
 if __name__ == "__main__":
     main()

@@ -13,7 +13,6 @@ validate and simulate; benchmarks/simulator.py times more schedules, without lau
 
     python benchmarks/pipeline.py [--width 512] [--layers-per-stage 4] [--batch 64] [--microbatches 8]
 """
-import argparse
 import os
 import statistics
 
@@ -24,7 +23,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
 import pplab
 from pplab.pipeline import PipelineExecutor, make_schedule
-from pipeline_race import batches, build, gradient_gap, race, slowest, training_step
+from pipeline_race import arguments, batches, build, check_then_race, slowest, training_step
 from simulator import time_schedule
 
 P = 4
@@ -58,26 +57,12 @@ def run(width, per_stage, batch, m, steps, warmup, rounds):
             theirs.step()
     their_step = training_step(their_step, theirs_opt)
 
-    # the same gradients from the same weights, before anything is stepped
-    our_step(*data[0], keep_grads=True)
-    their_step(*data[0], keep_grads=True)
-    diff, scale = gradient_gap(ours, [(rank * 2 * per_stage, module)])
-    ours_opt.zero_grad(set_to_none=True)
-    theirs_opt.zero_grad(set_to_none=True)
-    rounds_out = race(our_step, their_step, data, steps, warmup, rounds)
-    return {"diff": diff, "scale": scale, "rounds": rounds_out}
+    return check_then_race(ours, ours_opt, theirs_opt, our_step, their_step, [(rank * 2 * per_stage, module)],
+                           data, steps, warmup, rounds)
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--width", type=int, default=512)
-    ap.add_argument("--layers-per-stage", type=int, default=4)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--microbatches", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--rounds", type=int, default=5)
-    args = ap.parse_args()
+    args = arguments(__doc__.splitlines()[0], width=512, layers_per_stage=4, steps=10, warmup=3, rounds=5)
     print(f"torch {torch.__version__}, {os.cpu_count()} cores, {P} ranks (gloo, 1 thread each)"
           + (" - oversubscribed: more ranks than cores" if (os.cpu_count() or 1) < P else ""))
     print(f"model: {P} stages x {args.layers_per_stage} x (Linear({args.width}, {args.width}), ReLU), "

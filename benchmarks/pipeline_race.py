@@ -2,6 +2,8 @@
 same MLP and batches on both sides, the same gradients checked from the same weights before any
 timing, and rounds that alternate pplab's executor and torch's runtime, which goes first
 changing from round to round, so that a change of load on a shared machine falls on both."""
+import argparse
+import statistics
 import time
 
 import torch
@@ -71,3 +73,40 @@ def slowest(results, rounds):
     """Each round's (pplab, torch) seconds per step on its slowest rank: a step lasts until all are done."""
     return [(max(r["rounds"][k][0] for r in results), max(r["rounds"][k][1] for r in results))
             for k in range(rounds)]
+
+
+def check_then_race(ours, ours_opt, theirs_opt, our_step, their_step, placed, data, steps, warmup, rounds):
+    """The same gradients from the same weights (one step of each, nothing stepped), then the race:
+    {"diff", "scale", "rounds"} for this rank. placed: as gradient_gap takes it."""
+    our_step(*data[0], keep_grads=True)
+    their_step(*data[0], keep_grads=True)
+    diff, scale = gradient_gap(ours, placed)
+    ours_opt.zero_grad(set_to_none=True)
+    theirs_opt.zero_grad(set_to_none=True)
+    return {"diff": diff, "scale": scale, "rounds": race(our_step, their_step, data, steps, warmup, rounds)}
+
+
+def arguments(description, width, layers_per_stage, steps, warmup, rounds, batch=64, microbatches=8):
+    """The command line every pipeline benchmark takes, with its own defaults."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--width", type=int, default=width)
+    ap.add_argument("--layers-per-stage", type=int, default=layers_per_stage)
+    ap.add_argument("--batch", type=int, default=batch)
+    ap.add_argument("--microbatches", type=int, default=microbatches)
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--warmup", type=int, default=warmup)
+    ap.add_argument("--rounds", type=int, default=rounds)
+    return ap.parse_args()
+
+
+def report_times(results, rounds, ours_label, theirs_label):
+    """ms per step of each side (median over rounds, min-max) and the ratio, each round's slowest rank."""
+    per_round = slowest(results, rounds)
+    ours, theirs = [a for a, _ in per_round], [b for _, b in per_round]
+    ratios = [a / b for a, b in per_round]
+    width = max(len(ours_label), len(theirs_label)) + 1
+    for label, xs in ((ours_label, ours), (theirs_label, theirs)):
+        print(f"{label + ':':<{width}} {statistics.median(xs) * 1e3:7.1f} ms/step "
+              f"(min-max {min(xs) * 1e3:.1f}-{max(xs) * 1e3:.1f})")
+    print(f"pplab / torch: {statistics.median(ours) / statistics.median(theirs):.2f}x of the medians; "
+          f"per round {min(ratios):.2f}-{max(ratios):.2f}, median {statistics.median(ratios):.2f}")

@@ -11,9 +11,7 @@ two schedules must be the same order (pplab's rows equal torch's pipeline_order)
 
     python benchmarks/pipeline_torch_runtime.py [--width 256] [--layers-per-stage 2] [--batch 64] [--microbatches 8]
 """
-import argparse
 import os
-import statistics
 
 import torch
 import torch.distributed as dist
@@ -21,7 +19,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, ScheduleLoopedBFS
 
 import pplab
-from pipeline_race import batches, build, gradient_gap, race, slowest, training_step
+from pipeline_race import arguments, batches, build, check_then_race, report_times, training_step
 from pplab.pipeline import PipelineExecutor, make_schedule
 from pplab.pipeline.torch_csv import from_torch_rows
 
@@ -56,26 +54,13 @@ def run(width, per_stage, batch, m, steps, warmup, rounds):
         theirs.step(*args, target=y if P * V - 1 in mine else None)
     their_step = training_step(their_step, theirs_opt)
 
-    # the same gradients from the same weights, before anything is stepped
-    our_step(*data[0], keep_grads=True)
-    their_step(*data[0], keep_grads=True)
-    diff, scale = gradient_gap(ours, [(s * per, mod) for s, mod in zip(mine, modules)])
-    ours_opt.zero_grad(set_to_none=True)
-    theirs_opt.zero_grad(set_to_none=True)
-    rounds = race(our_step, their_step, data, steps, warmup, rounds)
-    return {"diff": diff, "scale": scale, "rounds": rounds, "same_order": same_order}
+    return {"same_order": same_order, **check_then_race(ours, ours_opt, theirs_opt, our_step, their_step,
+                                                        [(s * per, mod) for s, mod in zip(mine, modules)],
+                                                        data, steps, warmup, rounds)}
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--width", type=int, default=256)
-    ap.add_argument("--layers-per-stage", type=int, default=2)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--microbatches", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=9)
-    args = ap.parse_args()
+    args = arguments(__doc__.splitlines()[0], width=256, layers_per_stage=2, steps=5, warmup=2, rounds=9)
     print(f"torch {torch.__version__}, {os.cpu_count()} cores, {P} ranks (gloo, 1 thread each)"
           + (" - oversubscribed: more ranks than cores" if (os.cpu_count() or 1) < P else "")
           + f", load average {os.getloadavg()[0]:.1f}")
@@ -90,17 +75,7 @@ def main():
     scale = max(r["scale"] for r in results)
     print(f"same order as torch's ScheduleLoopedBFS: yes; same gradients from the same weights: "
           f"max |pplab - torch| = {diff:.2e} (largest gradient {scale:.2e})")
-    per_round = slowest(results, args.rounds)       # a step lasts until its slowest rank is done
-    ours = [a for a, _ in per_round]
-    theirs = [b for _, b in per_round]
-    ratios = [a / b for a, b in per_round]
-    print(f"pplab PipelineExecutor (looped-bfs): {statistics.median(ours) * 1e3:7.1f} ms/step "
-          f"(min {min(ours) * 1e3:.1f}, max {max(ours) * 1e3:.1f})")
-    print(f"torch ScheduleLoopedBFS:             {statistics.median(theirs) * 1e3:7.1f} ms/step "
-          f"(min {min(theirs) * 1e3:.1f}, max {max(theirs) * 1e3:.1f})")
-    print(f"pplab / torch: {statistics.median(ours) / statistics.median(theirs):.2f}x of the medians; "
-          f"per round {min(ratios):.2f}-{max(ratios):.2f}, median {statistics.median(ratios):.2f}")
-
+    report_times(results, args.rounds, "pplab PipelineExecutor (looped-bfs)", "torch ScheduleLoopedBFS")
 
 if __name__ == "__main__":
     main()
