@@ -415,6 +415,28 @@ def test_a_caller_killed_outright_leaves_no_process_and_no_folder(mark, tmp_path
     # the `mark` fixture checks that the ranks' own processes are gone too
 
 
+def test_a_caller_killed_while_a_rank_is_stopped_leaves_nothing(mark, tmp_path):
+    """A rank stopped (Ctrl-Z in its terminal, a debugger) when the caller is killed. Had
+    the host been only a process group of the caller's session, the caller's death would
+    leave that group orphaned with a stopped process in it: the kernel then sends SIGHUP to
+    the whole group, the host included, and the processes the ranks started would live on."""
+    caller = _start_a_caller(mark, tmp_path)
+    (host,) = _children(caller.pid)
+    rank = _children(host)[0]
+    os.kill(rank, signal.SIGSTOP)
+    caller.kill()
+    caller.wait()
+    deadline = time.monotonic() + 30
+    while (ours(mark) or _launch_folders(caller.pid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _launch_folders(caller.pid)
+
+
+def _children(pid):
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(c) for c in f.read().split()]
+
+
 def test_the_next_launch_removes_what_a_killed_launch_left(mark, tmp_path):
     caller = _start_a_caller(mark, tmp_path)
     everyone = [caller.pid] + sorted(descendants(caller.pid))

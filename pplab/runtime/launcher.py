@@ -405,7 +405,14 @@ class _Host:
 def _host_main(caller, ends, method, payload, rank_args, control_r, status_w) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C is the caller's to handle; it ends us
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)   # SIG_IGN (the caller's?) would hide how ranks end
-    os.setpgid(0, 0)                # out of the terminal's process group: Ctrl-C reaches the caller only
+    # A session of our own, not only a process group: out of the terminal's group, so Ctrl-C
+    # reaches the caller only; and never an orphaned group inside the caller's session. When
+    # the caller dies, the kernel sends SIGHUP (whose default is to exit) to every group of
+    # its session that it leaves orphaned with a stopped process in it. Ending the launch
+    # stops (SIGSTOP) each rank before killing it: as a mere process group we were killed
+    # halfway through, the processes stopped so far left frozen, when the caller's exit came
+    # after we had seen its pipe close (the pipe closes first).
+    os.setsid()
     sys.stdout = sys.stderr = open(os.devnull, "w")     # never print what the caller had buffered
     subreaper = _become_subreaper()
     woken = None
