@@ -326,6 +326,11 @@ def read_between_uses():
             out[what] = "no error"
         except RuntimeError as e:
             out[what] = str(e)
+    try:                                             # the model's parameters given to an optimizer
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+        out["optimizer"] = "no error"
+    except RuntimeError as e:
+        out["optimizer"] = str(e)
     with fsdp.full_parameters():                     # the way to read them: whole again
         out["full"] = weight.detach().clone()
     nn.functional.mse_loss(fsdp(x), y).backward()    # the wrapper still works after the refused reads
@@ -347,6 +352,8 @@ def test_reading_a_parameter_between_uses_says_where_the_values_are():
             assert f"{named} is sharded" in message and "fsdp.full_parameters()" in message \
                 and "fsdp.state_dict()" in message, f"rank {rank}, {what}: {message}"
         assert torch.equal(out["full"], want), f"rank {rank}: full_parameters() must give rank 0's initial weight"
+        assert "SGD was given parameter '0.weight' of the model inside a FullyShardedModule" in out["optimizer"] \
+            and "fsdp.parameters()" in out["optimizer"], f"rank {rank}: {out['optimizer']}"
 
 
 # ----------------------------------------------------------------------------------

@@ -57,6 +57,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_leaves
 
 from ..runtime import comm
@@ -129,6 +130,25 @@ def _between_uses(p, asked: str) -> str:
             f"on rank 0. (Asked for: {asked}.)")
 
 
+def _refuse_sharded_parameters(optimizer, args, kwargs) -> None:
+    """Before any optimizer's step: a ShardedParameter among its parameters is a parameter of
+    fsdp.module, given to it in place of fsdp.parameters(). Backward never leaves a gradient on
+    one (its gradient goes to the shards), so that step would skip it: the model would silently
+    not train."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if isinstance(p, ShardedParameter):
+                raise RuntimeError(
+                    f"{type(optimizer).__name__} was given parameter {p._pplab_name!r} of the model inside a "
+                    f"FullyShardedModule (fsdp.module.parameters()): it never receives a gradient, so this step "
+                    f"would change nothing. Give the optimizer this rank's shards, fsdp.parameters(): "
+                    f"ZeroOptimizer(fsdp.parameters(), torch.optim.AdamW, stage=3, ...) or "
+                    f"torch.optim.AdamW(fsdp.parameters(), ...)")
+
+
+_refusing = []             # the hook above, once registered (by the first FullyShardedModule)
+
+
 class _Unit:
     """One unit's flat buffer (released between uses), my shard of it, and where it stands."""
 
@@ -190,6 +210,8 @@ class FullyShardedModule(nn.Module):
                 raise ValueError(f"{name} must be a floating-point torch.dtype (torch.bfloat16, torch.float16, "
                                  f"torch.float32) or None, got {dtype!r}")
         object.__setattr__(self, "module", module)     # not a registered child: parameters() = shards
+        if not _refusing:                              # every optimizer checks what it was given
+            _refusing.append(register_optimizer_step_pre_hook(_refuse_sharded_parameters))
         self.compute_dtype = compute_dtype
         self.group, self.prefetch = group, bool(prefetch)
         self.world_size, self.rank = comm.world_size(group), comm.rank(group)
