@@ -196,6 +196,14 @@ def test_no_idle_time_after_warmup(p, t_b):
         assert idle_after_warmup(flushed.timeline(), r) > 0
 
 
+def test_idle_after_warmup_by_hand():
+    """Two flushed steps of 1F1B, p = 2, m = 2, t_f = 1, t_b = 2. Rank 0: F0 F1 [0, 2], B0 [4, 6],
+    B1 [7, 9], F2 F3 [9, 11], then the drain: idle 6-7 between its first backward and its last
+    forward. Rank 1: F0 B0 F1 B1 [1, 7], F2 at 10 (rank 0's F2 ends then): idle 7-10."""
+    timeline = simulate(flushed_steps(2, 2, 2), t_f=1.0, t_b=2.0).timeline()
+    assert [idle_after_warmup(timeline, r) for r in range(2)] == [1.0, 3.0]
+
+
 def test_the_stream_is_1f1b_order_and_flushed_steps_validate():
     s = make_schedule("pipedream-2bw", 3, 6)
     assert s.actions == make_schedule("1f1b", 3, 6).actions

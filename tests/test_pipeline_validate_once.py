@@ -34,6 +34,18 @@ def test_overlapped_pair_times_by_hand():
     assert r.end == [[1, 4.5, 5.5, 10.5], [2, 4, 6.5, 8.5]]
 
 
+def test_overlapped_pair_times_by_hand_with_a_latency_per_hop():
+    # The same pair, each hop its own send time: 0.5 from rank 0 to rank 1, 0.25 back
+    # (p2p_latency[src][dst]). Rank 1's F0 starts at 1 + 0.5; its B0 ends at 4.5, so the
+    # block waits for it until 4.5 + 0.25 (the B's input has a hop too) and ends at 6.25;
+    # rank 1's F1 starts at 6.25 + 0.5; rank 0's last B waits for 9.75 + 0.25.
+    s = Schedule("pair", 2, 2, 1, [[A("F", 0, 0), A("F", 1, 0, overlap=True), A("B", 0, 0), A("B", 1, 0)],
+                                   [A("F", 0, 1), A("B", 0, 1), A("F", 1, 1), A("B", 1, 1)]], [0, 1])
+    r = simulate(s, t_f=1, t_b=2, t_fb=1.5, p2p_latency=[[0, 0.5], [0.25, 0]])
+    assert r.start == [[0, 4.75, 5.25, 10], [1.5, 2.5, 6.75, 7.75]]
+    assert r.end == [[1, 5.25, 6.25, 12], [2.5, 4.5, 7.75, 9.75]]
+
+
 def test_a_schedule_changed_after_it_passed_is_checked_again():
     s = make_schedule("1f1b", 2, 2)                  # validated, and remembered as valid
     assert validate(s) is s
@@ -51,6 +63,19 @@ def test_a_schedule_changed_after_it_passed_is_checked_again():
     s = make_schedule("gpipe", 2, 2)
     s.stage_to_rank[:] = [1, 0]                      # the placement changed, the actions did not
     with pytest.raises(ScheduleError, match="rank 0, step 0: F0 of stage 0 is on rank 0, but stage 0 lives on rank 1"):
+        validate(s)
+
+
+def test_a_split_backward_needs_its_w_and_only_one():
+    # Every I needs its W: the optimizer step reads the weights' gradient, and a schedule
+    # without one (or with two) is not one training step, however well it runs.
+    s = make_schedule("zb-h1", 2, 3)
+    s.actions[0].remove(A("W", 2, 0))
+    with pytest.raises(ScheduleError, match="backward 2 of stage 0 appears as 0 B, 1 I, 0 W"):
+        validate(s)
+    s = make_schedule("zb-h1", 2, 3)
+    s.actions[1].append(A("W", 0, 1))
+    with pytest.raises(ScheduleError, match="backward 0 of stage 1 appears as 0 B, 1 I, 2 W"):
         validate(s)
 
 
