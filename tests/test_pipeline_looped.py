@@ -149,7 +149,24 @@ def test_torchs_own_order_with_idle_slots_imports_as_ours():
     assert torch_rows(make_schedule("looped-bfs", 2, 1, 2)) == [["0F0", "2F0", "2B0", "0B0"], ["1F0", "3F0", "3B0", "1B0"]]
 
 
+@pytest.mark.parametrize("p, m", [(2, 5), (3, 6)])
+def test_torchs_dualpipev_order_imports_with_its_overlapped_pairs(p, m):
+    """torch writes DualPipeV's F&B pairs as one cell, '(0F1;3B0)OVERLAP_F_B': imported, each is an
+    F with overlap=True and the B (or I) after it, so the schedule is pplab's DualPipeV, pairs included
+    (simulate times a pair as t_fb only if it knows it is one)."""
+    from pplab.pipeline.bidirectional import make_bidirectional
+    sched = object.__new__(S.ScheduleDualPipeV)
+    sched.pp_group_size, sched._n_microbatches = p, m
+    rows = [["" if a is None else str(a) for a in sched._calculate_single_rank_operations(r)] for r in range(p)]
+    assert any(cell.endswith(")OVERLAP_F_B") for cell in rows[0])
+    ours = make_bidirectional("dualpipev", p, m)
+    back = from_torch_rows(rows, "dualpipev")
+    assert (back.actions, back.stage_to_rank, back.chunks) == (ours.actions, ours.stage_to_rank, ours.chunks)
+    assert simulate(back, t_fb=2).makespan == simulate(ours, t_fb=2).makespan < simulate(ours).makespan
+
+
 @pytest.mark.parametrize("rows, message", [
+    ([["(0B0;1F1)OVERLAP_F_B"]], r"overlaps \['B', 'F'\]; expected a forward then a backward"),
     ([["0F0", "0X0"]], r"'0X0' is not an action torch writes"),
     ([["0F0", "1F0"], ["1B0"]], r"stage 1 is run by ranks 0 and 1"),
     ([["0F0", "2F0"], ["1F0"]], r"different numbers of stages"),

@@ -41,24 +41,30 @@ def torch_rows(schedule: Schedule) -> list[list[str]]:
 
 
 def write_torch_csv(schedule: Schedule, path) -> None:
-    """Write `schedule` in the compute-only CSV format torch's `_load_csv` reads."""
+    """Write `schedule` in the compute-only CSV format torch's `_load_csv` reads. An F&B pair
+    (Action.overlap) is written as its two actions, one cell each, run one after the other."""
     with open(path, "w", newline="") as f:
         csv.writer(f).writerows(torch_rows(schedule))
 
 
-def _cells(cell: str, rank: int, step: int) -> list[tuple[str, int, int]]:
-    """(kind, micro-batch, stage) of the computation in one cell; [] for an idle slot or a message."""
+def _cells(cell: str, rank: int, step: int) -> list[tuple[str, int, int, bool]]:
+    """(kind, micro-batch, stage, overlap) of the computation in one cell; [] for an idle slot or a
+    message. overlap is True on the F of an F&B pair, as Action.overlap says it."""
     cell = cell.strip()
     if not cell or _NOT_COMPUTE.match(cell):
         return []
     if cell.startswith("(") and cell.endswith(")OVERLAP_F_B"):      # F and B run together (DualPipeV)
-        return [x for sub in cell[1:-len(")OVERLAP_F_B")].split(";") for x in _cells(sub, rank, step)]
+        pair = [x for sub in cell[1:-len(")OVERLAP_F_B")].split(";") for x in _cells(sub, rank, step)]
+        if [x[0] for x in pair] not in (["F", "B"], ["F", "I"]):
+            raise ScheduleError(f"rank {rank}, cell {step}: {cell!r} overlaps {[x[0] for x in pair]}; expected "
+                                f"a forward then a backward, like '(0F1;3B0)OVERLAP_F_B'")
+        return [pair[0][:3] + (True,), pair[1]]
     found = _CELL.match(cell)
     if not found:
         raise ScheduleError(f"rank {rank}, cell {step}: {cell!r} is not an action torch writes; expected "
                             f"stage, kind and micro-batch like '3F0', '2I5', '0W1', or an empty cell")
     stage, kind, mb = found.groups()
-    return [(kind, int(mb), int(stage))]
+    return [(kind, int(mb), int(stage), False)]
 
 
 def from_torch_rows(rows, name: str = "from-torch", num_microbatches: int | None = None) -> Schedule:
@@ -71,7 +77,7 @@ def from_torch_rows(rows, name: str = "from-torch", num_microbatches: int | None
         raise ScheduleError("the CSV has no computation in it: expected one row per rank of cells like '0F0'")
     owner = {}
     for r, acts in enumerate(found):
-        for _, _, s in acts:
+        for _, _, s, _ in acts:
             if owner.setdefault(s, r) != r:
                 raise ScheduleError(f"stage {s} is run by ranks {owner[s]} and {r}: a stage lives on one rank")
     num_stages = max(owner) + 1
@@ -85,10 +91,10 @@ def from_torch_rows(rows, name: str = "from-torch", num_microbatches: int | None
     if len(per_rank) != 1:
         raise ScheduleError(f"ranks hold different numbers of stages ({[stage_to_rank.count(r) for r in range(p)]}): "
                             f"a pplab Schedule gives every rank the same number of chunks")
-    m = num_microbatches if num_microbatches is not None else 1 + max(i for acts in found for _, i, _ in acts)
+    m = num_microbatches if num_microbatches is not None else 1 + max(a[1] for acts in found for a in acts)
     chunk = {s: sorted(t for t in range(num_stages) if stage_to_rank[t] == stage_to_rank[s]).index(s)
              for s in range(num_stages)}
-    actions = [[Action(k, i, s, chunk[s]) for k, i, s in acts] for acts in found]
+    actions = [[Action(k, i, s, chunk[s], overlap) for k, i, s, overlap in acts] for acts in found]
     return validate(Schedule(name, p, m, per_rank.pop(), actions, stage_to_rank))
 
 
