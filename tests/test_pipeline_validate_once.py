@@ -46,6 +46,15 @@ def test_overlapped_pair_times_by_hand_with_a_latency_per_hop():
     assert r.end == [[1, 5.25, 6.25, 12], [2.5, 4.5, 7.75, 9.75]]
 
 
+def test_activations_held_rise_at_each_forward_and_fall_when_its_backward_ends():
+    # GPipe, p = 2, m = 2, t_f = 1, t_b = 2: rank 1 runs F0 F1 [1, 3], B0 [3, 5], B1 [5, 7]; rank 0
+    # runs F0 [0, 1], F1 [1, 2], then B0 [5, 7] and B1 [7, 9]. A micro-batch is held from the start of its F to
+    # the end of its B: the backward reads the activations until it is done.
+    r = simulate(make_schedule("gpipe", 2, 2), t_f=1, t_b=2)
+    assert [(t, held, a.label()) for t, held, a in r.activations(0)] == [
+        (0, 1, "F0"), (1, 2, "F1"), (7, 1, "B0"), (9, 0, "B1")]
+
+
 def test_a_schedule_changed_after_it_passed_is_checked_again():
     s = make_schedule("1f1b", 2, 2)                  # validated, and remembered as valid
     assert validate(s) is s

@@ -266,6 +266,9 @@ MUTANTS = [
     Mutant("pplab/pipeline/torch_csv.py", "first, last = 0 in mine, schedule.num_stages - 1 in mine",
            "first, last = 0 in mine, schedule.num_stages in mine", T("test_pipeline_looped"),
            "torch runtime: the last stage never given the targets"),
+    Mutant("pplab/pipeline/simulate.py", "steps.append((s if a.kind == \"F\" else e, held * share if share != 1 else held, a))",
+           "steps.append((s, held * share if share != 1 else held, a))", T("test_pipeline_validate_once", "test_pipeline_schedules"),
+           "activations held: freed when the backward starts, not when it ends"),
 ]
 
 
