@@ -161,20 +161,24 @@ def flops(fn, *args) -> int:
     return counter.get_total_flops()
 
 
-def simulate_recomputed(schedule, t_f=1.0, t_b=2.0, t_r=None):
+def simulate_recomputed(schedule, t_f=1.0, t_b=2.0, t_r=None, t_w=None):
     """simulate(schedule) where each backward first runs its forward again, for t_r (default t_f:
     full recomputation), and the Timeline that draws it: every B (or I) box split into an "R" box,
     R<micro-batch> (the recomputation: draw it with colors=COLORS, as forward work), and the
-    backward proper.
-    Returns (SimResult, Timeline). t_f, t_b, t_r: numbers, one rank's whole share, as simulate's."""
+    backward proper. In a schedule that splits the backward, I recomputes (W reuses what I rebuilt):
+    I lasts t_r + t_b - t_w, W lasts t_w (default t_b / 2, as simulate's).
+    Returns (SimResult, Timeline). t_f, t_b, t_r, t_w: numbers, one rank's whole share, as simulate's."""
     t_r = t_f if t_r is None else t_r
-    if not all(isinstance(x, (int, float)) and x >= 0 for x in (t_f, t_b, t_r)):
-        raise ValueError(f"t_f, t_b and t_r must be numbers >= 0, got {t_f!r}, {t_b!r}, {t_r!r}")
-    sim = simulate(schedule, t_f, t_b + t_r)
+    t_w = t_b / 2 if t_w is None else t_w
+    if not all(isinstance(x, (int, float)) and x >= 0 for x in (t_f, t_b, t_r, t_w)) or t_w > t_b:
+        raise ValueError(f"t_f, t_b, t_r and t_w must be numbers >= 0, t_w <= t_b (W is a part of the backward), "
+                         f"got {t_f!r}, {t_b!r}, {t_r!r}, {t_w!r}")
+    sim = simulate(schedule, t_f, t_b + t_r, t_w=t_w)
     events = []
     for e in sim.timeline().events:
         if e.kind in ("B", "I") and t_r > 0:
-            cut = e.start + (e.end - e.start) * t_r / (t_b + t_r)    # the same share of every chunk's box
+            rest = t_b if e.kind == "B" else t_b - t_w               # the backward proper, after R
+            cut = e.start + (e.end - e.start) * t_r / (rest + t_r)   # the same share of every chunk's box
             events.append(Event(e.rank, "R", "compute", e.start, cut, "R" + e.label[1:], meta=dict(e.meta)))
             e = Event(**{**e.__dict__, "start": cut})
         events.append(e)

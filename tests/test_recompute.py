@@ -216,6 +216,24 @@ def test_simulated_recomputation_is_forward_work_before_each_backward():
     assert {e.duration for e in timeline.select(kind="B")} == {3}
     with pytest.raises(ValueError, match="numbers >= 0"):
         simulate_recomputed(schedule, t_r=-1)
+    with pytest.raises(ValueError, match="t_w <= t_b"):
+        simulate_recomputed(schedule, t_b=2, t_w=3)
+
+
+def test_simulated_recomputation_with_a_split_backward_recomputes_in_i():
+    """ZB-H1, p = 2, m = 1, t_f = 1, t_b = 2 (I 1, W 1), t_r = 1: I recomputes the forward first (R 1
+    + I 1) and W reuses what it rebuilt (1). Rank 1: F0 [1, 2], R0 [2, 3], I0 [3, 4], W0 [4, 5]; rank 0's
+    I0 waits for rank 1's: R0 [4, 5], I0 [5, 6], W0 [6, 7]."""
+    from pplab.pipeline import make_schedule
+    from pplab.recompute import simulate_recomputed
+    sim, timeline = simulate_recomputed(make_schedule("zb-h1", 2, 1), t_f=1, t_b=2, t_r=1)
+    assert sim.makespan == 7
+    assert [(e.label, e.start, e.end) for e in sorted(timeline.select(rank=0, category="compute"),
+                                                       key=lambda e: e.start)] == [
+        ("F0", 0, 1), ("R0", 4, 5), ("I0", 5, 6), ("W0", 6, 7)]
+    sim, timeline = simulate_recomputed(make_schedule("zb-h1", 2, 1), t_f=1, t_b=2, t_r=0.5, t_w=0.5)
+    assert {(e.kind, e.duration) for e in timeline.select(category="compute")} == {
+        ("F", 1), ("R", 0.5), ("I", 1.5), ("W", 0.5)}
 
 
 # ----------------------------------------------------------------------------------
