@@ -273,6 +273,9 @@ MUTANTS = [
     Mutant("pplab/pipeline/simulate.py", "steps.append((s if a.kind == \"F\" else e, held * share if share != 1 else held, a))",
            "steps.append((s, held * share if share != 1 else held, a))", T("test_pipeline_validate_once", "test_pipeline_schedules"),
            "activations held: freed when the backward starts, not when it ends"),
+    Mutant("pplab/pipeline/actions.py", "prev = self.stage_to_rank[stage - 1] if stage % d > 0 else None",
+           "prev = self.stage_to_rank[stage - 1] if stage > 0 else None", T("test_pipeline_bidirectional", "test_pipeline_executor"),
+           "two replicas: replica 1's first stage waits for replica 0's last"),
 ]
 
 
