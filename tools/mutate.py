@@ -306,6 +306,13 @@ MUTANTS = [
     Mutant("pplab/data_parallel/parameter_server.py", "return W, parts, model, flat_params(model), [len(X) / N for X, _ in parts]",
            "return W, parts, model, flat_params(model), [1 / W for X, _ in parts]", T("test_parameter_server"),
            "PS weights: 1/W instead of n_w/N"),
+    Mutant("pplab/rng.py", "summed_over = [mesh.dp_group] + ([mesh.tp_group] if sequence_parallel else [])",
+           "summed_over = [mesh.dp_group]", T("test_rng"), "rng.train: under SP the loss of my tokens only"),
+    Mutant("pplab/data_parallel/compression.py", "x, y = X.tensor_split(p)[rank], Y.tensor_split(p)[rank]",
+           "x, y = X.tensor_split(p)[0], Y.tensor_split(p)[0]", T("test_compression"),
+           "train_with: every rank trains on rank 0's samples"),
+    Mutant("pplab/hybrid.py", "if pp > 1 and batch_size // dp < microbatches:", "if pp > 1 and batch_size < microbatches:",
+           T("test_hybrid"), "check_layout: micro-batches compared with the global batch, not the replica's"),
 ]
 
 
