@@ -313,6 +313,18 @@ MUTANTS = [
            "train_with: every rank trains on rank 0's samples"),
     Mutant("pplab/hybrid.py", "if pp > 1 and batch_size // dp < microbatches:", "if pp > 1 and batch_size < microbatches:",
            T("test_hybrid"), "check_layout: micro-batches compared with the global batch, not the replica's"),
+    Mutant("pplab/data_parallel/noise_scale.py", "mean_small, mean_big = sum(small) / len(small), sum(big) / len(big)",
+           "mean_small, mean_big = sum(small) / len(big), sum(big) / len(small)", T("test_noise_scale"),
+           "noise scale: means over the other list's number of draws"),
+    Mutant("pplab/tensor_parallel/tp3d.py", "return _piece(w, q * q, cube.l * q + cube.i, q, cube.j)",
+           "return _piece(w, q * q, cube.i * q + cube.l, q, cube.j)", T("test_tensor_parallel_25d_3d"),
+           "3D: weight rows dealt i-major instead of l-major"),
+    Mutant("pplab/hybrid.py", "shard(data.batch(batch_size, cfg.seq, step, seed), mesh.rank_in(\"dp\"), dp)",
+           "shard(data.batch(batch_size, cfg.seq, step, seed), mesh.rank_in(\"tp\"), dp)", T("test_hybrid"),
+           "hybrid: the batch sharded by the tp index"),
+    Mutant("pplab/data_parallel/overlap.py", "return statistics.median(values), min(values), max(values)",
+           "return statistics.mean(values), min(values), max(values)", T("test_overlap"),
+           "median_and_range: the mean, which one slow repeat drags"),
 ]
 
 
