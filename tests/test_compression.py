@@ -231,3 +231,24 @@ def test_what_each_rank_sends_is_what_the_compressor_promises(launched):
             for g, s in zip(_grads(rank, step), res[rank][name]["rows"][step][2]):
                 torch.testing.assert_close(s, g.abs().mean() * torch.where(g >= 0, 1.0, -1.0).double(),
                                            rtol=1e-12, atol=0)
+
+
+def test_uncompressed_train_with_is_full_batch_gradient_descent():
+    """Dense on 2 ranks, each on half the samples, against torch's SGD on all of them in one process."""
+    task = dict(n=16, dtype=torch.float64)
+    run = C.train_with(None, steps=3, world_size=2, lr=0.1, **task)
+    X, Y, model_fn = C.make_task(**task)
+    model = model_fn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for _ in range(3):
+        loss = torch.nn.functional.mse_loss(model(X), Y)
+        losses.append(loss.item())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    losses.append(torch.nn.functional.mse_loss(model(X), Y).item())
+    assert run.losses == pytest.approx(losses, rel=1e-12, abs=0)
+    expect = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    for params in run.params:
+        torch.testing.assert_close(params, expect, rtol=1e-12, atol=1e-12)

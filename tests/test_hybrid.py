@@ -132,6 +132,9 @@ def test_the_text_is_learned_and_the_model_has_the_parameters_of_its_formula():
 def test_layouts_of_4():
     got = {(s["dp"], s["tp"], s["pp"]) for s in layouts(4)}
     assert got == {(4, 1, 1), (2, 2, 1), (2, 1, 2), (1, 4, 1), (1, 2, 2), (1, 1, 4)}
+    # at most 2 stages on 8 ranks: pp = 2 (the bound itself) is in
+    got = {(s["dp"], s["tp"], s["pp"]) for s in layouts(8, pp_max=2)}
+    assert got == {(8, 1, 1), (4, 2, 1), (2, 4, 1), (1, 8, 1), (4, 1, 2), (2, 2, 2), (1, 4, 2)}
 
 
 @pytest.mark.parametrize("sizes,kw,message", [

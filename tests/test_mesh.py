@@ -26,6 +26,19 @@ def test_groups_are_lines_of_the_grid():
             assert all(len(g) == sizes.get(dim, 1) for g in mesh.groups(dim, **sizes))
 
 
+def test_an_order_numbers_the_ranks_along_it():
+    # order (tp, dp, pp): pp fastest, so rank = 4·tp + 2·dp + pp, by hand
+    order, sizes = ("tp", "dp", "pp"), {"pp": 2, "dp": 2, "tp": 2}
+    g = mesh.grid(order, **sizes)
+    for pp in range(2):
+        for dp in range(2):
+            for tp in range(2):
+                assert g[pp, dp, 0, 0, tp].item() == 4 * tp + 2 * dp + pp
+    assert mesh.groups("tp", order=order, **sizes) == [[0, 4], [2, 6], [1, 5], [3, 7]]
+    assert mesh.groups("pp", order=order, **sizes) == [[0, 1], [4, 5], [2, 3], [6, 7]]   # rows by (dp, tp)
+    assert mesh.groups("tp", dp=2, tp=2, order=("tp", "dp")) == [[0, 2], [1, 3]]
+
+
 def test_describe_names_every_rank_and_group():
     text = mesh.describe(pp=2, dp=2, tp=2)
     assert "pp=2 × dp=2 × tp=2" in text and "tp groups: [0, 1]  [2, 3]  [4, 5]  [6, 7]" in text
@@ -33,8 +46,8 @@ def test_describe_names_every_rank_and_group():
     assert len([l for l in text.splitlines() if l.strip()[:1].isdigit()]) == 8
 
 
-def _mesh_on_rank(sizes, extra):
-    m = mesh.Mesh(**sizes)
+def _mesh_on_rank(sizes, extra, order=None):
+    m = mesh.Mesh(order, **sizes)
     groups = {d: dist.get_process_group_ranks(m.group(d)) for d in mesh.DIMS}
     for dims in extra:
         groups["+".join(dims)] = dist.get_process_group_ranks(m.group(*dims))
@@ -46,20 +59,22 @@ def _mesh_on_rank(sizes, extra):
     return m.coords, groups, t.item(), torch_groups, (m.pp_prev, m.pp_next), same
 
 
-@pytest.mark.parametrize("sizes, extra", [({"dp": 2, "tp": 2}, []), ({"dp": 2, "ep": 2}, [("dp", "ep")]),
-                                          ({"pp": 2, "dp": 2, "tp": 2}, [("dp", "tp")]), ({"pp": 3}, [])])
-def test_every_rank_gets_its_groups(sizes, extra):
+@pytest.mark.parametrize("sizes, extra, order", [
+    ({"dp": 2, "tp": 2}, [], None), ({"dp": 2, "ep": 2}, [("dp", "ep")], None),
+    ({"pp": 2, "dp": 2, "tp": 2}, [("dp", "tp")], None), ({"pp": 3}, [], None),
+    ({"dp": 2, "tp": 2}, [], ("tp", "dp"))])                      # dp fastest: tp groups [0, 2], [1, 3]
+def test_every_rank_gets_its_groups(sizes, extra, order):
     world = 1
     for n in sizes.values():
         world *= n
-    results = pplab.launch(_mesh_on_rank, sizes, extra, world_size=world)
-    g = mesh.grid(**sizes)
+    results = pplab.launch(_mesh_on_rank, sizes, extra, order, world_size=world)
+    g = mesh.grid(order, **sizes)
     for rank, (coords, groups, tp_sum, torch_groups, (prev, nxt), same) in enumerate(results):
         assert g[tuple(coords[d] for d in mesh.DIMS)].item() == rank
         for dim in mesh.DIMS:
-            assert [gr for gr in mesh.groups(dim, **sizes) if rank in gr] == [groups[dim]]
+            assert [gr for gr in mesh.groups(dim, order=order, **sizes) if rank in gr] == [groups[dim]]
         for dims in extra:
-            assert [gr for gr in mesh.groups(*dims, **sizes) if rank in gr] == [groups["+".join(dims)]]
+            assert [gr for gr in mesh.groups(*dims, order=order, **sizes) if rank in gr] == [groups["+".join(dims)]]
         assert tp_sum == sum(groups["tp"])
         for name, ranks in torch_groups.items():
             assert sorted(ranks) == sorted(groups[name])

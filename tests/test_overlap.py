@@ -134,3 +134,46 @@ def test_ddp_with_the_stand_in_equals_single_process_and_steps_take_turns(p):
             if name == "stand-in":                                # 3 layers of 2 T_F, back to back
                 assert s.overlap.backward >= 3 * 2 * T_F - 1e-4
                 assert min(e.duration for e in s.timeline.select(kind="F")) >= 3 * T_F
+
+
+def test_an_all_reduce_belongs_to_the_step_whose_backward_it_follows():
+    # overlap on in both steps: step 2's first all-reduce starts inside step 2's backward, so it is
+    # step 2's alone (a step ends where the next backward starts, not where it ends)
+    events = [Event(0, "B", "compute", 0.0, 2.0, meta={"sync": True}), ar(1.0, 2.5, 0),
+              Event(0, "B", "compute", 4.0, 6.0, meta={"sync": True}), ar(5.0, 6.5, 0, payload=300)]
+    first, second = overlap.overlap_per_step(events)
+    assert (first.all_reduces, first.payload, first.comm, first.exposed) == (1, 100, 1.5, 0.5)
+    assert (second.all_reduces, second.payload, second.comm, second.exposed) == (1, 300, 1.5, 0.5)
+
+
+def test_measured_steps_runs_from_the_first_start_to_the_last_end():
+    """Two ranks' steps_in_turn results made by hand: a step lasts from the earliest rank's
+    start to the latest rank's end, and its timeline starts at the earliest start."""
+    def rank(r, start, end):
+        return {"v": [(start, end, [Event(r, "F", "compute", start, start + 0.5),
+                                    Event(r, "B", "compute", start + 0.5, end, meta={"sync": True})])]}
+    (step,) = overlap.measured_steps([rank(0, 10.0, 12.0), rank(1, 10.5, 13.0)], "v")
+    assert step.seconds == 3.0
+    assert [(e.rank, e.kind, e.start) for e in step.timeline.select(kind="F")] == [(0, "F", 0.0), (1, "F", 0.5)]
+    assert step.overlap.backward == 1.5 and step.overlap.all_reduces == 0
+
+
+def test_stand_in_queues_layers_back_to_back_so_host_work_between_them_hides():
+    """On a fake clock (time.sleep advances it; nothing real waits): 3 layers of T_F each, and
+    host work h < T_F after each layer. The accelerator runs the layers back to back, so the
+    host work between them hides under the next layer's time: forward ends at 3·T_F + h (the
+    last layer's host work shows), not 3·(T_F + h) as if each layer began after the host."""
+    clock = [0.0]
+
+    def sleep(dt):
+        clock[0] += max(0.0, dt)
+    h = T_F / 4
+    model = make_model(layers=3)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(overlap, "now", lambda: clock[0])
+        mp.setattr(overlap.time, "sleep", sleep)
+        overlap.stand_in_compute(model, T_F)
+        for layer in (m for m in model if isinstance(m, nn.Linear)):
+            layer.register_forward_hook(lambda *args: sleep(h))      # host work after each layer
+        model(data()[0])
+    assert clock[0] == pytest.approx(3 * T_F + h, abs=1e-12)

@@ -107,6 +107,13 @@ def test_one_step_sent_and_received_by_phase():
     assert max(e.end for e in pull) <= min(e.end for e in push)   # no gradient before its parameters
 
 
+def test_shards_one_sample_per_worker_is_enough():
+    X, y = _data(3, 5)
+    parts = ps.shards((X, y), 3)
+    assert [len(a) for a, _ in parts] == [1, 1, 1]
+    assert all(torch.equal(a, X[w:w + 1]) and torch.equal(b, y[w:w + 1]) for w, (a, b) in enumerate(parts))
+
+
 def _grad_at(params, X, y):
     """The gradient of the mean squared error of _mlp at flat `params` (plain autograd)."""
     model = _mlp()

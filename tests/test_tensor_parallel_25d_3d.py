@@ -13,6 +13,7 @@ from torch import nn
 import pplab
 from pplab.memory import saved_activations, state_bytes
 from pplab.tensor_parallel.summa import Grid2D, Linear2D, split_2d
+from pplab.tensor_parallel import tp3d, tp25d
 from pplab.tensor_parallel.tp25d import Grid2p5D, Linear2p5D, split_2p5d
 from pplab.tensor_parallel.tp3d import (Grid3D, Linear3D, crossovers, split_3d_input, split_3d_output,
                                         split_3d_weight, total_bytes_per_rank, traced_collectives)
@@ -75,6 +76,9 @@ def test_linear3d_on_a_2x2x2_cube_equals_the_dense_layer_and_sends_what_the_form
         assert r["fwd"] == r["bwd"] == 104, (rank, r["fwd"], r["bwd"])
         # weight piece 1x3; saved: gathered X_il 4x2 and W_lj 2x3
         assert r["weight_bytes"] == 3 * 8 and r["saved"] == (8 + 6) * 8, (rank, r["weight_bytes"], r["saved"])
+    # the formulas the notebook plots give the same hand-counted numbers
+    assert tp3d.bytes_per_rank(B, c_in, c_out, 2) == {"forward": 104, "backward": 104}
+    assert tp3d.memory_per_rank(B, c_in, c_out, 2) == {"weight": 3 * 8, "saved": (8 + 6) * 8}
 
 
 def job_25d(B, c_in, c_out, depth):
@@ -118,6 +122,9 @@ def test_linear2p5d_equals_the_dense_layer_and_sends_what_the_formula_says(depth
         assert r["weight_bytes"] == i_ * o_ * 8 and r["saved"] == r_ * i_ * 8
         if depth == 1:
             assert r["same_as_summa"]
+    # the formulas the notebook plots give the same hand-counted numbers
+    assert tp25d.bytes_per_rank(B, c_in, c_out, q, depth) == pytest.approx({"forward": fwd, "backward": bwd})
+    assert tp25d.memory_per_rank(B, c_in, c_out, q, depth) == {"weight": i_ * o_ * 8, "saved": r_ * i_ * 8}
 
 
 def bad_job(kind):
@@ -157,5 +164,10 @@ def test_bytes_per_rank_curves_and_their_crossovers():
     assert crossovers("1D", "3D", h, h, h, 2, 4096) == []
     # 3D: 2(q-1)·3h²/q³ at q = 2: 0.75 h²
     assert total_bytes_per_rank("3D", 8, h, h, h) == 0.75 * h * h * 8
+    # 2.5D on p = 8, depth 2 (q = 2): X block h²/8, W block h²/4; forward 3h²/8, backward
+    # 2·3h²/8 + 2·(1/2)·h²/4 = h²: 11h²/8 elements
+    assert total_bytes_per_rank("2.5D", 8, h, h, h, depth=2) == pytest.approx(11 / 8 * h * h * 8)
+    # 1D all-reduces dX [B, in], not dY [B, out]: B=8, in=4, out=6 on 4 ranks: 2·(3/4)·32 = 48 elements
+    assert total_bytes_per_rank("1D", 4, 8, 4, 6) == 48 * 8
     with pytest.raises(ValueError, match="method must be"):
         total_bytes_per_rank("4D", 8, h, h, h)
