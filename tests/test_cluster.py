@@ -201,3 +201,31 @@ def test_hsdp_and_zero3_train_like_one_process_and_cross_nodes_as_the_formula_sa
         padded = [math.ceil(u / 4) * 4 * 8 for u in units]
         per_step = sum(2 * (2 * 3 * n // 4) + 4 * (2 * n // 4) for n in padded)
     assert cross_node_bytes(results.timeline, Cluster(2, 2)) == STEPS * per_step
+
+
+def _hsdp_step(n_nodes, ranks_per_node):
+    """One HSDP step, 2 rows per rank: the nodes' shards averaged over the rails."""
+    c = Cluster(n_nodes, ranks_per_node)
+    node, _ = c.groups()
+    fsdp = FullyShardedModule(_model(), group=node, prefetch=False)
+    opt = torch.optim.SGD(fsdp.parameters(), lr=LR)
+    x, y = _data()
+    share = slice(2 * dist.get_rank(), 2 * dist.get_rank() + 2)
+    with two_tier(c, bandwidth=math.inf):
+        nn.functional.mse_loss(fsdp(x[share]), y[share]).backward()
+        hsdp_average_gradients(fsdp, c)
+        opt.step()
+    with fsdp.full_parameters() as model:
+        return [p.detach().clone() for p in model.parameters()]
+
+
+def test_hsdp_over_three_nodes_of_one_rank_divides_by_the_nodes():
+    """3 nodes of 1 rank (not 2 x 2, where nodes and ranks per node are the same number): the
+    gradient summed over 3 rails is divided by 3, as one process on the 6 rows computes it."""
+    model = _model()
+    x, y = _data()
+    nn.functional.mse_loss(model(x[:6]), y[:6]).backward()
+    torch.optim.SGD(model.parameters(), lr=LR).step()
+    for rank, params in enumerate(pplab.launch(_hsdp_step, 3, 1, world_size=3)):
+        for got, want in zip(params, model.parameters()):
+            assert torch.allclose(got, want, rtol=1e-10, atol=1e-12), f"rank {rank}"

@@ -152,3 +152,10 @@ def test_the_fit_keeps_each_pair_beyond_the_pairs_quick_quarter():
     assert f.pair_delays[MB] == pytest.approx([0.0])
     t.pair_tries = []                                          # timings from before pairs were measured
     assert costfit.fit_timings(t).pair_delays == {}
+
+
+def test_a_step_draws_the_delays_of_its_own_size_not_the_collectives():
+    """A 2 MB ring on 2 ranks sends 1 MB a step: the 1 MB exchanges' delays (none), not those of
+    4 MB, which a step of 2 MB (the whole B) would tie with and take."""
+    f = _fit({MB: [0.0], 4 * MB: [1e-3]})
+    assert f.predict_median("all_reduce", "ring", 2, 2 * MB) == pytest.approx(f.predict("all_reduce", "ring", 2, 2 * MB))

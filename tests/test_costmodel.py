@@ -468,3 +468,26 @@ def test_the_table_equals_a_real_run(p):
         assert cm.messages_on_critical_path(inside) == expected.latency_rounds, what
         assert _heaviest_chain(inside) == pytest.approx(expected.bytes), what
         assert max(r.get(what, 0) for r in out) == pytest.approx(expected.reduce_bytes), what
+
+
+def test_fitting_noise_free_timings_recovers_every_parameter():
+    """With no noise the fit inverts the formulas exactly, σ (which first takes off δ's share of
+    a tiny step, then s·α') included."""
+    fit = costfit.fit_timings(_timings_from(KNOWN, noise=0.0, seed=0))
+    for name in ("alpha", "beta", "alpha2", "beta2", "gamma", "mu", "delta"):
+        assert getattr(fit, name) == pytest.approx(getattr(KNOWN, name), rel=1e-6), name
+    assert fit.sigma == pytest.approx(KNOWN.sigma, rel=1e-6)
+
+
+def test_fit_line_falls_back_to_one_parameter_fitted_by_least_squares():
+    """Noise can put the best line's α or β below 0: the other is then fitted alone, by the same
+    relative error, min Σ(x·k/t - 1)² over rows k = n (through 0) or k = 1 (flat); torch's
+    least squares is the reference."""
+    def least_squares(rows, times):
+        a = torch.tensor([[k / t] for k, t in zip(rows, times)], dtype=torch.float64)
+        return torch.linalg.lstsq(a, torch.ones(len(times), 1, dtype=torch.float64)).solution.item()
+    sizes = [1000, 2000, 4000]
+    through_zero = [0.5e-6, 1.5e-6, 3.5e-6]             # 1e-9·n - 0.5e-6: α < 0
+    assert costfit._fit_line(sizes, through_zero) == (0.0, pytest.approx(least_squares(sizes, through_zero)))
+    flat = [3e-6, 2e-6, 1.9e-6]                         # slower for fewer bytes: β < 0
+    assert costfit._fit_line(sizes, flat) == (pytest.approx(least_squares([1, 1, 1], flat)), 0.0)

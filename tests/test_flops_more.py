@@ -113,3 +113,30 @@ def test_count_step_reports_the_dtype_that_ran_most_flops():
     step = count_step(Widen(), torch.randn(4, 8))
     # big: 2·4·8·32 forward and its weight's gradient (its input is data); small: 2·4·32·2, three times
     assert step.flops == 2 * (2 * 4 * 8 * 32) + 3 * (2 * 4 * 32 * 2) and step.dtype == "bf16"
+
+
+def test_hfu_on_several_devices_by_hand():
+    from pplab.flops import hfu, step_flops
+    from pplab.models import GPTConfig
+    step = step_flops(GPTConfig(vocab=30, seq=16, hidden=32, heads=4, ffn=48, layers=2), 3, 10, recompute="full")
+    # 3 devices at 1e9 FLOP/s for 2 s could run 6e9 FLOPs: HFU is the hardware's FLOPs over that
+    assert hfu(step, 2.0, 1e9, devices=3) == pytest.approx(step.hardware / 6e9)
+
+
+def test_block_ops_by_hand():
+    """One block of h = 32, f = 48, 4 heads of 8, on b = 3 sequences of s = 10 (T = 30 tokens), bf16:
+    every op's FLOPs and the bytes it reads and writes, worked out here."""
+    from pplab.flops import block_ops
+    from pplab.models import GPTConfig
+    cfg = GPTConfig(vocab=30, seq=16, hidden=32, heads=4, ffn=48, layers=1)
+    assert [(op.name, op.flops, op.bytes) for op in block_ops(cfg, batch=3, seq=10)] == [
+        ("ln1", 7 * 960, 2 * 2 * 960),                                  # [30, 32]: 960 elements in, 960 out
+        ("qkv", 2 * 30 * 32 * 96, 2 * (30 * 32 + 32 * 96 + 30 * 96)),    # [30, 32] @ [32, 96]
+        ("attention", 4 * 3 * 4 * 10 * 10 * 8, 2 * 4 * 3 * 4 * 10 * 8),  # fused: q, k, v read, out written
+        ("proj", 2 * 30 * 32 * 32, 2 * (30 * 32 + 32 * 32 + 30 * 32)),
+        ("residual add", 960, 2 * 3 * 960),                             # two inputs, one output
+        ("ln2", 7 * 960, 2 * 2 * 960),
+        ("fc1", 2 * 30 * 32 * 48, 2 * (30 * 32 + 32 * 48 + 30 * 48)),
+        ("gelu", 8 * 1440, 2 * 2 * 1440),                               # over the f-wide [30, 48]
+        ("fc2", 2 * 30 * 48 * 32, 2 * (30 * 48 + 48 * 32 + 30 * 32)),
+        ("residual add", 960, 2 * 3 * 960)]

@@ -39,3 +39,39 @@ def test_this_machine_is_measured():
     assert 0 < measure_copy_bandwidth(2 ** 20, repeats=2, min_seconds=0.01) < math.inf
     with pytest.raises(ValueError, match="dtype must be one of"):
         measure_matmul_flops(64, "int8")
+
+
+def test_a_measurement_is_its_work_over_the_fastest_try(monkeypatch):
+    """The timing replaced by 0.5 s: a matmul of n = 64 is 2·64³ FLOPs, a copy of 1 MiB moves 2 MiB."""
+    from pplab import hardware
+    monkeypatch.setattr(hardware, "_fastest_seconds", lambda fn, repeats, min_seconds: 0.5)
+    assert measure_matmul_flops(64, "fp32") == 2 * 64 ** 3 / 0.5
+    assert measure_copy_bandwidth(2 ** 20) == 2 * 2 ** 20 / 0.5
+
+
+def test_the_fastest_try_on_a_clock_that_moves_only_when_asked(monkeypatch):
+    """A made-up clock: each call of fn takes the next of `took` seconds (the first warms up, not
+    counted); tries go on until `repeats` are done and `min_seconds` have passed."""
+    from pplab import hardware
+    clock, took, calls = [0.0], iter([100.0, 3.0, 1.0, 2.0, 0.5]), []
+
+    def fn():
+        calls.append(1)
+        clock[0] += next(took)
+    monkeypatch.setattr(hardware.time, "perf_counter", lambda: clock[0])
+    assert hardware._fastest_seconds(fn, repeats=3, min_seconds=0.0) == 1.0 and len(calls) == 4
+    clock[0], took, calls[:] = 0.0, iter([100.0, 3.0, 1.0, 2.0, 0.5]), []
+    # one try is enough by count, but 5 s must pass: 3 + 1 + 2 = 6 s, three tries
+    assert hardware._fastest_seconds(fn, repeats=1, min_seconds=5.0) == 1.0 and len(calls) == 4
+
+
+def test_this_machines_peak_is_one_cores_times_the_cores(monkeypatch):
+    import os
+
+    import torch
+
+    from pplab import hardware
+    threads = []
+    monkeypatch.setattr(hardware, "measure_matmul_flops",
+                        lambda n, dtype, repeats, min_seconds: threads.append(torch.get_num_threads()) or 2e9)
+    assert hardware.peak_here.__wrapped__("fp32") == len(os.sched_getaffinity(0)) * 2e9 and threads == [1]
