@@ -256,13 +256,13 @@ def test_traffic_formula_by_hand():
 SCALER = dict(init_scale=2.0**10, growth_interval=2)
 
 
-# An element of the model (flat, in forward order) that lies in the last rank's shard, at 3 ranks:
-# ZeRO's one bucket starts with the last layer, so the first weight ends it; FSDP's last unit is the
-# last layer, whose shards end with its bias.
+# An element of the model (flat, in forward order) that lies in the last rank's shard (ZeRO at 3 ranks,
+# FSDP at 2): ZeRO's one bucket starts with the last layer, so the first weight ends it; FSDP's last
+# unit is the last layer, whose shards end with its bias.
 IN_LAST_SHARD = {"zero": 0, "fsdp": PSI - 1, "ddp": 0}
 
 
-@pytest.mark.parametrize("strategy, n", [("zero", 3), ("fsdp", 3), ("ddp", 2)])
+@pytest.mark.parametrize("strategy, n", [("zero", 3), ("fsdp", 2), ("ddp", 2)])   # 2 ranks must agree too
 def test_an_inf_on_one_rank_skips_every_rank_then_training_recovers(strategy, n):
     # The inf goes into the local gradient of the last rank (not rank 0), at step 1, in an element of the
     # last rank's shard. So rank 0's own shard stays finite: only the all-reduced flag tells it to skip.
@@ -310,6 +310,14 @@ def test_loss_scaler_schedule_by_hand_and_bad_input():
     scaler = LossScaler(init_scale=4.0)
     scaler.scale_loss(p.sum()).backward()              # gradient 4 -> unscaled 1 -> p = 0
     assert scaler.step(opt) and p.detach().tolist() == [0.0, 0.0, 0.0]
+    opt.zero_grad()
+    poison_gradient(p, 2, math.nan)                    # a NaN (fp16's inf - inf) is an overflow too
+    scaler.scale_loss(p.sum()).backward()
+    assert not scaler.step(opt) and p.detach().tolist() == [0.0, 0.0, 0.0], "a NaN gradient must skip the step"
+    assert scaler.history == [(4.0, True), (4.0, False)] and scaler.scale == 2.0
+    for index in (3, -1):                              # p has elements 0, 1, 2
+        with pytest.raises(ValueError, match="outside the parameter's 3 elements"):
+            poison_gradient(p, index)
 
 
 def test_bad_dtypes_are_refused():
@@ -337,8 +345,13 @@ def fsdp_checkpoint_round_trip():
     with fresh.full_parameters() as module:
         dtypes = {p.dtype for p in module.parameters()}
         gathered = [p.detach().clone() for p in module.parameters()]
+    frozen = make_model(seed=7)                          # a frozen weight is not sharded: loaded and cast whole
+    frozen[2].weight.requires_grad_(False)
+    frozen = FullyShardedModule(frozen, compute_dtype=BF16)
+    frozen.load_state_dict(everyone[0])
+    out = frozen(data()[0]).detach()                     # an fp32 input: cast too
     return saved, [s.detach().clone() for s in fsdp.parameters()], [s.detach().clone() for s in fresh.parameters()], \
-        dtypes, gathered
+        dtypes, gathered, out
 
 
 def test_fsdp_checkpoint_keeps_the_fp32_masters():
@@ -348,10 +361,13 @@ def test_fsdp_checkpoint_keeps_the_fp32_masters():
     assert saved.keys() == original.keys()
     assert all(saved[k].dtype == FP32 and torch.equal(saved[k], original[k]) for k in original), \
         "state_dict must give rank 0's fp32 values, not their bf16 rounding"
-    for r, (_, shards, loaded, dtypes, gathered) in enumerate(results):
+    in_bf16 = make_model().to(BF16)(data()[0].to(BF16))    # torch's own bf16 forward of rank 0's model
+    for r, (_, shards, loaded, dtypes, gathered, out) in enumerate(results):
         assert all(torch.equal(a, b) for a, b in zip(shards, loaded)), f"rank {r}: loaded shards differ"
         assert dtypes == {BF16}, f"rank {r}: full_parameters() should show the compute dtype"
         assert all(torch.equal(g, original[k].to(BF16)) for g, k in zip(gathered, original)), f"rank {r}"
+        assert out.dtype == BF16 and torch.equal(out, in_bf16), \
+            f"rank {r}: the frozen weight must be loaded whole and cast: forward = model.to(bf16)'s"
 
 
 def test_master_weights_and_scaler_refuse_what_they_cannot_use():

@@ -552,10 +552,22 @@ def _looked_at_between_steps(folder):
     held = held_bytes(fsdp, opt)
     with opt.all_in_memory():                                    # read back into RAM the usual way
         truth = [p.detach().clone() for p in fsdp.parameters()]
-    return all(torch.equal(a, b) for a, b in zip(seen, truth)), held
+    with fsdp.full_parameters() as module:
+        plus_one = [p.detach() + 1 for p in module.parameters()]
+    with opt.all_in_memory(), torch.no_grad():                   # change the shards in RAM, run forward there:
+        for p in fsdp.parameters():                              # it must gather them as changed, not re-read
+            p += 1                                               # the files' older values
+        edited = fsdp(x)
+    reference = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 4))
+    with torch.no_grad():
+        for p, value in zip(reference.parameters(), plus_one):
+            p.copy_(value)
+        forward_ok = torch.allclose(edited, reference(x), rtol=1e-6, atol=1e-6)
+    return all(torch.equal(a, b) for a, b in zip(seen, truth)), held, forward_ok
 
 
 def test_a_learner_may_read_offloaded_shards_between_steps(tmp_path):
-    for same, held in pplab.launch(_looked_at_between_steps, str(tmp_path), world_size=2):
+    for same, held, forward_ok in pplab.launch(_looked_at_between_steps, str(tmp_path), world_size=2):
         assert same, "a shard read between steps differs from its value read back into RAM"
         assert held["params"] == 0 and held["optimizer"] == 0, held
+        assert forward_ok, "a forward inside all_in_memory() must use the shards as changed there"

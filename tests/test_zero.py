@@ -296,10 +296,14 @@ def test_stage3_gathers_one_unit_at_a_time_and_frees_it(prefetch):
         ags = [e for e in ev if e.kind == "all_gather"]
         assert [e.label for e in fwd] == ["F0", "F1", "F2"]
         assert [e.label for e in ags] == ["AG0", "AG1", "AG2", "AG2", "AG1", "AG0"]
-        if prefetch:    # unit k+1's gather is launched before unit k's forward compute starts
-            assert all(ags[k + 1].start <= fwd[k].start for k in range(2))
+        bwd = [e for e in ev if e.kind == "B"]
+        assert [e.label for e in bwd] == ["B2", "B1", "B0"]
+        if prefetch:    # unit k+1's gather is launched before unit k's forward compute starts; in backward,
+            assert all(ags[k + 1].start <= fwd[k].start for k in range(2))          # unit k-1's before unit k's
+            assert all(ags[4 + k].start <= bwd[k].start for k in range(2)), "backward prefetch: AG1, AG0"
         else:           # ... or only once unit k is done
             assert all(ags[k + 1].start >= fwd[k].end for k in range(2))
+            assert all(ags[4 + k].start >= bwd[k].end for k in range(2))
         # the memory curve: the shards, plus one gathered unit (two with prefetch), back to the shards
         _, held = tl.memory_curve(rank)
         shards = sum(unit_bytes) // 2
