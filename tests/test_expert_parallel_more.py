@@ -14,7 +14,9 @@ import torch
 import torch.distributed as dist
 
 import pplab
-from pplab.expert_parallel import MoE
+import torch.nn.functional as F
+
+from pplab.expert_parallel import MoE, TinyMoE
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
@@ -58,3 +60,20 @@ def test_layer_on_three_ranks_is_the_formula():
     for rank, x in enumerate(xs):
         with torch.no_grad():
             assert torch.allclose(out[rank], by_hand(dense, x), rtol=1e-12, atol=1e-12), rank
+
+
+def test_tiny_moe_loss_adds_every_blocks_balancing_loss():
+    """TinyMoE.loss = cross-entropy + aux_weight · Σ over blocks of Switch's E·Σ_i f_i·P_i, each
+    block's written out here from its own router (two blocks, so a block left out shows)."""
+    torch.manual_seed(0)
+    model = TinyMoE(11, H, FFN, 4, k=2, capacity_factor=None, layers=2).double()
+    tokens, targets = torch.randint(0, 11, (2, 5)), torch.randint(0, 11, (2, 5))
+    x, auxes = model.embed(tokens).reshape(-1, H), []
+    for block in model.blocks:
+        probs = torch.softmax(x @ block.router.weight.T, -1)
+        f = torch.bincount(probs.topk(2, -1).indices.flatten(), minlength=4).double() / (2 * len(x))
+        auxes.append(4 * (f * probs.mean(0)).sum())
+        x = x + by_hand(block, x)
+    expected = F.cross_entropy(model.head(x), targets.flatten()) + 0.01 * sum(auxes)
+    assert abs(auxes[0] - auxes[1]) > 1e-3                   # the blocks' losses differ: both count
+    assert abs(model.loss(tokens, targets, aux_weight=0.01).item() - expected.item()) < 1e-12

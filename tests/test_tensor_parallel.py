@@ -256,6 +256,22 @@ def test_layers_say_what_is_wrong_with_their_sizes():
     assert "do not go together" in pplab.launch(bad_layer_job, "sp", world_size=2)[0]
 
 
+
+def init_job():
+    torch.manual_seed(0)
+    col, row = tp.ColumnParallelLinear(64, 9), tp.RowParallelLinear(64, 9)
+    return [(m.weight.abs().max().item(), m.bias.abs().max().item()) for m in (col, row)]
+
+
+def test_layers_built_split_keep_nn_linear_initialisation():
+    """A layer built split draws each shard from nn.Linear's U(-1/sqrt(in), 1/sqrt(in)) with the
+    WHOLE layer's fan-in (64 here, 64/3 inputs per row shard): bound 1/8, not 1/sqrt(22)."""
+    bound = 1 / 8
+    for r, layers in enumerate(pplab.launch(init_job, world_size=3)):
+        for name, (w, b) in zip(("column", "row"), layers):
+            # each shard holds >= 9*21 draws: all of them under 0.8*bound has probability 0.8**189
+            assert 0.8 * bound < w <= bound and b <= bound, (r, name, w, b, bound)
+
 # ----------------------------------------------------------------------------------
 # Seed 002's table (CMU 15-418, lecture 25): elements communicated per step by one Linear layer
 # y = xW (batch B, C_in -> C_out), by strategy. The seed counts an all-reduce of N elements as

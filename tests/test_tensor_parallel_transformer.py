@@ -86,6 +86,16 @@ def test_heads_that_do_not_divide_get_a_clear_error():
     assert "12 heads cannot be split over 5 ranks" in pplab.launch(heads_job, world_size=5)[0]
 
 
+@pytest.mark.parametrize("bad", [-1, 7])
+def test_vocab_embedding_refuses_an_id_outside_the_vocabulary(bad):
+    """An id of V or more belongs to no rank: every rank would add zeros and the embedding would be
+    silently 0. One process (a group of one) takes the same check as every rank of a launch."""
+    emb = tpt.VocabParallelEmbedding(7, 3)
+    assert emb(torch.tensor([0, 6])).shape == (2, 3)                  # 0 and V-1 are fine
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 7\)"):
+        emb(torch.tensor([0, bad]))
+
+
 # ----------------------------------------------------------------------------------
 # The vocabulary
 

@@ -810,7 +810,7 @@ MUTANTS = [
            "x = self.ln(x)", T("test_tensor_parallel_transformer", "test_hybrid"),
            "GPT SP head: final LayerNorm gradient not summed over the group"),
     Mutant("pplab/models/gpt.py", "block = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h)",
-           "block = 2 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h)", T("test_tensor_parallel_transformer", "test_flops"),
+           "block = 2 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h)", T("test_hybrid", k="formula"),
            "GPT parameter count: one LayerNorm per block"),
 ]
 
