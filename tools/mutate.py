@@ -800,9 +800,9 @@ MUTANTS = [
            "counts = ranks * (num_experts // ranks) * 8", EP, "bytes formula: counts sent to oneself too"),
     Mutant("pplab/expert_parallel.py", "return ce + aux_weight * sum(b.aux_loss for b in self.blocks)",
            "return ce + aux_weight * self.blocks[-1].aux_loss", EP, "TinyMoE loss: only the last block's balancing loss"),
-    Mutant("pplab/expert_parallel.py", "name = f\"{head}.experts.{self.blocks[int(head.split('.')[1])].first + int(i)}.{tail}\"",
-           "name = f\"{head}.experts.{self.blocks[0].first + int(i)}.{tail}\"", EP,
-           "dense_state_dict: block 0's expert numbering for every block"),
+    Mutant("pplab/expert_parallel.py", "        q.grad /= len(_ranks(batch_group))",
+           "        q.grad /= 1 if id(q) in experts else len(_ranks(batch_group))", EP,
+           "sync: expert gradients summed, not averaged over the batch ranks"),
     Mutant("pplab/expert_parallel.py", "which = torch.arange(len(self.experts)).repeat(counts.shape[0]).repeat_interleave(counts.flatten())",
            "which = torch.arange(len(self.experts)).repeat_interleave(counts.shape[0]).repeat_interleave(counts.flatten())", EP,
            "experts: rows regrouped by source rank, not by expert"),
@@ -812,6 +812,13 @@ MUTANTS = [
     Mutant("pplab/models/gpt.py", "block = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h)",
            "block = 2 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h)", T("test_hybrid", k="formula"),
            "GPT parameter count: one LayerNorm per block"),
+    Mutant("pplab/sequence_parallel/ring_attention.py", "return torch.cat([t for _, t in sorted(placed, key=lambda x: x[0])], dim)",
+           "return torch.cat([t for _, t in placed], dim)", SP, "unshard: zigzag pieces concatenated in rank order"),
+    Mutant("pplab/sequence_parallel/ring_attention.py", "dfull[i, 0] = (ds.transpose(-1, -2) @ qa) * scale",
+           "dfull[i, 0] = ds.transpose(-1, -2) @ qa", SP, "gathered K/V backward: dK without the scale"),
+    Mutant("pplab/expert_parallel.py", "return all_to_all(g, recv_counts, send_counts, group), None, None, None",
+           "return all_to_all(g, send_counts, recv_counts, group), None, None, None", EP,
+           "all-to-all backward: gradients sent the forward way"),
 ]
 
 
