@@ -94,6 +94,37 @@ def all_reduce_with_library(tensor):
     dist.all_reduce(tensor)
 
 
+def all_reduce_sends_half_precision(tensor):
+    """A right ring that sends float chunks as float16 to halve the bytes: every partial sum
+    is rounded to 11 bits on the way, a relative error near 1e-3, not float32's 1e-7."""
+    rank, p, right, left = _ring()
+    chunks = tensor.view(-1).tensor_split(p)
+    wire = torch.float16 if tensor.is_floating_point() else tensor.dtype
+    for s in range(p - 1):
+        send, add = chunks[(rank - s) % p], chunks[(rank - s - 1) % p]
+        incoming = torch.empty_like(add, dtype=wire)
+        comm.exchange(send.to(wire), right, incoming, left)
+        add.add_(incoming.to(add.dtype))
+    for s in range(p - 1):
+        incoming = torch.empty_like(chunks[(rank - s) % p], dtype=wire)
+        comm.exchange(chunks[(rank - s + 1) % p].to(wire), right, incoming, left)
+        chunks[(rank - s) % p].copy_(incoming)
+
+
+def all_reduce_with_chunk(tensor):
+    """A right ring over tensor.chunk(p), which gives fewer than p chunks when the tensor has
+    fewer than p elements (chunk(3) of 2 elements: 2 chunks of 1): an index past the end."""
+    rank, p, right, left = _ring()
+    chunks = tensor.view(-1).chunk(p)
+    for s in range(p - 1):
+        send, add = chunks[(rank - s) % p], chunks[(rank - s - 1) % p]
+        incoming = torch.empty_like(add)
+        comm.exchange(send, right, incoming, left)
+        add.add_(incoming)
+    for s in range(p - 1):
+        comm.exchange(chunks[(rank - s + 1) % p], right, chunks[(rank - s) % p], left)
+
+
 def reduce_scatter_ends_with_next_chunk(output, input):
     """Indices one step off: rank r ends with chunk r+1 complete, and returns that."""
     rank, p, right, left = _ring()
@@ -296,7 +327,7 @@ def _ddp(model, buckets, divide=True, async_op=True, in_hooks=True):
             if handle is not None:
                 handle.wait()
             if divide:
-                buffer /= world
+                buffer /= world if divide is True else divide
             for p, piece in zip(bucket, buffer.split([p.numel() for p in bucket])):
                 p.grad.copy_(piece.view_as(p.grad))
         in_flight.clear()
@@ -338,6 +369,11 @@ def ddp_one_all_reduce_per_parameter(model, cap_bytes):
     buckets = _buckets(model.parameters(), cap_bytes)
     _, finish = _ddp(model, [[p] for b in buckets for p in b])
     return buckets, finish
+
+
+def ddp_divides_by_two(model, cap_bytes):
+    """Divides by 2, the world size of the chapter's example, not by comm.world_size()."""
+    return _ddp(model, _buckets(model.parameters(), cap_bytes), divide=2)
 
 
 def ddp_averages_only_on_rank_zero(model, cap_bytes):
@@ -638,6 +674,11 @@ WRONG = {
         (all_reduce_with_library,
          [r"^exercise 'ring_all_reduce' asks you to build all_reduce from point-to-point sends",
           r"you called torch\.distributed\.all_reduce, the library collective it replaces\.$"], None),
+        (all_reduce_sends_half_precision,
+         [r"^world_size=\d, dtype=float32, shape=\([\d, ]*\): ", r"rank \d's result differs from the sum over all ranks"],
+         None),
+        (all_reduce_with_chunk, [r"^world_size=\d, dtype=(float32|int64), shape=\([12],\): ", r"raised IndexError"],
+         None),
     ],
     "reduce_scatter": [
         (reduce_scatter_ends_with_next_chunk,
@@ -695,6 +736,9 @@ WRONG = {
         (ddp_averages_only_on_rank_zero,
          [DDP_TRIAL, r"step 0: rank [12]'s [\d.]+(weight|bias)\.grad differs from the single-process gradient",
           r"It is [23] times that: the all-reduce sums the ranks' gradients; divide by the world size\."], None),
+        (ddp_divides_by_two,
+         [r"^world_size=3, ", r"step 0: rank \d's [\d.]+(weight|bias)\.grad differs from the single-process gradient"],
+         None),
         (ddp_one_all_reduce_per_parameter,
          [DDP_TRIAL, r"step 0: expected \d all-reduce\(s\), one per bucket in bucket order, of \[[\d, ]+\] elements; "
           r"saw 6, of \[[\d, ]+\] elements"], None),
