@@ -747,9 +747,9 @@ MUTANTS = [
     Mutant("pplab/checks/data_parallel.py", "trials = {p: _ddp_trials(seed, p) for p in (2, 3)}",
            "trials = {p: _ddp_trials(seed, p) for p in (2,)}", CHK("ddp_buckets", "ddp_"),
            "DDP check: 2 ranks only"),
-    Mutant("pplab/checks/data_parallel.py", "diff = first_difference(grad, ref.grad, atol=1e-5, rtol=1e-4)",
-           "diff = first_difference(grad, ref.grad, atol=1e-2, rtol=1e-1)", CHK("ddp_buckets", "ddp_"),
-           "DDP check: gradient tolerance widened 1000x"),
+    Mutant("pplab/checks/data_parallel.py", "for step, done in enumerate(seen[\"steps\"]):",
+           "for step, done in enumerate(seen[\"steps\"][:1]):", CHK("ddp_buckets", "ddp_"),
+           "DDP check: only the first training step checked"),
     Mutant("pplab/checks/data_parallel.py", "if not during:", "if not during and False:",
            CHK("ddp_buckets", "ddp_"), "DDP check: an all-reduce after backward accepted"),
     Mutant("pplab/checks/data_parallel.py", "for _ in range(3)] + [(rng.randint(5, 20), \"all\")]",
@@ -768,8 +768,9 @@ MUTANTS = [
            "TP checks: tolerance 1e-10 widened to 1e-4"),
     Mutant("pplab/checks/tensor_parallel.py", "    if sub_groups:", "    if False:",
            CHK("f_g", "f_g or f_backward or g_backward or f_and_g"), "TP checks: the sub-group trial never run"),
-    Mutant("pplab/checks/pipeline.py", "(4, rng.randint(2, 3), 2)]", "(4, 4, 2)]", CHK("gpipe_order", "gpipe_"),
-           "GPipe check: chunks with fewer micro-batches than stages never tried"),
+    Mutant("pplab/checks/pipeline.py", "        if late_f is not None:", "        if late_f is not None and False:",
+           CHK("gpipe_order", "gpipe_"), "GPipe check: a forward after a backward accepted"),
+
 ]
 
 
