@@ -94,6 +94,52 @@ def all_reduce_with_library(tensor):
     dist.all_reduce(tensor)
 
 
+def all_reduce_sends_half_precision(tensor):
+    """A right ring that sends float chunks as float16 to halve the bytes: every partial sum
+    is rounded to 11 bits on the way, a relative error near 1e-3, not float32's 1e-7."""
+    rank, p, right, left = _ring()
+    chunks = tensor.view(-1).tensor_split(p)
+    wire = torch.float16 if tensor.is_floating_point() else tensor.dtype
+    for s in range(p - 1):
+        send, add = chunks[(rank - s) % p], chunks[(rank - s - 1) % p]
+        incoming = torch.empty_like(add, dtype=wire)
+        comm.exchange(send.to(wire), right, incoming, left)
+        add.add_(incoming.to(add.dtype))
+    for s in range(p - 1):
+        incoming = torch.empty_like(chunks[(rank - s) % p], dtype=wire)
+        comm.exchange(chunks[(rank - s + 1) % p].to(wire), right, incoming, left)
+        chunks[(rank - s) % p].copy_(incoming)
+
+
+def all_reduce_with_chunk(tensor):
+    """A right ring over tensor.chunk(p), which gives fewer than p chunks when the tensor has
+    fewer than p elements (chunk(3) of 2 elements: 2 chunks of 1): an index past the end."""
+    rank, p, right, left = _ring()
+    chunks = tensor.view(-1).chunk(p)
+    for s in range(p - 1):
+        send, add = chunks[(rank - s) % p], chunks[(rank - s - 1) % p]
+        incoming = torch.empty_like(add)
+        comm.exchange(send, right, incoming, left)
+        add.add_(incoming)
+    for s in range(p - 1):
+        comm.exchange(chunks[(rank - s + 1) % p], right, chunks[(rank - s) % p], left)
+
+
+def reduce_scatter_bitmask_ring(output, input):
+    """A right ring whose neighbours wrap with & (p - 1), the modulo of a power-of-two
+    (halving-doubling) code: right on 2 and 4 ranks; on 3, (0 + 1) & 2 = 0 makes rank 0 its own
+    right neighbour."""
+    rank, p = comm.rank(), comm.world_size()
+    right, left = (rank + 1) & (p - 1), (rank - 1) & (p - 1)
+    chunks = input.clone().view(-1).split(output.numel())
+    for s in range(p - 1):
+        send, add = chunks[(rank - s - 1) % p], chunks[(rank - s - 2) % p]
+        incoming = torch.empty_like(add)
+        comm.exchange(send, right, incoming, left)
+        add.add_(incoming)
+    output.copy_(chunks[rank])
+
+
 def reduce_scatter_ends_with_next_chunk(output, input):
     """Indices one step off: rank r ends with chunk r+1 complete, and returns that."""
     rank, p, right, left = _ring()
@@ -269,7 +315,7 @@ def _buckets(params, cap_bytes, reverse=True):
     return buckets
 
 
-def _ddp(model, buckets, divide=True, async_op=True, in_hooks=True):
+def _ddp(model, buckets, divide=True, async_op=True, in_hooks=True, reset=True):
     """A DDP core over the given buckets; the flags turn one of its parts off."""
     world = comm.world_size()
     bucket_of = {id(p): i for i, b in enumerate(buckets) for p in b}
@@ -296,11 +342,12 @@ def _ddp(model, buckets, divide=True, async_op=True, in_hooks=True):
             if handle is not None:
                 handle.wait()
             if divide:
-                buffer /= world
+                buffer /= world if divide is True else divide
             for p, piece in zip(bucket, buffer.split([p.numel() for p in bucket])):
                 p.grad.copy_(piece.view_as(p.grad))
         in_flight.clear()
-        missing[:] = [len(b) for b in buckets]
+        if reset:
+            missing[:] = [len(b) for b in buckets]
     return buckets, finish
 
 
@@ -338,6 +385,17 @@ def ddp_one_all_reduce_per_parameter(model, cap_bytes):
     buckets = _buckets(model.parameters(), cap_bytes)
     _, finish = _ddp(model, [[p] for b in buckets for p in b])
     return buckets, finish
+
+
+def ddp_divides_by_two(model, cap_bytes):
+    """Divides by 2, the world size of the chapter's example, not by comm.world_size()."""
+    return _ddp(model, _buckets(model.parameters(), cap_bytes), divide=2)
+
+
+def ddp_never_resets_the_countdown(model, cap_bytes):
+    """Right on the first step; finish() never refills each bucket's count of missing gradients,
+    so on the next step no count reaches 0 and no bucket is all-reduced."""
+    return _ddp(model, _buckets(model.parameters(), cap_bytes), reset=False)
 
 
 def ddp_averages_only_on_rank_zero(model, cap_bytes):
@@ -638,6 +696,11 @@ WRONG = {
         (all_reduce_with_library,
          [r"^exercise 'ring_all_reduce' asks you to build all_reduce from point-to-point sends",
           r"you called torch\.distributed\.all_reduce, the library collective it replaces\.$"], None),
+        (all_reduce_sends_half_precision,
+         [r"^world_size=\d, dtype=float32, shape=\([\d, ]*\): ", r"rank \d's result differs from the sum over all ranks"],
+         None),
+        (all_reduce_with_chunk, [r"^world_size=\d, dtype=(float32|int64), shape=\([12],\): ", r"raised IndexError"],
+         None),
     ],
     "reduce_scatter": [
         (reduce_scatter_ends_with_next_chunk,
@@ -651,6 +714,8 @@ WRONG = {
         (reduce_scatter_direct,
          [r"^world_size=[34], ", r"rank \d sent to ranks? [\d, ]+: in a ring each rank sends only to its right "
           r"neighbour"], None),
+        (reduce_scatter_bitmask_ring,
+         [r"^world_size=3, ", r"rank \d raised ValueError: (dst|src)=\d is this rank itself"], None),
         (reduce_scatter_in_input,
          [RS_TRIAL, r"rank \d's input changed at index \d+: like torch\.distributed\.reduce_scatter_tensor, leave "
           r"input as it was"], None),
@@ -695,6 +760,11 @@ WRONG = {
         (ddp_averages_only_on_rank_zero,
          [DDP_TRIAL, r"step 0: rank [12]'s [\d.]+(weight|bias)\.grad differs from the single-process gradient",
           r"It is [23] times that: the all-reduce sums the ranks' gradients; divide by the world size\."], None),
+        (ddp_divides_by_two,
+         [r"^world_size=3, ", r"step 0: rank \d's [\d.]+(weight|bias)\.grad differs from the single-process gradient"],
+         None),
+        (ddp_never_resets_the_countdown, [DDP_TRIAL, r"step 1: expected \d all-reduce\(s\), one per bucket .*; saw 0"],
+         None),
         (ddp_one_all_reduce_per_parameter,
          [DDP_TRIAL, r"step 0: expected \d all-reduce\(s\), one per bucket in bucket order, of \[[\d, ]+\] elements; "
           r"saw 6, of \[[\d, ]+\] elements"], None),

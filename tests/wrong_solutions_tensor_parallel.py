@@ -101,7 +101,8 @@ def f_g_not_a_pair():
 # Row-parallel linear
 
 
-def _row(dense, group, split="tensor_split", bias_where="after", backward_reduce=False, whole_weight=False):
+def _row(dense, group, split="tensor_split", bias_where="after", backward_reduce=False, whole_weight=False,
+         compute_dtype=None):
     p, r = comm.world_size(group), comm.rank(group)
     n = dense.in_features
     if split == "tensor_split":
@@ -138,7 +139,9 @@ def _row(dense, group, split="tensor_split", bias_where="after", backward_reduce
                 return Reduce.apply(x @ self.weight.T + b)
             if bias_where == "rank0" and b is not None:
                 return Reduce.apply(x @ self.weight.T + (b if r == 0 else 0 * b.detach()))
-            y = Reduce.apply(x @ self.weight.T)
+            local = x @ self.weight.T if compute_dtype is None else \
+                (x.to(compute_dtype) @ self.weight.to(compute_dtype).T).to(x.dtype)
+            y = Reduce.apply(local)
             return y if b is None else y + b
 
     return Row()
@@ -156,6 +159,12 @@ def row_bias_only_on_rank_zero(dense, group=None):
 def row_ceil_chunks(dense, group=None):
     """ceil(n/p) columns per rank: right on rank 0, wrong on the others when p does not divide n."""
     return _row(dense, group, split="ceil")
+
+
+def row_multiplies_in_float32(dense, group=None):
+    """The local product x @ W_r^T computed in float32 (a GPU's fast path) and cast back to
+    float64: the input rounded to 24 bits, an output error near 1e-7, not float64's 1e-16."""
+    return _row(dense, group, compute_dtype=torch.float32)
 
 
 def row_all_reduces_backward_too(dense, group=None):
@@ -313,6 +322,7 @@ WRONG = {
         (row_ceil_chunks, [r"rank [12]: the module has a \.weight of shape \[\d, \d\]; rank [12] of [34] should "
                            r"hold columns \d+\.\.\d+ of dense\.weight", r"the first in_features % p ranks get one "
                            r"more"], None),
+        (row_multiplies_in_float32, [WHERE_ROW, r"the output differs from the single-process value"], None),
         (row_all_reduces_backward_too, [WHERE_ROW, r"backward communicated \(\[\('all_reduce', \d+\)\]\)",
                                         r"The all-reduce's backward is the identity \(g\)"], None),
         (row_keeps_the_whole_weight, [WHERE_ROW, r"the module has a \.weight of shape \[\d, \d+\]; rank \d of \d "

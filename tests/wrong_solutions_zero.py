@@ -92,6 +92,23 @@ def zero1_steps_a_copy(flat_param, optimizer_class):
     return step
 
 
+def zero1_gathers_in_float32(flat_param, optimizer_class):
+    """Right steps, but the updated shards are all-gathered as float32 to halve the bytes:
+    every parameter comes back rounded to 24 bits, an error near 1e-7, not float64's 1e-16."""
+    rank, p, shard = _shard(flat_param)
+    opt = optimizer_class([shard])
+
+    def step(flat_grad):
+        mine = torch.empty_like(shard)
+        comm.reduce_scatter_tensor(mine, flat_grad)
+        shard.grad = mine / p
+        opt.step()
+        gathered = torch.empty(flat_param.shape, dtype=torch.float32)
+        comm.all_gather_into_tensor(gathered, shard.float())
+        flat_param.copy_(gathered)
+    return step
+
+
 # ----------------------------------------------------------------------------------
 # 6b: what one rank holds, stage by stage
 
@@ -264,6 +281,8 @@ WRONG = {
          [r"^world_size=2, .*rank 1's flat_param\[\d+\] \(in rank 0's shard\)",
           r"Other ranks are right: rank 1 did not receive the other ranks' updated shards"], None),
         (zero1_steps_a_copy, [r"after step 1, rank 0's flat_param\[\d+\] \(in rank 0's shard\) is"], None),
+        (zero1_gathers_in_float32, [r"^world_size=2, .*after step 1, rank 0's flat_param\[\d+\] \(in rank \d's shard\) "
+                                    r"is [-\d.e]+, expected"], None),
     ],
     "zero_bytes": [
         (state_chunks_without_padding, [STATE.replace("rank \\d", "rank [12]") + r"the (parameters|gradients|optimizer "
