@@ -767,6 +767,12 @@ MUTANTS = [
     Mutant("pplab/pipeline/explorer.py", "useful = m * (t_f + t_b)", "useful = m * t_f + t_b",
            T("test_pipeline_explorer", "test_pipeline_bidirectional", "test_pipeline_looped", k="explore or title"),
            "explorer: useful time with one backward, not m"),
+    Mutant("pplab/swimlane/lanes.py", "total, used = tl.world_size * makespan, sum(busy[:tl.world_size])",
+           "total, used = tl.world_size * t1, sum(busy[:tl.world_size])", T("test_swimlane"),
+           "zoomed title: utilisation over the shown range's end, not the makespan"),
+    Mutant("pplab/swimlane/memory.py", "xs, ys = list(last) + [max(end, t[-1])], list(last.values()) + [v[-1] / factor]",
+           "xs, ys = list(last) + [max(end, t[-1])], list(last.values()) + [v[0] / factor]", T("test_swimlane"),
+           "memory panel: the curve drops back to its start at the end"),
 ]
 
 
