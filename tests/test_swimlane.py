@@ -691,6 +691,8 @@ def test_zoom_keeps_a_box_that_started_before_the_range():
     fig = swimlane.draw(gpipe(), time_range=(2.5, 6), comm_lanes=False)
     # F(s, i) runs from i + s to i + s + 1: on screen when i + s + 1 > 2.5 and i + s < 6
     assert len(_spans(fig, "F")) == sum(1 for s in range(4) for i in range(4) if 2 <= i + s <= 5) == 12
+    # the title's utilisation stays the whole run's: 16 F of 1 and 16 B of 2 over 4 ranks x 21
+    assert "utilisation 57.1% (busy 48 of 84 rank-units), showing 2.5 to 6 units" in lanes(fig).get_title()
 
 
 def test_a_one_sided_run_shows_what_each_rank_sent():
