@@ -75,3 +75,25 @@ def test_a_simulated_timeline_needs_its_unit_in_seconds(tmp_path):
     doc = json.loads(to_perfetto(simulated, tmp_path / "sim.json", seconds_per_unit=0.5).read_text())
     (box,) = [e for e in doc["traceEvents"] if e["ph"] == "X"]
     assert (box["pid"], box["ts"], box["dur"]) == (1, 0.0, 1e6)
+
+
+def test_hand_built_timeline_every_timestamp_in_microseconds_and_arrows_pair_up(tmp_path):
+    # by hand, in seconds: rank 0 computes 0-2 ms, then sends twice to rank 1; rank 1 holds
+    # the first message from 3.5 ms. Perfetto shows ranks top to bottom by sort_index.
+    ev = [Event(0, "F", "compute", 0.0, 0.002, "F0"),
+          Event(0, "send", "comm", 0.002, 0.003, bytes_sent=8, peer=1, seq=0),
+          Event(1, "recv", "comm", 0.0015, 0.0035, bytes_recv=8, peer=0, seq=0),
+          Event(1, "memory", "memory", 0.0035, 0.0035, value=8),
+          Event(0, "send", "comm", 0.004, 0.005, bytes_sent=16, peer=1, seq=1),
+          Event(1, "recv", "comm", 0.004, 0.006, bytes_recv=16, peer=0, seq=1)]
+    doc = json.loads(to_perfetto(Timeline(ev, world_size=2), tmp_path / "hand.json").read_text())
+    events = doc["traceEvents"]
+    assert {e["pid"]: e["args"]["sort_index"] for e in events if e["name"] == "process_sort_index"} == {0: 0, 1: 1}
+    assert [(e["pid"], e["ts"], e["args"]["bytes"]) for e in events if e["ph"] == "C"] == [(1, pytest.approx(3500), 8)]
+    ends = {}                                         # flow id -> {"s": (pid, ts µs), "f": (pid, ts µs)}
+    for e in events:
+        if e["ph"] in "sf":
+            ends.setdefault(e["id"], {})[e["ph"]] = (e["pid"], round(e["ts"], 3))
+    # each arrow joins a send (its start) to its own receive (its end), not to the next message's
+    assert sorted(ends.values(), key=lambda d: d["s"]) == [
+        {"s": (0, 2000), "f": (1, 3500)}, {"s": (0, 4000), "f": (1, 6000)}]

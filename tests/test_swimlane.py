@@ -660,3 +660,61 @@ def test_explorer_under_nbconvert_sends_nothing_back_while_the_cell_runs():
     output = ("import ipywidgets as w\nfrom IPython.display import display\nout = w.Output()\n"
               "with out:\n    display('a figure')\nout")
     assert "comm_msg" in _shell_messages_sent(output)
+
+
+# ----------------------------------------------------------------------------------
+# Where each box sits, checked against hand positions (session 9's mutation review)
+
+
+def _spans(fig, kind):
+    """(rank, top within the row, height, start, end) of every box of `kind` drawn."""
+    out = []
+    for c in lanes(fig).collections:
+        if c.get_gid() == f"box:{kind}":
+            for path in c.get_paths():
+                (x0, y0), (x1, y1) = path.vertices.min(0), path.vertices.max(0)
+                out.append((math.floor(y0), round(y0 % 1, 3), round(y1 - y0, 3), x0, x1))
+    return sorted(out)
+
+
+def test_sends_in_the_upper_half_of_the_comm_lane_receives_in_the_lower():
+    fig = swimlane.draw(gpipe())
+    # "both": the comm strip is 0.60 .. 0.90 of a rank's row; sends take its upper half
+    sends, recvs = _spans(fig, "send"), _spans(fig, "recv")
+    assert {(top, h) for _, top, h, _, _ in sends} == {(0.6, 0.15)}
+    assert {(top, h) for _, top, h, _, _ in recvs} == {(0.75, 0.15)}
+    # rank s sends its forward at (i + s) + 1 for i < 4: rank 0's sends start at 1, 2, 3, 4
+    assert [a for r, _, _, a, _ in sends if r == 0] == [1.0, 2.0, 3.0, 4.0]
+
+
+def test_zoom_keeps_a_box_that_started_before_the_range():
+    fig = swimlane.draw(gpipe(), time_range=(2.5, 6), comm_lanes=False)
+    # F(s, i) runs from i + s to i + s + 1: on screen when i + s + 1 > 2.5 and i + s < 6
+    assert len(_spans(fig, "F")) == sum(1 for s in range(4) for i in range(4) if 2 <= i + s <= 5) == 12
+    # the title's utilisation stays the whole run's: 16 F of 1 and 16 B of 2 over 4 ranks x 21
+    assert "utilisation 57.1% (busy 48 of 84 rank-units), showing 2.5 to 6 units" in lanes(fig).get_title()
+
+
+def test_a_one_sided_run_shows_what_each_rank_sent():
+    # a gather by hand: ranks 1, 2, 3 each send 1000 B to rank 0, which sends nothing
+    ev = [e for r in (1, 2, 3) for e in (
+        Event(r, "send", "comm", r - 1, r - 0.1, "→0", bytes_sent=1000, peer=0, seq=0),
+        Event(0, "recv", "comm", r - 1, r - 0.1, f"←{r}", bytes_recv=1000, peer=r, seq=0))]
+    fig = swimlane.draw(Timeline(ev, world_size=4, unit="units"))
+    assert texts(fig, "sent") == ["0 B", "1 kB", "1 kB", "1 kB"]
+    assert "communication only: 3 sends, 3 kB in all" in lanes(fig).get_title()
+
+
+def test_every_memory_panel_fits_its_rank_under_the_shared_scale():
+    # the largest peak is the last rank's: the shared scale must include it
+    stairs = Timeline([Event(r, "F", "compute", 0, 3, "F0") for r in range(3)] +
+                      [Event(r, "memory", "memory", 1, 1, value=r + 1) for r in range(3)], memory_unit="micro-batches")
+    panels = memory_panels(swimlane.draw(stairs, memory=True))
+    assert [a.get_ylim() for a in panels] == [(0, 3 * 1.25)] * 3
+
+
+def test_explore_says_zoomed_only_once_the_time_slider_moved():
+    box = swimlane.explore(gpipe())
+    assert "showing" not in lanes(box.figure).get_title()
+    box.controls["time"].value = (0, 4)
+    assert "showing 0 to 4 units" in lanes(box.figure).get_title()

@@ -170,3 +170,29 @@ def test_one_sided_traffic_bytes_per_rank_by_hand(pattern, sent, received):
     assert len(tl.messages()) == sum(1 for e in tl.select(category="comm") if e.bytes_sent)   # every send paired
     if pattern == "push":
         assert out[0] == [3.0] * 6               # 1 + 2: both workers' gradients arrived
+
+
+def test_hold_counts_each_dtype_at_its_own_size():
+    trace.reset(0)
+    trace.hold(torch.zeros(3, dtype=torch.float64))                        # 24 B
+    trace.hold([torch.zeros(4, dtype=torch.bfloat16), torch.zeros(5, dtype=torch.int8)])   # 8 + 5 B
+    assert trace.held() == 37
+    trace.release(torch.zeros(3, dtype=torch.float64))
+    assert trace.held() == 13
+    trace.reset(0)
+
+
+def test_memory_events_do_not_lengthen_the_run_and_the_curve_keeps_every_change():
+    ev = [Event(0, "F", "compute", 0.0, 1.0), Event(0, "memory", "memory", 0.5, 0.5, value=3),
+          Event(0, "memory", "memory", 0.8, 0.8, value=1), Event(1, "B", "compute", 0.5, 2.0),
+          Event(1, "memory", "memory", 5.0, 5.0, value=7)]          # rank 1's release logged late
+    tl = Timeline(ev)
+    assert tl.makespan == 2.0 and tl.utilization(0) == 0.5
+    assert tl.memory_curve(0) == ([0.0, 0.5, 0.8], [0, 3, 1]) and tl.peak_memory(1) == 7
+
+
+def test_a_send_done_before_its_receive_keeps_its_own_end():
+    ev = [Event(0, "send", "comm", 0.0, 1.0, bytes_sent=4, peer=1, seq=0),      # buffered: done at t=1
+          Event(1, "recv", "comm", 0.5, 3.0, bytes_recv=4, peer=0, seq=0)]
+    (send,) = Timeline(ev).select(0, "comm")
+    assert send.end == 1.0
