@@ -94,6 +94,7 @@ def test_hand_built_timeline_every_timestamp_in_microseconds_and_arrows_pair_up(
     for e in events:
         if e["ph"] in "sf":
             ends.setdefault(e["id"], {})[e["ph"]] = (e["pid"], round(e["ts"], 3))
-    # each arrow joins a send (its start) to its own receive (its end), not to the next message's
+    # each arrow joins a send to its own receive, not to the next message's; each end in the middle of
+    # its slice (send 2-3 ms, receive 1.5-3.5 ms; send 4-5 ms, receive 4-6 ms), where the viewer binds it
     assert sorted(ends.values(), key=lambda d: d["s"]) == [
-        {"s": (0, 2000), "f": (1, 3500)}, {"s": (0, 4000), "f": (1, 6000)}]
+        {"s": (0, 2500), "f": (1, 2500)}, {"s": (0, 4500), "f": (1, 5000)}]

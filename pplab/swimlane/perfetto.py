@@ -13,7 +13,8 @@ The file is one JSON object whose "traceEvents" list holds (Chrome's "Trace Even
   microseconds, `name` its label, `cat` its category; `args` holds its kind, bytes sent and
   received, the tensor bytes of a collective (`payload`), its peer or group, and its metadata;
 * a **counter** (`"ph": "C"`) per memory event: the bytes the rank holds, drawn as a graph;
-* a **flow** arrow (`"ph": "s"` then `"f"`) from each send to its matching receive.
+* a **flow** arrow (`"ph": "s"` then `"f"`) from each send to its matching receive (each end in
+  the middle of its slice, which the viewer binds it to).
 """
 from __future__ import annotations
 
@@ -60,11 +61,13 @@ def trace_events(timeline, seconds_per_unit: float | None = None) -> list[dict]:
             out.append({"ph": "X", "name": e.label or e.kind, "cat": e.category, "pid": e.rank,
                         "tid": COMPUTE_TID if e.category == "compute" else COMM_TID,
                         "ts": e.start * us, "dur": e.duration * us, "args": _args(e)})
+    # A flow event binds to the slice that encloses its timestamp ("bp": "e"): each end sits in the
+    # middle of its send or receive, never on an edge, where a viewer's order of equal times decides.
     for i, (send, recv) in enumerate(timeline.messages()):
         out.append({"ph": "s", "name": "message", "cat": "comm", "id": i, "pid": send.rank,
-                    "tid": COMM_TID, "ts": send.start * us})
+                    "tid": COMM_TID, "ts": (send.start + send.end) / 2 * us})
         out.append({"ph": "f", "bp": "e", "name": "message", "cat": "comm", "id": i, "pid": recv.rank,
-                    "tid": COMM_TID, "ts": recv.end * us})
+                    "tid": COMM_TID, "ts": (recv.start + recv.end) / 2 * us})
     return out
 
 
