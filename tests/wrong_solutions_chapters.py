@@ -315,14 +315,14 @@ def _buckets(params, cap_bytes, reverse=True):
     return buckets
 
 
-def _ddp(model, buckets, divide=True, async_op=True, in_hooks=True, reset=True):
-    """A DDP core over the given buckets; the flags turn one of its parts off."""
+def _ddp(model, buckets, divide=True, async_op=True, in_hooks=True, reset=True, dtype=None):
+    """A DDP core over the given buckets; the flags turn one of its parts off (dtype: the buffers')."""
     world = comm.world_size()
     bucket_of = {id(p): i for i, b in enumerate(buckets) for p in b}
     missing, in_flight = [len(b) for b in buckets], []
 
     def launch(i):
-        buffer = torch.cat([p.grad.reshape(-1) for p in buckets[i]])
+        buffer = torch.cat([p.grad.reshape(-1) for p in buckets[i]]).to(dtype or buckets[i][0].grad.dtype)
         in_flight.append((buffer, comm.all_reduce(buffer, async_op=async_op)))
 
     def hook(param):
@@ -390,6 +390,11 @@ def ddp_one_all_reduce_per_parameter(model, cap_bytes):
 def ddp_divides_by_two(model, cap_bytes):
     """Divides by 2, the world size of the chapter's example, not by comm.world_size()."""
     return _ddp(model, _buckets(model.parameters(), cap_bytes), divide=2)
+
+
+def ddp_all_reduces_in_bfloat16(model, cap_bytes):
+    """Halves the traffic by all-reducing each bucket as bfloat16: every gradient comes back rounded."""
+    return _ddp(model, _buckets(model.parameters(), cap_bytes), dtype=torch.bfloat16)
 
 
 def ddp_never_resets_the_countdown(model, cap_bytes):
@@ -763,6 +768,9 @@ WRONG = {
         (ddp_divides_by_two,
          [r"^world_size=3, ", r"step 0: rank \d's [\d.]+(weight|bias)\.grad differs from the single-process gradient"],
          None),
+        (ddp_all_reduces_in_bfloat16,
+         [DDP_TRIAL, r"step 0: expected \d all-reduce\(s\), one per bucket in bucket order, of \[[\d, ]+\] elements; "
+          r"saw \d, of \[[\d, ]+\] elements", r"Each carried half the bytes of its bucket's float32 gradients"], None),
         (ddp_never_resets_the_countdown, [DDP_TRIAL, r"step 1: expected \d all-reduce\(s\), one per bucket .*; saw 0"],
          None),
         (ddp_one_all_reduce_per_parameter,

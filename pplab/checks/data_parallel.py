@@ -150,10 +150,16 @@ def _all_reduces(collectives, step) -> list:
 
 def _check_launches(step, buckets, sizes, calls):
     where = f"step {step}: "
-    if len(calls) != len(buckets) or [n for n, _, _ in calls] != sizes:
+    seen = [n for n, _, _ in calls]
+    if len(calls) != len(buckets) or seen != sizes:
+        # elements are counted as float32 (4 bytes): a 2-byte buffer shows up as half of its bucket
+        halved = len(seen) == len(sizes) and all(e in (2 * n, 2 * n + 1) for n, e in zip(seen, sizes))
+        hint = (" Each carried half the bytes of its bucket's float32 gradients: all-reduce each bucket in "
+                "the gradients' own dtype (a bfloat16 or float16 buffer halves the traffic but rounds every "
+                "gradient)." if halved else "")
         raise Fail(f"{where}expected {len(buckets)} all-reduce(s), one per bucket in bucket order, of "
-                   f"{sizes} elements; saw {len(calls)}, of {[n for n, _, _ in calls]} elements (call "
-                   f"comm.all_reduce or dist.all_reduce through its module, on one flat buffer per bucket).")
+                   f"{sizes} elements; saw {len(calls)}, of {seen} elements (call "
+                   f"comm.all_reduce or dist.all_reduce through its module, on one flat buffer per bucket).{hint}")
     for b, (_, async_op, during) in enumerate(calls):
         if not during:
             raise Fail(f"{where}bucket {b}'s all-reduce started only after loss.backward() returned: start it "
