@@ -35,8 +35,9 @@ def test_one_process_per_rank_with_compute_and_comm_threads(run):
     _, doc = run
     names = {(e["pid"], e["tid"], e["name"], e["args"]["name"]) for e in doc["traceEvents"] if e["ph"] == "M"
              and e["name"] in ("process_name", "thread_name")}
-    assert names == {(r, 0, "process_name", f"rank {r}") for r in (0, 1)} | \
-        {(r, t, "thread_name", n) for r in (0, 1) for t, n in ((0, "compute"), (1, "comm"))}
+    # thread ids of their own, never 0 (Perfetto's idle thread) and never shared by two ranks
+    assert names == {(r, 1000 * (r + 1), "process_name", f"rank {r}") for r in (0, 1)} | \
+        {(r, 1000 * (r + 1) + t, "thread_name", n) for r in (0, 1) for t, n in ((0, "compute"), (100, "comm"))}
 
 
 def test_every_event_is_there_in_microseconds_with_its_bytes(run):
@@ -44,8 +45,9 @@ def test_every_event_is_there_in_microseconds_with_its_bytes(run):
     boxes = [e for e in doc["traceEvents"] if e["ph"] == "X"]
     assert len(boxes) == len([e for e in timeline if e.category != "memory"])
     by_rank = {r: sorted((e["tid"], e["name"], e["args"]["kind"]) for e in boxes if e["pid"] == r) for r in (0, 1)}
-    assert by_rank[0] == [(0, "F0", "F"), (1, "AR", "all_reduce"), (1, "→1", "send")]
-    assert by_rank[1][0] == (0, "F1", "F") and [k for _, _, k in by_rank[1][1:]] == ["all_reduce", "recv"]
+    assert by_rank[0] == [(1000, "F0", "F"), (1100, "AR", "all_reduce"), (1100, "→1", "send")]
+    assert by_rank[1][0] == (2000, "F1", "F") and [(t, k) for t, _, k in by_rank[1][1:]] == \
+        [(2100, "all_reduce"), (2100, "recv")]
     for e in timeline:
         if e.category == "memory":
             continue
@@ -94,7 +96,107 @@ def test_hand_built_timeline_every_timestamp_in_microseconds_and_arrows_pair_up(
     for e in events:
         if e["ph"] in "sf":
             ends.setdefault(e["id"], {})[e["ph"]] = (e["pid"], round(e["ts"], 3))
-    # each arrow joins a send to its own receive, not to the next message's; each end in the middle of
-    # its slice (send 2-3 ms, receive 1.5-3.5 ms; send 4-5 ms, receive 4-6 ms), where the viewer binds it
+    # each arrow joins a send to its own receive, not to the next message's; each end inside its slice
+    # (send 2-3 ms, receive 1.5-3.5 ms; send 4-5 ms, receive 4-6 ms), where the viewer binds it: the
+    # start in the middle of the send, the end in the middle of the receive's part after it (an end
+    # before its start is dropped by the viewer)
     assert sorted(ends.values(), key=lambda d: d["s"]) == [
-        {"s": (0, 2500), "f": (1, 2500)}, {"s": (0, 4500), "f": (1, 5000)}]
+        {"s": (0, 2500), "f": (1, 3000)}, {"s": (0, 4500), "f": (1, 5250)}]
+
+
+# ----------------------------------------------------------------------------------
+# Perfetto's rules (tests/browser/test_perfetto_in_chromium.py loads real runs into Perfetto itself):
+# broken, each silently loses data in the viewer. Checked here on the JSON, cheaply.
+
+def ns(us):
+    return round(us * 1000)
+
+
+def follows_perfettos_rules(doc):
+    """Thread ids of their own and never 0; on each thread, boxes one after another; each arrow
+    from inside a send to inside its receive, its end after its start."""
+    events = doc["traceEvents"]
+    named = {(e["pid"], e["tid"]) for e in events if e["name"] == "thread_name"}
+    assert all(t != 0 for _, t in named) and len({t for _, t in named}) == len(named)   # no tid in two ranks
+    lanes = {}
+    for e in events:
+        if e["ph"] == "X":
+            assert (e["pid"], e["tid"]) in named
+            lanes.setdefault(e["tid"], []).append((ns(e["ts"]), ns(e["ts"]) + ns(e["dur"]), e))
+    for boxes in lanes.values():
+        boxes.sort(key=lambda b: b[:2])
+        assert all(nxt[0] >= prev[1] for prev, nxt in zip(boxes, boxes[1:])), "two boxes overlap on one thread"
+    ends = {}
+    for e in events:
+        if e["ph"] in "sf":
+            (box,) = [b for b in lanes[e["tid"]] if b[0] < ns(e["ts"]) < b[1]]    # strictly inside one box
+            ends.setdefault(e["id"], {})[e["ph"]] = (ns(e["ts"]), box[2])
+    for end in ends.values():
+        (s, send), (f, recv) = end["s"], end["f"]
+        assert f > s and send["args"]["kind"] == "send" and recv["args"]["kind"] == "recv"
+        assert (send["pid"], send["args"]["peer"]) == (recv["args"]["peer"], recv["pid"])
+    return lanes, ends
+
+
+def test_the_real_run_follows_perfettos_rules(run):
+    timeline, doc = run
+    _, ends = follows_perfettos_rules(doc)
+    assert len(ends) == len(timeline.messages()) == doc["otherData"]["messages"] == 1
+    assert doc["otherData"]["messages_without_arrow"] == 0
+
+
+def test_operations_in_flight_together_get_a_lane_each(tmp_path):
+    # three all-reduces in flight at once on rank 0 (DDP's buckets, FSDP's prefetched all-gathers):
+    # on one thread they would overlap without nesting, and Perfetto would drop two of them
+    ms = 1e-3
+    ev = [Event(0, "all_reduce", "comm", 0 * ms, 3 * ms, "AR0"), Event(0, "all_reduce", "comm", 1 * ms, 4 * ms, "AR1"),
+          Event(0, "all_reduce", "comm", 2 * ms, 2.5 * ms, "AR2"), Event(0, "all_reduce", "comm", 3 * ms, 5 * ms, "AR3"),
+          Event(0, "F", "compute", 0, 1 * ms, "F0"), Event(0, "F", "compute", 1 * ms, 2 * ms, "F1"),   # touching: one lane
+          Event(1, "F", "compute", 0, 1 * ms, "F0")]
+    doc = json.loads(to_perfetto(Timeline(ev, world_size=2), tmp_path / "t.json").read_text())
+    lanes, _ = follows_perfettos_rules(doc)
+    threads = {e["tid"]: e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
+    assert threads == {1000: "compute", 1100: "comm", 1101: "comm 2", 1102: "comm 3", 2000: "compute", 2100: "comm"}
+    names = {tid: [b[2]["name"] for b in boxes] for tid, boxes in lanes.items()}
+    assert names == {1000: ["F0", "F1"], 1100: ["AR0", "AR3"], 1101: ["AR1"], 1102: ["AR2"], 2000: ["F0"]}
+
+
+def test_lanes_are_as_many_as_operations_in_flight_at_once():
+    import random
+    from pplab.swimlane.perfetto import assign_lanes
+    rng = random.Random(0)
+    for _ in range(200):
+        spans = [(s, s + rng.choice([0, rng.randint(1, 30)])) for s in (rng.randint(0, 60) for _ in range(rng.randint(1, 12)))]
+        lanes = assign_lanes(spans)
+        for k in set(lanes):
+            mine = sorted(sp for sp, lane in zip(spans, lanes) if lane == k)
+            assert all(b[0] >= a[1] for a, b in zip(mine, mine[1:]))
+        # the most in flight at one instant t, some span's start: those begun and not ended (one ending
+        # at t has made room); spans of length 0 at t take one lane, free of those running across t
+        in_flight = max(max(sum(s <= t < e for s, e in spans),
+                            sum(s < t < e for s, e in spans) + ((t, t) in spans)) for t, _ in spans)
+        assert 1 + max(lanes) == in_flight
+
+
+def test_a_receive_posted_long_before_its_send_keeps_its_arrow(tmp_path):
+    # the receive waits from 0 to 10 ms, the send runs 8-9 ms: the receive's middle (5 ms) lies before
+    # the send's, and an arrow from 8.5 ms back to 5 ms is one Perfetto drops. Its end goes after the start.
+    ms = 1e-3
+    ev = [Event(1, "recv", "comm", 0, 10 * ms, bytes_recv=8, peer=0, seq=0),
+          Event(0, "send", "comm", 8 * ms, 9 * ms, bytes_sent=8, peer=1, seq=0)]
+    doc = json.loads(to_perfetto(Timeline(ev, world_size=2), tmp_path / "t.json").read_text())
+    _, ends = follows_perfettos_rules(doc)
+    assert [(s, f) for (s, _), (f, _) in ((e["s"], e["f"]) for e in ends.values())] == [(8_500_000, 9_250_000)]
+
+
+def test_an_arrow_that_clocks_out_of_step_make_impossible_is_counted_not_written(tmp_path):
+    # ranks on two machines whose clocks the gather aligned badly: the receive ended before its
+    # send began. No arrow can bind to both and run forward in time: none is written, and the count says so.
+    ms = 1e-3
+    ev = [Event(1, "recv", "comm", 0, 1 * ms, bytes_recv=8, peer=0, seq=0),
+          Event(0, "send", "comm", 2 * ms, 3 * ms, bytes_sent=8, peer=1, seq=0),
+          Event(0, "send", "comm", 4 * ms, 5 * ms, bytes_sent=8, peer=1, seq=1),
+          Event(1, "recv", "comm", 4.5 * ms, 6 * ms, bytes_recv=8, peer=0, seq=1)]
+    doc = json.loads(to_perfetto(Timeline(ev, world_size=2), tmp_path / "t.json").read_text())
+    _, ends = follows_perfettos_rules(doc)
+    assert len(ends) == 1 and doc["otherData"] == {**doc["otherData"], "messages": 2, "messages_without_arrow": 1}

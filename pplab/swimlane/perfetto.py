@@ -7,21 +7,48 @@ This is the format `torch.profiler` writes (`prof.export_chrome_trace`), so a pp
 profiled GPU run are read in the same viewer, with the same keys (WASD) and the same queries.
 The file is one JSON object whose "traceEvents" list holds (Chrome's "Trace Event Format"):
 
-* one **process per rank** (`pid` = rank, named "rank r"), with two **threads**: `tid` 0
-  "compute" (spans such as F3, B3) and `tid` 1 "comm" (sends, receives, collectives);
+* one **process per rank** (`pid` = rank, named "rank r"), with **threads** (lanes): "compute"
+  (spans such as F3, B3) and "comm" (sends, receives, collectives), and "comm 2", "comm 3", ...
+  when operations were in flight at the same time (see below);
 * one **complete event** (`"ph": "X"`) per compute or comm event: `ts` and `dur` in
   microseconds, `name` its label, `cat` its category; `args` holds its kind, bytes sent and
   received, the tensor bytes of a collective (`payload`), its peer or group, and its metadata;
 * a **counter** (`"ph": "C"`) per memory event: the bytes the rank holds, drawn as a graph;
-* a **flow** arrow (`"ph": "s"` then `"f"`) from each send to its matching receive (each end in
-  the middle of its slice, which the viewer binds it to).
+* a **flow** arrow (`"ph": "s"` then `"f"`) from each send to its matching receive.
+
+Three rules of the viewer shape the file; break one and Perfetto drops data without a word:
+
+1. On one thread, complete events must nest like function calls. DDP's bucket all-reduces, or
+   FSDP's prefetched all-gathers, are in flight *at the same time* and overlap without nesting:
+   each such event goes on the first lane of its rank that is free (interval partitioning), so
+   a rank with three all-reduces in flight at once shows "comm", "comm 2" and "comm 3".
+2. Thread id 0 is the kernel's idle thread to Perfetto, and a thread id seen in two processes is
+   one thread that moved: each lane gets a thread id of its own, 1000 x (rank + 1) + lane
+   (compute lanes 0, 1, ...; comm lanes 100, 101, ...).
+3. A flow's end must come at or after its start, and each end is bound to the slice that
+   encloses it on its thread. Each end is placed inside its send or receive, the receive's end
+   after the send's (a receive may be posted long before the send starts). Only if the receive
+   finished before the send began -- possible only when ranks on different machines disagree
+   about the clock -- can no arrow be drawn; `to_perfetto` counts those in "otherData".
+
+Times are written in microseconds with three decimals: whole nanoseconds, which is what the
+viewer reads them as (exactly), so what touches here touches there and nothing overlaps.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-COMPUTE_TID, COMM_TID = 0, 1
+LANE_BASE, COMM_LANES = 1000, 100       # thread id = LANE_BASE * (rank + 1) + lane (+ COMM_LANES for comm)
+
+
+def tid(rank: int, category: str, lane: int = 0) -> int:
+    """The thread id of `rank`'s `lane`-th compute or comm lane (never 0, never shared by ranks)."""
+    return LANE_BASE * (rank + 1) + (COMM_LANES if category == "comm" else 0) + lane
+
+
+def lane_name(category: str, lane: int) -> str:
+    return category if lane == 0 else f"{category} {lane + 1}"
 
 
 def _args(e) -> dict:
@@ -35,6 +62,36 @@ def _args(e) -> dict:
     return args
 
 
+def assign_lanes(spans) -> list[int]:
+    """For (start, end) pairs in integer ns, a lane each such that a lane's spans never overlap:
+    a span goes on the first lane whose last span ended by the time it starts. Spans are taken in
+    order of start, so lane 0 gets the most, and a rank gets as many lanes as it had operations
+    in flight at once (first fit is optimal for intervals)."""
+    lanes, free_from = [0] * len(spans), []        # free_from[k]: end of lane k's last span
+    for i in sorted(range(len(spans)), key=lambda i: spans[i]):
+        start, end = spans[i]
+        k = next((k for k, last in enumerate(free_from) if start >= last), len(free_from))
+        if k == len(free_from):
+            free_from.append(end)
+        free_from[k] = end
+        lanes[i] = k
+    return lanes
+
+
+def flow_times(send: tuple[int, int], recv: tuple[int, int]) -> tuple[int, int] | None:
+    """Where the arrow from a send to its receive starts and ends (ns), or None if it cannot be
+    drawn. Each end lies inside its slice, off its edges (the viewer binds an end to the slice
+    that encloses it, and at an edge two slices may touch), and the end comes after the start
+    (the viewer reads events in time order: an end before its start is an arrow to nowhere)."""
+    (a, b), (c, d) = send, recv
+    s_lo, s_hi = a + 1, min(b - 1, d - 2)            # start: in the send, early enough to end in the receive
+    if s_lo > s_hi:
+        return None
+    s = min(max((a + min(b, d)) // 2, s_lo), s_hi)   # the middle of the send's part before the receive ends
+    f_lo, f_hi = max(c + 1, s + 1), d - 1
+    return s, min(max((max(c, s) + d) // 2, f_lo), f_hi)   # the middle of the receive's part after that
+
+
 def trace_events(timeline, seconds_per_unit: float | None = None) -> list[dict]:
     """The Chrome trace events of `timeline` (see the module's docstring for what each holds).
 
@@ -46,35 +103,59 @@ def trace_events(timeline, seconds_per_unit: float | None = None) -> list[dict]:
             raise ValueError(f"this timeline counts time in {timeline.unit!r}, not seconds: pass "
                              f"seconds_per_unit= (how many seconds one {timeline.unit!r} lasts)")
         seconds_per_unit = 1.0
-    us = 1e6 * seconds_per_unit
+    ns_per_unit = 1e9 * seconds_per_unit
+    spans = {id(e): (round(e.start * ns_per_unit), round(e.end * ns_per_unit)) for e in timeline.events}
+    boxes = [e for e in timeline.events if e.category != "memory"]
+    where, lanes_of = {}, {}                      # event -> its thread id; (rank, category) -> lanes
+    for r in range(timeline.world_size):
+        for category in ("compute", "comm"):
+            mine = [e for e in boxes if e.rank == r and (e.category == "compute") == (category == "compute")]
+            lanes = assign_lanes([spans[id(e)] for e in mine])
+            lanes_of[r, category] = 1 + max(lanes, default=0)
+            where.update((id(e), tid(r, category, k)) for e, k in zip(mine, lanes))
+
+    us = lambda ns: ns / 1000                                    # noqa: E731 - the file counts µs
     out = []
     for r in range(timeline.world_size):
-        out.append({"ph": "M", "name": "process_name", "pid": r, "tid": 0, "args": {"name": f"rank {r}"}})
-        out.append({"ph": "M", "name": "process_sort_index", "pid": r, "tid": 0, "args": {"sort_index": r}})
-        out.append({"ph": "M", "name": "thread_name", "pid": r, "tid": COMPUTE_TID, "args": {"name": "compute"}})
-        out.append({"ph": "M", "name": "thread_name", "pid": r, "tid": COMM_TID, "args": {"name": "comm"}})
+        out.append({"ph": "M", "name": "process_name", "pid": r, "tid": tid(r, "compute"),
+                    "args": {"name": f"rank {r}"}})
+        out.append({"ph": "M", "name": "process_sort_index", "pid": r, "tid": tid(r, "compute"),
+                    "args": {"sort_index": r}})
+        order = 0
+        for category in ("compute", "comm"):
+            for k in range(lanes_of[r, category]):
+                out.append({"ph": "M", "name": "thread_name", "pid": r, "tid": tid(r, category, k),
+                            "args": {"name": lane_name(category, k)}})
+                out.append({"ph": "M", "name": "thread_sort_index", "pid": r, "tid": tid(r, category, k),
+                            "args": {"sort_index": order}})
+                order += 1
     for e in timeline.events:
+        start, end = spans[id(e)]
         if e.category == "memory":
-            out.append({"ph": "C", "name": "held bytes", "pid": e.rank, "tid": COMPUTE_TID,
-                        "ts": e.start * us, "args": {"bytes": e.value}})
+            out.append({"ph": "C", "name": "held bytes", "pid": e.rank, "tid": tid(e.rank, "compute"),
+                        "ts": us(start), "args": {"bytes": e.value}})
         else:
             out.append({"ph": "X", "name": e.label or e.kind, "cat": e.category, "pid": e.rank,
-                        "tid": COMPUTE_TID if e.category == "compute" else COMM_TID,
-                        "ts": e.start * us, "dur": e.duration * us, "args": _args(e)})
-    # A flow event binds to the slice that encloses its timestamp ("bp": "e"): each end sits in the
-    # middle of its send or receive, never on an edge, where a viewer's order of equal times decides.
+                        "tid": where[id(e)], "ts": us(start), "dur": us(end - start), "args": _args(e)})
     for i, (send, recv) in enumerate(timeline.messages()):
+        times = flow_times(spans[id(send)], spans[id(recv)])
+        if times is None:
+            continue
         out.append({"ph": "s", "name": "message", "cat": "comm", "id": i, "pid": send.rank,
-                    "tid": COMM_TID, "ts": (send.start + send.end) / 2 * us})
+                    "tid": where[id(send)], "ts": us(times[0])})
         out.append({"ph": "f", "bp": "e", "name": "message", "cat": "comm", "id": i, "pid": recv.rank,
-                    "tid": COMM_TID, "ts": (recv.start + recv.end) / 2 * us})
+                    "tid": where[id(recv)], "ts": us(times[1])})
     return out
 
 
 def to_perfetto(timeline, path, seconds_per_unit: float | None = None) -> Path:
     """Write `timeline` as a Chrome trace JSON file at `path` and return the path."""
     path = Path(path)
-    doc = {"traceEvents": trace_events(timeline, seconds_per_unit), "displayTimeUnit": "ms",
-           "otherData": {"source": f"pplab ({timeline.source})", "world_size": timeline.world_size}}
+    events = trace_events(timeline, seconds_per_unit)
+    arrows = sum(e["ph"] == "s" for e in events)
+    doc = {"traceEvents": events, "displayTimeUnit": "ms",
+           "otherData": {"source": f"pplab ({timeline.source})", "world_size": timeline.world_size,
+                         "messages": len(timeline.messages()), "messages_without_arrow":
+                         len(timeline.messages()) - arrows}}
     path.write_text(json.dumps(doc))
     return path
