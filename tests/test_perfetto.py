@@ -42,7 +42,7 @@ def test_one_process_per_rank_with_compute_and_comm_threads(run):
 
 def test_every_event_is_there_in_microseconds_with_its_bytes(run):
     timeline, doc = run
-    boxes = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    boxes = [e for e in doc["traceEvents"] if e["ph"] == "X" and e["args"]["kind"] != "in_flight"]
     assert len(boxes) == len([e for e in timeline if e.category != "memory"])
     by_rank = {r: sorted((e["tid"], e["name"], e["args"]["kind"]) for e in boxes if e["pid"] == r) for r in (0, 1)}
     assert by_rank[0] == [(1000, "F0", "F"), (1100, "AR", "all_reduce"), (1100, "→1", "send")]
@@ -113,8 +113,9 @@ def ns(us):
 
 
 def follows_perfettos_rules(doc):
-    """Thread ids of their own and never 0; on each thread, boxes one after another; each arrow
-    from inside a send to inside its receive, its end after its start."""
+    """Thread ids of their own and never 0; on each thread, boxes one after another or nested; each
+    arrow from inside a send to inside its receive, its end after its start, and into a box that
+    starts after the send's (Perfetto points an arrow from the box that starts first)."""
     events = doc["traceEvents"]
     named = {(e["pid"], e["tid"]) for e in events if e["name"] == "thread_name"}
     assert all(t != 0 for _, t in named) and len({t for _, t in named}) == len(named)   # no tid in two ranks
@@ -124,16 +125,27 @@ def follows_perfettos_rules(doc):
             assert (e["pid"], e["tid"]) in named
             lanes.setdefault(e["tid"], []).append((ns(e["ts"]), ns(e["ts"]) + ns(e["dur"]), e))
     for boxes in lanes.values():
-        boxes.sort(key=lambda b: b[:2])
-        assert all(nxt[0] >= prev[1] for prev, nxt in zip(boxes, boxes[1:])), "two boxes overlap on one thread"
+        boxes.sort(key=lambda b: (b[0], -b[1]))
+        open_ = []                                            # the boxes enclosing the current one
+        for box in boxes:
+            while open_ and open_[-1][1] <= box[0]:
+                open_.pop()
+            assert not open_ or box[1] <= open_[-1][1], "two boxes overlap on one thread without nesting"
+            assert box[2]["args"]["kind"] != "in_flight" or (open_ and open_[-1][2]["args"]["kind"] == "recv")
+            open_.append(box)
     ends = {}
     for e in events:
         if e["ph"] in "sf":
-            (box,) = [b for b in lanes[e["tid"]] if b[0] < ns(e["ts"]) < b[1]]    # strictly inside one box
-            ends.setdefault(e["id"], {})[e["ph"]] = (ns(e["ts"]), box[2])
+            inside = [b for b in lanes[e["tid"]] if b[0] < ns(e["ts"]) < b[1]]     # strictly inside
+            box = min(inside, key=lambda b: b[1] - b[0])                           # the innermost
+            ends.setdefault(e["id"], {})[e["ph"]] = (ns(e["ts"]), box)
     for end in ends.values():
-        (s, send), (f, recv) = end["s"], end["f"]
-        assert f > s and send["args"]["kind"] == "send" and recv["args"]["kind"] == "recv"
+        (s, (send_start, _, send)), (f, (recv_start, recv_end, recv)) = end["s"], end["f"]
+        assert f > s and recv_start > send_start and send["args"]["kind"] == "send"
+        if recv["args"]["kind"] == "in_flight":
+            recv = next(b[2] for b in lanes[recv["tid"]] if b[2]["args"]["kind"] == "recv" and b[0] < recv_start
+                        and recv_end == b[1])
+        assert recv["args"]["kind"] == "recv"
         assert (send["pid"], send["args"]["peer"]) == (recv["args"]["peer"], recv["pid"])
     return lanes, ends
 
@@ -182,11 +194,14 @@ def test_a_receive_posted_long_before_its_send_keeps_its_arrow(tmp_path):
     # the receive waits from 0 to 10 ms, the send runs 8-9 ms: the receive's middle (5 ms) lies before
     # the send's, and an arrow from 8.5 ms back to 5 ms is one Perfetto drops. Its end goes after the start.
     ms = 1e-3
-    ev = [Event(1, "recv", "comm", 0, 10 * ms, bytes_recv=8, peer=0, seq=0),
+    ev = [Event(1, "recv", "comm", 0, 10 * ms, "←0", bytes_recv=8, peer=0, seq=0),
           Event(0, "send", "comm", 8 * ms, 9 * ms, bytes_sent=8, peer=1, seq=0)]
     doc = json.loads(to_perfetto(Timeline(ev, world_size=2), tmp_path / "t.json").read_text())
-    _, ends = follows_perfettos_rules(doc)
+    lanes, ends = follows_perfettos_rules(doc)
     assert [(s, f) for (s, _), (f, _) in ((e["s"], e["f"]) for e in ends.values())] == [(8_500_000, 9_250_000)]
+    # and Perfetto would point it from the receive, which starts first, back to the send: the arrow
+    # ends in the receive's part after the send began, a slice of its own
+    assert [(b[0], b[1], b[2]["name"]) for b in lanes[2100]] == [(0, 10_000_000, "←0"), (8_000_001, 10_000_000, "in flight")]
 
 
 def test_an_arrow_that_clocks_out_of_step_make_impossible_is_counted_not_written(tmp_path):
@@ -200,3 +215,11 @@ def test_an_arrow_that_clocks_out_of_step_make_impossible_is_counted_not_written
     doc = json.loads(to_perfetto(Timeline(ev, world_size=2), tmp_path / "t.json").read_text())
     _, ends = follows_perfettos_rules(doc)
     assert len(ends) == 1 and doc["otherData"] == {**doc["otherData"], "messages": 2, "messages_without_arrow": 1}
+
+
+def test_names_are_written_in_utf8_not_escaped(tmp_path):
+    # Perfetto does not decode JSON's \u escapes: "\u2192" would show as six characters, not "→"
+    ev = [Event(0, "send", "comm", 0.0, 1e-3, "→1", bytes_sent=8, peer=1, seq=0),
+          Event(1, "recv", "comm", 0.0, 2e-3, "←0", bytes_recv=8, peer=0, seq=0)]
+    text = to_perfetto(Timeline(ev, world_size=2), tmp_path / "t.json").read_bytes().decode("utf-8")
+    assert '"→1"' in text and '"←0"' in text and "\\u" not in text

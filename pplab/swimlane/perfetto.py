@@ -14,7 +14,8 @@ The file is one JSON object whose "traceEvents" list holds (Chrome's "Trace Even
   microseconds, `name` its label, `cat` its category; `args` holds its kind, bytes sent and
   received, the tensor bytes of a collective (`payload`), its peer or group, and its metadata;
 * a **counter** (`"ph": "C"`) per memory event: the bytes the rank holds, drawn as a graph;
-* a **flow** arrow (`"ph": "s"` then `"f"`) from each send to its matching receive.
+* a **flow** arrow (`"ph": "s"` then `"f"`) from each send to its matching receive, and, inside
+  a receive posted before its send began, a slice "in flight" for the part after that (rule 3).
 
 Three rules of the viewer shape the file; break one and Perfetto drops data without a word:
 
@@ -25,11 +26,13 @@ Three rules of the viewer shape the file; break one and Perfetto drops data with
 2. Thread id 0 is the kernel's idle thread to Perfetto, and a thread id seen in two processes is
    one thread that moved: each lane gets a thread id of its own, 1000 x (rank + 1) + lane
    (compute lanes 0, 1, ...; comm lanes 100, 101, ...).
-3. A flow's end must come at or after its start, and each end is bound to the slice that
-   encloses it on its thread. Each end is placed inside its send or receive, the receive's end
-   after the send's (a receive may be posted long before the send starts). Only if the receive
-   finished before the send began -- possible only when ranks on different machines disagree
-   about the clock -- can no arrow be drawn; `to_perfetto` counts those in "otherData".
+3. An arrow's end must come after its start, each end is bound to the slice that encloses it,
+   and Perfetto points an arrow from the slice that *starts* first to the other. A receive is
+   often posted before its send starts (an irecv waiting for data): its arrow would point back
+   from the receive to the send. So inside such a receive a slice "in flight" begins just after
+   the send began, and the arrow ends there. Only if the receive finished before the send began
+   -- possible only when ranks on different machines disagree about the clock -- can no arrow
+   be drawn; `to_perfetto` counts those in "otherData".
 
 Times are written in microseconds with three decimals: whole nanoseconds, which is what the
 viewer reads them as (exactly), so what touches here touches there and nothing overlaps.
@@ -85,7 +88,7 @@ def flow_times(send: tuple[int, int], recv: tuple[int, int]) -> tuple[int, int] 
     (the viewer reads events in time order: an end before its start is an arrow to nowhere)."""
     (a, b), (c, d) = send, recv
     s_lo, s_hi = a + 1, min(b - 1, d - 2)            # start: in the send, early enough to end in the receive
-    if s_lo > s_hi:
+    if s_lo > s_hi or c + 1 > d - 1:
         return None
     s = min(max((a + min(b, d)) // 2, s_lo), s_hi)   # the middle of the send's part before the receive ends
     f_lo, f_hi = max(c + 1, s + 1), d - 1
@@ -138,9 +141,17 @@ def trace_events(timeline, seconds_per_unit: float | None = None) -> list[dict]:
             out.append({"ph": "X", "name": e.label or e.kind, "cat": e.category, "pid": e.rank,
                         "tid": where[id(e)], "ts": us(start), "dur": us(end - start), "args": _args(e)})
     for i, (send, recv) in enumerate(timeline.messages()):
-        times = flow_times(spans[id(send)], spans[id(recv)])
+        (a, _), (c, d) = spans[id(send)], spans[id(recv)]
+        if c <= a:              # the receive began first: the arrow goes into its part after the send began
+            c = a + 1
+        times = flow_times(spans[id(send)], (c, d))
         if times is None:
             continue
+        if c != spans[id(recv)][0]:
+            out.append({"ph": "X", "name": "in flight", "cat": "comm", "pid": recv.rank, "tid": where[id(recv)],
+                        "ts": us(c), "dur": us(d - c), "args": {
+                            "kind": "in_flight", "message": i,
+                            "what": f"the part of this receive after rank {send.rank} began sending"}})
         out.append({"ph": "s", "name": "message", "cat": "comm", "id": i, "pid": send.rank,
                     "tid": where[id(send)], "ts": us(times[0])})
         out.append({"ph": "f", "bp": "e", "name": "message", "cat": "comm", "id": i, "pid": recv.rank,
@@ -157,5 +168,6 @@ def to_perfetto(timeline, path, seconds_per_unit: float | None = None) -> Path:
            "otherData": {"source": f"pplab ({timeline.source})", "world_size": timeline.world_size,
                          "messages": len(timeline.messages()), "messages_without_arrow":
                          len(timeline.messages()) - arrows}}
-    path.write_text(json.dumps(doc))
+    # UTF-8, not \u escapes: Perfetto shows "\u2192" as those six characters, not as the arrow in "→1"
+    path.write_text(json.dumps(doc, ensure_ascii=False), encoding="utf-8")
     return path
