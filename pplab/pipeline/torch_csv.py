@@ -3,7 +3,8 @@
 torch keeps a schedule as a dict rank -> list of actions; `PipelineScheduleMulti._dump_csv`
 writes one row per rank, one cell per action, and `_load_csv` reads it back. A cell is
 "{stage}{kind}{micro-batch}": "3F0" is the forward of micro-batch 0 through stage 3, "3B0"
-its backward, "3I0" / "3W0" the two halves of a split backward. An empty cell is an idle
+its backward, "3I0" / "3W0" the two halves of a split backward; "(0F3;3B1)OVERLAP_F_B" is
+DualPipeV's forward and backward run as one block (Action.overlap). An empty cell is an idle
 slot (torch pads its own schedules with them so that ranks line up in time; pplab orders
 carry no time, so they are dropped on import and never written).
 
@@ -35,14 +36,34 @@ _CELL = re.compile(r"^(\d+)(F|B|I|W)(\d+)$")
 _NOT_COMPUTE = re.compile(r"^\d+(SEND_F|RECV_F|SEND_B|RECV_B|UNSHARD|RESHARD|REDUCE_GRAD)\d*$")
 
 
+def _cell(a: Action) -> str:
+    return f"{a.stage}{a.kind}{a.microbatch}"
+
+
 def torch_rows(schedule: Schedule) -> list[list[str]]:
-    """One row per rank, one cell "{stage}{kind}{micro-batch}" per action, in the rank's order."""
-    return [[f"{a.stage}{a.kind}{a.microbatch}" for a in acts] for acts in schedule.actions]
+    """One row per rank, one cell "{stage}{kind}{micro-batch}" per action, in the rank's order.
+
+    An overlapped pair (an F with Action.overlap, and the B or I after it) is one cell, as torch
+    writes its own DualPipeV's: "(0F1;3B0)OVERLAP_F_B". Written as two cells it would be two
+    actions to torch, run one after the other, and lowered (its sends and receives placed)
+    differently from torch's ScheduleDualPipeV."""
+    rows = []
+    for acts in schedule.actions:
+        row, k = [], 0
+        while k < len(acts):
+            if acts[k].overlap:                  # validate() has checked that a B or I follows
+                row.append(f"({_cell(acts[k])};{_cell(acts[k + 1])})OVERLAP_F_B")
+                k += 2
+            else:
+                row.append(_cell(acts[k]))
+                k += 1
+        rows.append(row)
+    return rows
 
 
 def write_torch_csv(schedule: Schedule, path) -> None:
-    """Write `schedule` in the compute-only CSV format torch's `_load_csv` reads. An F&B pair
-    (Action.overlap) is written as its two actions, one cell each, run one after the other."""
+    """Write `schedule` in the compute-only CSV format torch's `_load_csv` reads (an overlapped
+    F&B pair as one cell, as torch writes it)."""
     with open(path, "w", newline="") as f:
         csv.writer(f).writerows(torch_rows(schedule))
 
