@@ -17,6 +17,7 @@ from torch.distributed.pipelining import schedules as S
 
 import pplab
 from pplab.pipeline import ScheduleError, bubble_fraction, make_schedule, run_pipeline, simulate
+from pplab.pipeline.bidirectional import make_bidirectional
 from pplab.pipeline.torch_csv import (from_torch_rows, read_torch_csv, run_with_torch, torch_rows,
                                       write_torch_csv)
 
@@ -218,7 +219,7 @@ def _both_runtimes(cases, n):
     x, y = data(n)
     out = []
     for name, m, v in cases:
-        s = make_schedule(name, 2, m, v)
+        s = make_bidirectional(name, 2, m) if name == "dualpipev" else make_schedule(name, 2, m, v)
         out.append((run_with_torch(s, mlp(), x, y, nn.MSELoss())["grads"],
                     run_pipeline(s, mlp(), x, y, nn.MSELoss())["grads"]))
     return out
@@ -226,8 +227,9 @@ def _both_runtimes(cases, n):
 
 def test_torchs_runtime_runs_pplab_schedules_to_the_same_gradients():
     """Looped BFS, interleaved ZB, and interleaved 1F1B with m = 5 on 2 ranks, which torch's own
-    ScheduleInterleaved1F1B refuses (5 is not a multiple of its 2 rounds), run by torch from the CSV."""
-    cases = [("looped-bfs", 4, 2), ("interleaved-zb", 4, 2), ("interleaved-1f1b", 5, 2)]
+    ScheduleInterleaved1F1B refuses (5 is not a multiple of its 2 rounds), run by torch from the CSV;
+    and DualPipeV, its overlapped pairs run as torch's OVERLAP_F_B actions."""
+    cases = [("looped-bfs", 4, 2), ("interleaved-zb", 4, 2), ("interleaved-1f1b", 5, 2), ("dualpipev", 4, 2)]
     stage = SimpleNamespace(group_size=2, num_stages=4, group_rank=0)     # all its check reads
     with pytest.raises(ValueError, match="multiple of the number of rounds"):
         S.ScheduleInterleaved1F1B([stage, stage], 5)

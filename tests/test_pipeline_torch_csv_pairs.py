@@ -87,3 +87,4 @@ def test_an_overlapped_forward_and_input_gradient_pair_is_read_and_written_back(
     paired = [(a, b) for acts in sched.actions for a, b in zip(acts, acts[1:]) if a.overlap]
     assert len(paired) == 6 and all(a.kind == "F" and b.kind == "I" for a, b in paired)
     assert torch_rows(sched) == rows and torch_rows(from_torch_rows(rows)) == rows
+
