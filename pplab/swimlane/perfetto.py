@@ -23,9 +23,10 @@ Three rules of the viewer shape the file; break one and Perfetto drops data with
    FSDP's prefetched all-gathers, are in flight *at the same time* and overlap without nesting:
    each such event goes on the first lane of its rank that is free (interval partitioning), so
    a rank with three all-reduces in flight at once shows "comm", "comm 2" and "comm 3".
-2. Thread id 0 is the kernel's idle thread to Perfetto, and a thread id seen in two processes is
-   one thread that moved: each lane gets a thread id of its own, 1000 x (rank + 1) + lane
-   (compute lanes 0, 1, ...; comm lanes 100, 101, ...).
+2. Perfetto knows a thread by its id, as Linux numbers threads (machine-wide), and 0 is the
+   kernel's idle thread: with thread 0 as every rank's compute lane, rank 1's was taken for rank
+   0's and vanished. Each lane gets an id of its own, 1000 x (rank + 1) + lane (compute lanes
+   0, 1, ...; comm lanes 100, 101, ...).
 3. An arrow's end must come after its start, each end is bound to the slice that encloses it,
    and Perfetto points an arrow from the slice that *starts* first to the other. A receive is
    often posted before its send starts (an irecv waiting for data): its arrow would point back
