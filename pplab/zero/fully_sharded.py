@@ -101,7 +101,7 @@ class _Unit:
             self.full = self.full.to(compute_dtype)
         self.nbytes = self.full.numel() * self.full.element_size()
         for _, p in named_params:                      # ZeroOptimizer(model.parameters(), stage=3) steps this
-            p._pplab_shard = self.shard
+            p._pplab_shard, p._pplab_full_shape = self.shard, p.shape      # (p.shape: my shard's, between uses)
         self.state, self.handle = "free", None         # "free" | "gathering" | "full"
         self.compute_start = None                      # when its forward / backward compute began
         self.shown_grad, self.grad_views = None, []    # the shard's gradient as the parameters show it
@@ -454,7 +454,8 @@ class FullyShardedModule(nn.Module):
             for u in self.units:
                 full = u.bucket.flatten([state_dict[n] for n in u.bucket.names])
                 u.shard.copy_(u.bucket.shard(full))
-                u.show_shard()                         # (the store may have moved the shard)
             for name, t in list(self.module.named_parameters()) + list(self.module.named_buffers()):
                 if id(t) not in sharded and name in state_dict:
                     t.copy_(state_dict[name])
+        for u in self.units:
+            u.show_shard()                             # where the store left the shard (in RAM, or on disk)
