@@ -436,11 +436,18 @@ def bad_inputs():
         "offload": lambda: ZeroOptimizer(make_model().parameters(), torch.optim.AdamW, offload="gpu"),
         "stage3 plain": lambda: ZeroOptimizer(make_model().parameters(), torch.optim.AdamW, stage=3),
         "unit": lambda: FullyShardedModule(make_model(), units=["7"]),
+        "replicate name": lambda: FullyShardedModule(make_model(), replicate=["9"]),
+        "replicate str": lambda: FullyShardedModule(make_model(), replicate="0"),
+        "replicated to stage 3": lambda: ZeroOptimizer(FullyShardedModule(make_model(), replicate=["0"]).parameters(),
+                                                       torch.optim.AdamW, stage=3),
     }.items():
         try:
             call()
         except (ValueError, RuntimeError) as e:
             errors[name] = str(e)
+    fsdp = FullyShardedModule(make_model())       # the model's parameters: ZeroOptimizer steps their units' shards
+    errors["stage3 on the model"] = ([id(p) for p in ZeroOptimizer(fsdp.module.parameters(), torch.optim.AdamW,
+                                                                   stage=3).params] == [id(p) for p in fsdp.parameters()])
     model = make_model()
     opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=1)
     try:
@@ -460,6 +467,10 @@ def test_bad_input_says_what_to_change():
     assert "None or 'cpu'" in errors["offload"]
     assert "FullyShardedModule(model)" in errors["stage3 plain"]
     assert "no submodule named '7'" in errors["unit"]
+    assert "no submodule named '9' to replicate" in errors["replicate name"]
+    assert "not one string" in errors["replicate str"]
+    assert "torch.optim.AdamW(model.parameters())" in errors["replicated to stage 3"]
+    assert errors["stage3 on the model"] is True
     assert "backward" in errors["no backward"]
     assert "already belong to another ZeroOptimizer" in errors["twice"]
 
