@@ -222,7 +222,7 @@ def test_correctness_fp16(checks):
 
 def test_correctness_fp32_is_within_rounding_of_one_process(checks):
     """Not bit-equal (the order of the batch's sum, see the module doc), but CS336's tolerance holds and
-    the difference is the size of fp32 rounding: measured max 2e-8 (p=2) and 3e-8 (p=3) after 3 steps."""
+    the difference is the size of fp32 rounding: measured max 7e-9 (p=2) and 3e-8 (p=3) over 3 steps."""
     p, results = checks
     for rank, out in enumerate(results):
         for step, diffs in enumerate(out["fp32"]):
@@ -232,7 +232,8 @@ def test_correctness_fp32_is_within_rounding_of_one_process(checks):
 
 def test_the_same_steps_as_torch_fully_shard(checks):
     """pplab's FullyShardedModule and torch's FSDP2 on the same model, batch and AdamW: equal parameters
-    after every step (to fp32 rounding: both sum the ranks' gradients, in their own order)."""
+    after every step (measured: bit-equal at p=2; at p=3 within 3e-7, the three ranks' gradients summed
+    in another order)."""
     p, results = checks
     for rank, out in enumerate(results):
         steps, moved = out["fsdp2"]
