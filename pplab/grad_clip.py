@@ -94,6 +94,10 @@ def owned_gradients(model, optimizer=None) -> tuple[list, object]:
                 raise ValueError(f"this model's parameters belong to a ZeRO-{stage} ZeroOptimizer, which holds "
                                  f"their averaged gradients: pass it as optimizer=")
             continue                                 # counted above, from the optimizer's shards
+        if hasattr(p, "_pplab_shard"):
+            raise ValueError("these are the parameters of the model inside a FullyShardedModule: each holds only "
+                             "this rank's shard, and the norm needs the wrapper's group: pass the FullyShardedModule "
+                             "itself (clip_grad_norm_(fsdp, ...))")
         if p.grad is None:
             continue
         if hasattr(p, "_pplab_bucket"):              # ZeRO-3: a FullyShardedModule's shard

@@ -169,9 +169,12 @@ class LossScaler:
 
 def poison_gradient(param: torch.Tensor, index: int = 0, value: float = math.inf):
     """Make the *next* gradient computed for `param` hold `value` at flat `index`, once: a stand-in
-    for an fp16 overflow in one rank's backward (call it on that rank only). Returns the hook handle."""
-    if not 0 <= index < param.numel():
-        raise ValueError(f"index {index} is outside the parameter's {param.numel()} elements")
+    for an fp16 overflow in one rank's backward (call it on that rank only). Returns the hook handle.
+    A FullyShardedModule's parameter holds only this rank's shard between uses, but its gradient
+    arrives whole: `index` counts in the whole parameter."""
+    numel = math.prod(getattr(param, "_pplab_full_shape", param.shape))
+    if not 0 <= index < numel:
+        raise ValueError(f"index {index} is outside the parameter's {numel} elements")
 
     def hook(grad):
         handle.remove()

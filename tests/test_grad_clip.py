@@ -182,6 +182,9 @@ def error_job(case):
     if case == "zero":
         model = nn.Sequential(*gpt_layers(CFG))
         pplab.zero.ZeroOptimizer(model.parameters(), torch.optim.SGD, stage=1, lr=0.1)
+    if case == "fsdp module":                # the wrapped model given in place of the wrapper
+        model = nn.Sequential(*gpt_layers(CFG))
+        pplab.zero.FullyShardedModule(model)
     model(x).sum().backward()
     try:
         clip_grad_norm_(model, 1.0, **({"norm_type": 0} if case == "norm" else {}))
@@ -193,6 +196,7 @@ def error_job(case):
     ("tp", "pass their group as tp_group="),
     ("zero", "belong to a ZeRO-1 ZeroOptimizer.*pass it as optimizer="),
     ("norm", "norm_type must be a number > 0 or math.inf"),
+    ("fsdp module", "pass the FullyShardedModule itself"),
 ])
 def test_bad_calls_say_what_to_change(case, message):
     for msg in pplab.launch(error_job, case, world_size=2):

@@ -97,8 +97,8 @@ def reference(n, compute, reduce, steps=STEPS, scaler=None, poison=None, strateg
 
 def offsets(params):
     out = [0]
-    for p in params:
-        out.append(out[-1] + p.numel())
+    for p in params:            # a FullyShardedModule's parameter holds its shard between uses: its whole size
+        out.append(out[-1] + math.prod(getattr(p, "_pplab_full_shape", p.shape)))
     return out
 
 
@@ -146,6 +146,9 @@ def train(strategy, configs, steps=STEPS, scaler_args=None, poison=None):
             model, opt = build(strategy, compute, reduce)
             scaler = LossScaler(**scaler_args) if scaler_args else None
             x, y = shard(data())
+            dtypes = set()                          # the first layer's parameters as its forward sees them
+            layer0 = (model if strategy == "zero" else model.module)[0]
+            layer0.register_forward_pre_hook(lambda m, args: dtypes.update(str(p.dtype) for p in m.parameters()))
             for s in range(steps):
                 if poison is not None and poison[:2] == (s, pplab.comm.rank()):
                     poison_at(list((model.module if strategy != "zero" else model).parameters()), poison[2])
@@ -158,7 +161,7 @@ def train(strategy, configs, steps=STEPS, scaler_args=None, poison=None):
                 opt.zero_grad()
             out.append({"masters": masters_of(strategy, model, opt), "held": held,
                         "history": scaler.history if scaler else None, "first": first if strategy == "ddp" else None,
-                        "dtypes": {str(p.dtype) for p in (model.module if strategy != "zero" else model).parameters()}})
+                        "dtypes": dtypes})
     return out
 
 

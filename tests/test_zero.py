@@ -312,52 +312,77 @@ def test_stage3_gathers_one_unit_at_a_time_and_frees_it(prefetch):
         assert held.count(shards) >= 3              # down to the shards again between units
 
 
-def read_between_uses():
-    """A learner's reads of a wrapped model's parameter between steps: each answer or error, as text."""
+def between_uses():
+    """What a learner reads from a wrapped model's own parameters between uses (FSDP2's shape), and the
+    same step taken by optimizers built on model.parameters() and on fsdp.parameters()."""
     model = make_model(seed=pplab.comm.rank())       # the wrap broadcasts rank 0's, make_model(0)
     fsdp = FullyShardedModule(model)
     x, y = shard(data(), pplab.comm.rank(), pplab.comm.world_size())
-    nn.functional.mse_loss(fsdp(x), y).backward()
-    weight = model[2].weight                         # unit "2", freed after its backward
-    out = {"type": type(weight).__name__, "bytes": weight.untyped_storage().nbytes(), "repr": repr(weight),
-           "described": (tuple(weight.shape), weight.numel(), weight.dim(), weight.dtype, weight.grad)}
-    reads = {"sum": weight.sum, "data": lambda: weight.data, "add": lambda: weight + 1,
-             "state_dict": model.state_dict, "forward": lambda: model[2].weight @ torch.ones(7, dtype=torch.float64),
-             "load": lambda: model.load_state_dict(make_model().state_dict())}
-    for what, read in reads.items():
-        try:
-            read()
-            out[what] = "no error"
-        except RuntimeError as e:
-            out[what] = str(e)
-    try:                                             # the model's parameters given to an optimizer
-        torch.optim.SGD(model.parameters(), lr=0.1).step()
-        out["optimizer"] = "no error"
-    except RuntimeError as e:
-        out["optimizer"] = str(e)
-    with fsdp.full_parameters():                     # the way to read them: whole again
-        out["full"] = weight.detach().clone()
-    nn.functional.mse_loss(fsdp(x), y).backward()    # the wrapper still works after the refused reads
+    on_model = torch.optim.SGD(model.parameters(), lr=0.1)
+    on_shards = torch.optim.SGD(fsdp.parameters(), lr=0.1)
+    unit = fsdp.units[2]                             # unit "4": 4.weight, 4.bias
+
+    def backward():
+        nn.functional.mse_loss(fsdp(x), y).backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    out = {"g1": backward(), "w": [p.detach().clone() for p in model.parameters()],
+           "same_storage": model[4].weight.untyped_storage().data_ptr() == unit.shard.untyped_storage().data_ptr(),
+           "shard_grad": unit.shard.grad.clone(), "sum": model[2].weight.sum().item()}
+    out["g2"] = backward()                           # no zero_grad: accumulated
+    on_model.zero_grad(set_to_none=True)             # cleared through the model's parameters ...
+    out["after_model_zero"] = backward()             # ... so the shard's gradient starts again
+    model[0].bias.grad = None                        # one cleared by hand: only it starts again
+    out["one_cleared"] = backward()
+    on_shards.zero_grad(set_to_none=True)            # cleared through the shards
+    out["after_shard_zero"] = backward()
+    before = [p.detach().clone() for p in fsdp.parameters()]
+    on_model.step()                                  # steps the shards: the parameters are views of them
+    out["stepped"] = [(b - p.detach()).abs().max().item() for b, p in zip(before, fsdp.parameters())]
+    with fsdp.full_parameters():                     # whole again inside, in their own shapes
+        out["full"] = [p.detach().clone() for p in model.parameters()]
+    out["full_state"] = fsdp.full_state_dict()       # on every rank
     return out
 
 
-def test_reading_a_parameter_between_uses_says_where_the_values_are():
-    """Between uses the full parameters hold 0 bytes; a read is a clear error, not a crash (a view into a
-    freed storage would read freed memory), and what describes the parameter still answers."""
-    results = pplab.launch(read_between_uses, world_size=3, timeout=30)
-    want = make_model()[2].weight.detach()
+def test_between_uses_the_model_parameters_are_this_ranks_shard():
+    """FSDP2's shape: each model parameter is this rank's piece of the unit's flat shard (1-D), with its
+    piece of the mean gradient as .grad, whatever optimizer clears it; stepping model.parameters()
+    steps the shards. Reference: one process's gradient on the whole batch, cut by hand."""
+    p = 3
+    diff_flat = lambda a, b: max_diff([torch.cat([t.reshape(-1) for t in a])], [torch.cat([t.reshape(-1) for t in b])])
+    results = pplab.launch(between_uses, world_size=p, timeout=60)
+    ref = make_model()
+    x, y = data()
+    nn.functional.mse_loss(ref(x), y).backward()
+    params = list(ref.parameters())
     for rank, out in enumerate(results):
-        assert out["type"] == "ShardedParameter" and out["bytes"] == 0, f"rank {rank}: {out['type']}, {out['bytes']} B"
-        assert out["described"] == ((6, 7), 42, 2, torch.float64, None), f"rank {rank}: {out['described']}"
-        assert "'2.weight'" in out["repr"] and "full_parameters()" in out["repr"], out["repr"]
-        for what in ("sum", "data", "add", "state_dict", "forward", "load"):
-            message = out[what]     # a whole module's state_dict or load stops at its first parameter
-            named = "'0.weight' (shape (7, 5))" if what in ("state_dict", "load") else "'2.weight' (shape (6, 7))"
-            assert f"{named} is sharded" in message and "fsdp.full_parameters()" in message \
-                and "fsdp.state_dict()" in message, f"rank {rank}, {what}: {message}"
-        assert torch.equal(out["full"], want), f"rank {rank}: full_parameters() must give rank 0's initial weight"
-        assert "SGD was given parameter '0.weight' of the model inside a FullyShardedModule" in out["optimizer"] \
-            and "fsdp.parameters()" in out["optimizer"], f"rank {rank}: {out['optimizer']}"
+        assert out["same_storage"]
+        mine = []
+        for unit in range(3):                        # each unit: weight and bias end to end, cut in 3
+            w, b = params[2 * unit], params[2 * unit + 1]
+            n = w.numel() + b.numel()
+            k = -(-n // p)
+            lo, hi = rank * k, min((rank + 1) * k, n)
+            ends = [(0, w.numel()), (w.numel(), n)]
+            for t, (a, e) in zip((w, b), ends):
+                mine.append((t.detach().reshape(-1)[max(a, lo) - a:max(min(e, hi), a) - a],
+                             t.grad.reshape(-1)[max(a, lo) - a:max(min(e, hi), a) - a]))
+        assert [tuple(g.shape) for g in out["g1"]] == [tuple(v.shape) for v, _ in mine], rank
+        assert diff_flat(out["w"], [v for v, _ in mine]) == 0, rank
+        g = [gr for _, gr in mine]
+        assert diff_flat(out["g1"], g) <= TOL, rank
+        assert diff_flat(out["g2"], [2 * t for t in g]) <= TOL, rank
+        assert diff_flat(out["after_model_zero"], g) <= TOL, rank
+        assert diff_flat(out["one_cleared"], [t * (1 if i == 1 else 2) for i, t in enumerate(g)]) <= TOL, rank
+        assert diff_flat(out["after_shard_zero"], g) <= TOL, rank
+        assert abs(out["sum"] - mine[2][0].sum().item()) <= TOL, rank
+        assert all(d > 0 for d in out["stepped"]), rank
+        assert diff_flat(out["full"], [t.detach() - 0.1 * t.grad for t in params]) <= TOL, rank   # one SGD step
+        assert list(out["full_state"]) == list(ref.state_dict()), rank
+        assert diff_flat(list(out["full_state"].values()), out["full"]) == 0, rank
+        assert diff_flat(list(out["full_state"].values()), list(results[0]["full_state"].values())) == 0
+    assert sum(t.numel() for t in results[2]["g1"][:2]) == 42 - 28      # rank 2: the last 14 of unit 0's 42
 
 
 # ----------------------------------------------------------------------------------
@@ -411,11 +436,18 @@ def bad_inputs():
         "offload": lambda: ZeroOptimizer(make_model().parameters(), torch.optim.AdamW, offload="gpu"),
         "stage3 plain": lambda: ZeroOptimizer(make_model().parameters(), torch.optim.AdamW, stage=3),
         "unit": lambda: FullyShardedModule(make_model(), units=["7"]),
+        "replicate name": lambda: FullyShardedModule(make_model(), replicate=["9"]),
+        "replicate str": lambda: FullyShardedModule(make_model(), replicate="0"),
+        "replicated to stage 3": lambda: ZeroOptimizer(FullyShardedModule(make_model(), replicate=["0"]).parameters(),
+                                                       torch.optim.AdamW, stage=3),
     }.items():
         try:
             call()
         except (ValueError, RuntimeError) as e:
             errors[name] = str(e)
+    fsdp = FullyShardedModule(make_model())       # the model's parameters: ZeroOptimizer steps their units' shards
+    errors["stage3 on the model"] = ([id(p) for p in ZeroOptimizer(fsdp.module.parameters(), torch.optim.AdamW,
+                                                                   stage=3).params] == [id(p) for p in fsdp.parameters()])
     model = make_model()
     opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=1)
     try:
@@ -435,6 +467,10 @@ def test_bad_input_says_what_to_change():
     assert "None or 'cpu'" in errors["offload"]
     assert "FullyShardedModule(model)" in errors["stage3 plain"]
     assert "no submodule named '7'" in errors["unit"]
+    assert "no submodule named '9' to replicate" in errors["replicate name"]
+    assert "not one string" in errors["replicate str"]
+    assert "torch.optim.AdamW(model.parameters())" in errors["replicated to stage 3"]
+    assert errors["stage3 on the model"] is True
     assert "backward" in errors["no backward"]
     assert "already belong to another ZeroOptimizer" in errors["twice"]
 

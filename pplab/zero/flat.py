@@ -51,6 +51,13 @@ class FlatBucket:
         r = self.rank if rank is None else rank
         return flat[r * self.shard_size:(r + 1) * self.shard_size]
 
+    def shard_views(self, shard: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's part of my shard (1-D views, in order): the elements of the parameter that
+        fall in my piece of the flat buffer; empty for a parameter that lies wholly in other ranks' pieces."""
+        start = self.rank * self.shard_size
+        clip = lambda i: min(max(i - start, 0), self.shard_size)        # a flat offset -> into my shard
+        return [shard[clip(a):clip(b)] for a, b in zip(self.offsets, self.offsets[1:])]
+
     def point_params_into(self, flat: torch.Tensor) -> None:
         """Make every parameter a view into `flat`: updating or gathering `flat` updates the model."""
         for p, v in zip(self.params, self.views(flat)):

@@ -1,17 +1,17 @@
 """ZeRO stage 3: the parameters themselves are sharded, and gathered one unit at a time.
 
     fsdp = FullyShardedModule(model)              # units: model's children that have parameters
-    opt = ZeroOptimizer(fsdp.parameters(), torch.optim.AdamW, stage=3, lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)    # or fsdp.parameters(): the same steps
     loss_fn(fsdp(x), y).backward()                # x: this rank's share of the global batch
     opt.step()                                    # each rank steps its shards; nothing to gather
     opt.zero_grad()
 
-Each unit (by default each child of `model` with trainable parameters: a layer, a block) gets
-one FlatBucket. Between steps a rank keeps only its shard of every unit (`fsdp.parameters()`
-are these shards); the full flat buffer's memory is released, and the model's parameters become
-`ShardedParameter`s that hold no values: reading one (.sum(), module.state_dict()) raises an
-error that says how to read the full values, and printing one says so. While a unit is gathered
-its parameters are nn.Parameters again, views into the full buffer. Around each unit:
+This is the shape of torch's FSDP2 (`torch.distributed.fsdp.fully_shard`): after wrapping, each of
+the model's own parameters *is* this rank's shard of it. Between uses `model[2].weight` holds my
+piece of it, and after backward `model[2].weight.grad` holds my piece of the gradient, the mean over
+the ranks, in the parameter's own dtype (the fp32 master). An optimizer built on `model.parameters()`
+steps exactly the shards. Inside a unit's forward and backward the same parameters hold the full,
+gathered values. Around each unit:
 
 * **before its forward**: all-gather the unit's full parameters from everyone's shards ("AG"),
   and start the *next* unit's all-gather at once (prefetch), so that it travels while this
@@ -21,7 +21,21 @@ its parameters are nn.Parameters again, views into the full buffer. Around each 
   prefetch the unit before it, which backward reaches next;
 * **after its backward** (all its parameters' gradients are final): flatten the gradients,
   free them and the full parameters, and reduce-scatter ("RS"): each rank receives the sum of
-  its shard's gradient, divided by N at the end of backward into `shard.grad`.
+  its shard's gradient, divided by N at the end of backward.
+
+**How a unit is cut.** Each unit (by default each child of `model` with trainable parameters: a layer,
+a block) is one FlatBucket: its parameters laid end to end in one flat buffer, cut into N equal
+pieces. My piece is `fsdp.parameters()` (one flat fp32 tensor per unit), and each model parameter is,
+between uses, a 1-D view of its own elements in that piece (empty if they all lie in other ranks'
+pieces): torch's FSDP1 with use_orig_params does the same. FSDP2 instead cuts every parameter on dim 0
+(rank r keeps rows r*k..(r+1)*k, padded to N*k rows), so that a shard keeps the parameter's row
+shape; to still send one message per unit it copies the shards into a flat buffer before each
+all-gather and out of it after (copy-in, copy-out). We keep the flat cut because it is one idea
+(the FlatBucket of stages 1 and 2) with no copies: the all-gather fills the full buffer whose views
+*are* the parameters, and the padding is at most N-1 elements per unit, so the traffic is exactly
+3(N-1)/N of the model's bytes per step and the memory Ψ/N per rank (row padding would add up to N-1
+rows per parameter). What it loses is the row shape of a shard, which only the layout of a
+sharded checkpoint needs; the values, gradients and optimizer steps are the same.
 
 Traffic per rank: two all-gathers and one reduce-scatter of every parameter, 3Ψ where DDP and
 stages 1-2 move 2Ψ. Memory: Ψ/N of each of parameters, gradients and optimizer state, plus the
@@ -31,24 +45,32 @@ and free (`trace.hold`/`release`), so the swimlane's memory curve rises and fall
 
 A parameter used by two units (tied weights) or by no unit goes to a *root* unit, gathered at
 the start of forward and kept until its gradient is final. Frozen parameters
-(requires_grad=False) are not sharded: every rank keeps them whole, like buffers. Units are
-prefetched in the order they are listed, which should be the order forward runs them.
-`state_dict()` gives the full model state on rank 0; `load_state_dict` takes it on every rank.
+(requires_grad=False) are not sharded: every rank keeps them whole, like buffers. `replicate`
+names submodules whose parameters are not sharded either but trained whole on every rank, their
+gradients all-reduced at the end of backward ("AR", 2(N-1)/N of their bytes, as DDP): small
+parameters such as norm weights, where a gather's latency costs more than the memory saved
+(DeepSpeed's stage3_param_persistence_threshold keeps small parameters whole for the same reason).
+Units are prefetched in the order they are listed, which should be the order forward runs them.
+`full_state_dict()` gives the full model state on every rank, the parameters in their own
+dtype (the fp32 masters); `state_dict()` the same on rank 0 only; `load_state_dict` takes it on every rank.
 
 **Mixed precision** (`compute_dtype=torch.bfloat16` or `torch.float16`): the shards stay in the
 model's own dtype (fp32): they are the *master weights* the optimizer steps. Each gather casts my
 shard to the compute dtype first, so the all-gathers carry 2 bytes per parameter and forward and
-backward run in 2 bytes; floating-point inputs, buffers and frozen parameters are cast to it too.
+backward run in 2 bytes; floating-point inputs, buffers and frozen parameters are cast to it too
+(replicated parameters are not: they compute in their own dtype, as mixed-precision recipes keep norms).
 `reduce_dtype` is what the gradients are summed in: the compute dtype (the default, 2 bytes on the
 wire) or torch.float32 (4 bytes, but no rounding between the ranks' additions, and no fp16
-overflow of a sum whose mean would fit). My shard of the mean lands in `shard.grad` in fp32.
+overflow of a sum whose mean would fit). My shard of the mean lands in `.grad` in fp32.
 
 **Shards kept elsewhere** (`shard_store`, None by default: the shards stay in RAM). pplab.offload sets
 it to keep the shards on disk between uses (ZeRO-Infinity's parameter offload): `fetch(u, ahead)`
 before a unit's all-gather brings my shard of unit u into RAM and may start bringing `ahead`, the
 unit gathered after it (the next in forward, the one before in backward); `evict(u)` once the
 all-gather has read the shard; `in_memory()`, a context in which every shard is in RAM, around
-the methods that read or write the shards themselves (load_state_dict, state_dict with a compute_dtype).
+the methods that read or write the shards themselves (load_state_dict, full_state_dict). The model's
+parameters show the shard as it was when the unit was last freed: read a stepped shard through
+fsdp.parameters() or full_state_dict().
 """
 from __future__ import annotations
 
@@ -57,8 +79,6 @@ import contextlib
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.utils._pytree import tree_leaves
 
 from ..runtime import comm
 from .. import trace
@@ -66,87 +86,6 @@ from ..data_parallel.ddp import _tensors, end_trace_when_done
 from ..trace import Event, now
 from .flat import FlatBucket, reduce_scatter
 from .optimizer import root_rank
-
-
-class ShardedParameter(nn.Parameter):
-    """What a FullyShardedModule's parameter is between uses: its full values exist on no rank.
-
-    Each rank keeps only its shard (in fsdp.parameters()); the parameter's data is an empty
-    tensor, so that it holds no memory. What describes the parameter still answers as for the
-    whole one (.shape, .size(), .numel(), .dim(), .dtype, .grad, .requires_grad, gradient hooks);
-    whatever would read its values (any torch operation, .data, print) raises or says how to
-    read them. The wrapper turns the parameter into one when it frees its unit and back into an
-    nn.Parameter when it gathers it (torch's UninitializedParameter, of lazy modules, guards a
-    parameter not made yet the same way).
-    """
-
-    _ALLOWED = {torch.Tensor.__format__, torch.Tensor.untyped_storage, torch.Tensor.element_size,  # 0 bytes held
-                torch.Tensor.is_floating_point, torch.Tensor.is_complex, torch.Tensor.get_device,
-                torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook}
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if func in cls._ALLOWED or type(func).__name__ == "method-wrapper":    # or a property: .grad, .dtype
-            return super().__torch_function__(func, types, args, kwargs or {})   # as nn.Parameter: plain torch
-        sharded = next((a for a in tree_leaves((args, kwargs)) if isinstance(a, ShardedParameter)), None)
-        raise RuntimeError(_between_uses(sharded, getattr(func, "__name__", str(func))))
-
-    @property
-    def shape(self):
-        return self._pplab_shape
-
-    @property
-    def ndim(self):
-        return len(self._pplab_shape)
-
-    def size(self, dim=None):
-        return self._pplab_shape if dim is None else self._pplab_shape[dim]
-
-    def numel(self):
-        return self._pplab_shape.numel()
-
-    def dim(self):
-        return len(self._pplab_shape)
-
-    @property
-    def data(self):
-        raise RuntimeError(_between_uses(self, ".data"))
-
-    @data.setter
-    def data(self, value):
-        raise RuntimeError(_between_uses(self, "setting .data; to change the parameters, use fsdp.load_state_dict"))
-
-    def __repr__(self) -> str:
-        return (f"ShardedParameter {self._pplab_name!r}, shape {tuple(self._pplab_shape)}: no values between uses "
-                f"(this rank keeps only its shard, in fsdp.parameters()); read them inside "
-                f"`with fsdp.full_parameters():`")
-
-
-def _between_uses(p, asked: str) -> str:
-    name = f"parameter {p._pplab_name!r} (shape {tuple(p._pplab_shape)})" if p is not None else "a parameter"
-    return (f"{name} is sharded by FullyShardedModule: its full values exist only inside forward/backward "
-            f"(between uses each rank keeps only its shard, in fsdp.parameters()). To read the full parameters, "
-            f"use `with fsdp.full_parameters() as module:` on every rank, or fsdp.state_dict() for the full state "
-            f"on rank 0. (Asked for: {asked}.)")
-
-
-def _refuse_sharded_parameters(optimizer, args, kwargs) -> None:
-    """Before any optimizer's step: a ShardedParameter among its parameters is a parameter of
-    fsdp.module, given to it in place of fsdp.parameters(). Backward never leaves a gradient on
-    one (its gradient goes to the shards), so that step would skip it: the model would silently
-    not train."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if isinstance(p, ShardedParameter):
-                raise RuntimeError(
-                    f"{type(optimizer).__name__} was given parameter {p._pplab_name!r} of the model inside a "
-                    f"FullyShardedModule (fsdp.module.parameters()): it never receives a gradient, so this step "
-                    f"would change nothing. Give the optimizer this rank's shards, fsdp.parameters(): "
-                    f"ZeroOptimizer(fsdp.parameters(), torch.optim.AdamW, stage=3, ...) or "
-                    f"torch.optim.AdamW(fsdp.parameters(), ...)")
-
-
-_refusing = []             # the hook above, once registered (by the first FullyShardedModule)
 
 
 class _Unit:
@@ -161,25 +100,46 @@ class _Unit:
         if compute_dtype is not None:                  # what forward sees (and the all-gather carries)
             self.full = self.full.to(compute_dtype)
         self.nbytes = self.full.numel() * self.full.element_size()
-        for n, p in named_params:                      # for ShardedParameter's messages, and the way back
-            p._pplab_name, p._pplab_shape, p._pplab_class = n, p.shape, type(p)
+        for _, p in named_params:                      # ZeroOptimizer(model.parameters(), stage=3) steps this
+            p._pplab_shard, p._pplab_full_shape = self.shard, p.shape      # (p.shape: my shard's, between uses)
         self.state, self.handle = "free", None         # "free" | "gathering" | "full"
         self.compute_start = None                      # when its forward / backward compute began
+        self.shown_grad, self.grad_views = None, []    # the shard's gradient as the parameters show it
 
     def allocate(self) -> None:
         """Give the full buffer its memory back (for an all-gather to fill) and make the parameters
         views into it again."""
+        self.take_back_grads()
         self.full.untyped_storage().resize_(self.nbytes)
         for p, view in zip(self.bucket.params, self.bucket.views(self.full)):
-            p.__class__ = p._pplab_class
+            p.grad = None                              # backward writes the full gradient here
             p.data = view
 
     def release(self) -> None:
-        """Free the full buffer; the parameters become ShardedParameters that hold nothing."""
-        for p in self.bucket.params:
-            p.data = torch.empty(0, dtype=self.full.dtype, device=self.full.device)
-            p.__class__ = ShardedParameter
+        """Free the full buffer; the parameters become views of my shard again."""
         self.full.untyped_storage().resize_(0)        # what autograd saved of them shrinks too: 0 bytes
+        self.show_shard()
+
+    def show_shard(self) -> None:
+        """Each parameter = its elements in my shard, its .grad = the same elements of my shard's gradient."""
+        grad = self.shard.grad
+        self.grad_views = self.bucket.shard_views(grad) if grad is not None else [None] * len(self.bucket.params)
+        for p, view, g in zip(self.bucket.params, self.bucket.shard_views(self.shard.detach()), self.grad_views):
+            p.data = view
+            p.grad = g
+        self.shown_grad = grad
+
+    def take_back_grads(self) -> None:
+        """What an optimizer on the model's parameters did to their .grad since show_shard, into my
+        shard's gradient: zero_grad(set_to_none=True) left None (a zero gradient), or a new tensor."""
+        grad = self.shard.grad
+        if grad is None or grad is not self.shown_grad:    # none, or set through fsdp.parameters(): it wins
+            return
+        for p, shown, mine in zip(self.bucket.params, self.grad_views, self.bucket.shard_views(grad)):
+            if p.grad is None:
+                mine.zero_()
+            elif p.grad is not shown:
+                mine.copy_(p.grad.reshape(-1))
 
 
 class FullyShardedModule(nn.Module):
@@ -190,11 +150,13 @@ class FullyShardedModule(nn.Module):
     compute_dtype: the dtype of forward, backward and the all-gathers (None: the model's own);
       the shards stay in the model's dtype (the fp32 master weights).
     reduce_dtype: the dtype the gradients are reduce-scattered in (None: the compute dtype).
+    replicate: names of submodules whose trainable parameters every rank keeps whole, their gradients
+      all-reduced (e.g. the norms); they compute in their own dtype.
     Put the model on its device and in its dtype before wrapping it: the wrapper shards what it finds.
     """
 
     def __init__(self, module: nn.Module, units=None, prefetch: bool = True, group=None,
-                 compute_dtype=None, reduce_dtype=None):
+                 compute_dtype=None, reduce_dtype=None, replicate=()):
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError("FullyShardedModule needs torch.distributed: create it inside a function run "
@@ -210,8 +172,6 @@ class FullyShardedModule(nn.Module):
                 raise ValueError(f"{name} must be a floating-point torch.dtype (torch.bfloat16, torch.float16, "
                                  f"torch.float32) or None, got {dtype!r}")
         object.__setattr__(self, "module", module)     # not a registered child: parameters() = shards
-        if not _refusing:                              # every optimizer checks what it was given
-            _refusing.append(register_optimizer_step_pre_hook(_refuse_sharded_parameters))
         self.compute_dtype = compute_dtype
         self.group, self.prefetch = group, bool(prefetch)
         self.world_size, self.rank = comm.world_size(group), comm.rank(group)
@@ -221,8 +181,16 @@ class FullyShardedModule(nn.Module):
 
         # Which unit owns each trainable parameter: the one unit that uses it, else the root.
         submodules = dict(module.named_modules())
+        if isinstance(replicate, str):
+            raise ValueError(f"replicate takes a list of submodule names, e.g. [{replicate!r}], not one string")
+        for n in replicate:
+            if n not in submodules:
+                raise ValueError(f"no submodule named {n!r} to replicate: use names from "
+                                 f"model.named_modules(), e.g. {list(submodules)[1:5]}")
+        whole = {id(p): p for n in replicate for p in submodules[n].parameters() if p.requires_grad}
+        sharded = lambda c: any(p.requires_grad and id(p) not in whole for p in c.parameters())
         if units is None:
-            units = [n for n, c in module.named_children() if any(p.requires_grad for p in c.parameters())]
+            units = [n for n, c in module.named_children() if sharded(c)]
         for n in units:
             if n not in submodules or n == "":
                 raise ValueError(f"no submodule named {n!r} to make a unit of: use names from "
@@ -237,7 +205,7 @@ class FullyShardedModule(nn.Module):
         own = [[] for _ in units]
         root = []
         for name, p in module.named_parameters():      # a tied parameter once, under its first name
-            if p.requires_grad:
+            if p.requires_grad and id(p) not in whole:
                 k = users.get(id(p), set())
                 (own[next(iter(k))] if len(k) == 1 else root).append((name, p))
         self.units = []
@@ -257,12 +225,15 @@ class FullyShardedModule(nn.Module):
         self.root = self.units[0] if root else None
         self.layers = [u for u in self.units if u is not self.root]     # gathered and freed per use
         self.shards = nn.ParameterList([u.shard for u in self.units])
+        self.replicated = nn.ParameterList(list(whole.values()))   # parameters() = shards + these
+        for p in self.replicated:
+            p._pplab_replicated = True                 # ZeroOptimizer(stage=3) steps shards only
 
         for u in self.units:
             for p in u.bucket.params:
                 p._pplab_zero = 3                      # pplab's DDP refuses these parameters
                 p.register_post_accumulate_grad_hook(lambda param, u=u: self._grad_ready(u, param))
-            u.release()                                # between uses: my shard only
+            u.release()                                # between uses: my shard only (its views)
         for u in self.layers:
             submodules[u.name].register_forward_pre_hook(lambda mod, args, u=u: self._before_forward(u))
             submodules[u.name].register_forward_hook(lambda mod, args, out, u=u: self._after_forward(u, out))
@@ -397,12 +368,14 @@ class FullyShardedModule(nn.Module):
 
     def _end_backward(self) -> None:
         try:
+            self._all_reduce_replicated()
             for _, h, _ in self._handles:
                 h.wait()
             for u, _, out in self._handles:
                 out.div_(self.world_size)              # the sum over ranks -> the mean
                 out = out.to(u.shard.dtype)            # into the master's dtype (no copy if the same)
                 u.shard.grad = out if u.shard.grad is None else u.shard.grad.add_(out)
+                u.show_shard()                         # the model's parameters: my piece of it as .grad
             missing = [u.name for u in self.units if self._waiting[u.index]]
             if missing:
                 raise RuntimeError(f"unit(s) {missing} got no gradient for some of their parameters in this "
@@ -412,6 +385,21 @@ class FullyShardedModule(nn.Module):
             for u in self.units:
                 self._free(u)                          # e.g. a prefetch that backward never used
             self._in_backward, self._handles = False, []
+
+    def _all_reduce_replicated(self) -> None:
+        """The replicated parameters' gradients -> their mean over the ranks (one all-reduce, as DDP).
+        A parameter that got no gradient on this rank counts as a zero gradient, so every rank sends."""
+        params = list(self.replicated)
+        if not params:
+            return
+        bucket = FlatBucket(params, 1, 0)
+        flat = bucket.flatten([p.grad if p.grad is not None else torch.zeros_like(p) for p in params])
+        h = comm.all_reduce(flat, group=self.group, async_op=True)
+        h.event.label = "AR"
+        h.wait()
+        flat.div_(self.world_size)
+        for p, g in zip(params, bucket.views(flat)):
+            p.grad = g
 
     # ------------------------------------------------------------------------------
     # Full state in, full state out
@@ -434,12 +422,10 @@ class FullyShardedModule(nn.Module):
             for u in self.units:
                 self._free(u)
 
-    def state_dict(self, *args, **kwargs):
-        """The full, unsharded state of the wrapped module on rank 0 ({} elsewhere); all ranks call it.
-        With a compute_dtype, the parameters come from the master shards (their dtype, not rounded)."""
-        if self.compute_dtype is None:
-            with self.full_parameters():
-                return {k: v.detach().clone() for k, v in self.module.state_dict().items()} if self.rank == 0 else {}
+    def full_state_dict(self) -> dict:
+        """The full, unsharded state of the wrapped module on every rank; all ranks call it. The sharded
+        parameters are all-gathered from the master shards, in their dtype (fp32 with a compute_dtype:
+        not rounded to it); replicated and frozen parameters and buffers as the module holds them."""
         masters = {}
         with self._shards_in_memory():
             for u in self.units:                       # all-gather the master shards themselves
@@ -448,10 +434,13 @@ class FullyShardedModule(nn.Module):
                 h.event.label = f"master{u.index}"
                 h.wait()
                 masters.update(zip(map(id, u.bucket.params), u.bucket.views(full)))
-        if self.rank != 0:
-            return {}
         state = self.module.state_dict(keep_vars=True)          # a tied parameter under each of its names
         return {k: masters.get(id(v), v).detach().clone() for k, v in state.items()}
+
+    def state_dict(self, *args, **kwargs):
+        """full_state_dict() on rank 0, {} elsewhere (what rank 0 saves); all ranks call it."""
+        state = self.full_state_dict()
+        return state if self.rank == 0 else {}
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load a full state (the same dict on every rank): each rank keeps its shard of it."""
@@ -468,3 +457,5 @@ class FullyShardedModule(nn.Module):
             for name, t in list(self.module.named_parameters()) + list(self.module.named_buffers()):
                 if id(t) not in sharded and name in state_dict:
                     t.copy_(state_dict[name])
+        for u in self.units:
+            u.show_shard()                             # where the store left the shard (in RAM, or on disk)

@@ -118,6 +118,12 @@ class ZeroOptimizer:
                                "ZeroOptimizer the bare model's parameters (no DDP)")
         self.stage, self.offload, self.group, self.reduce_dtype = stage, offload, group, reduce_dtype
         self.world_size, self.rank = comm.world_size(group), comm.rank(group)
+        if stage == 3:                   # the model's parameters of a FullyShardedModule: their unit's shard
+            if any(getattr(p, "_pplab_replicated", False) for p in self.params):
+                raise ValueError("ZeroOptimizer(stage=3) steps a FullyShardedModule's shards; this model also has "
+                                 "replicated parameters (replicate=...): give a torch optimizer the model's "
+                                 "parameters instead, e.g. torch.optim.AdamW(model.parameters())")
+            self.params = list({id(s): s for s in (getattr(p, "_pplab_shard", p) for p in self.params)}.values())
         sharded = [hasattr(p, "_pplab_bucket") for p in self.params]
         if stage == 3:
             if not all(sharded):
