@@ -40,6 +40,7 @@ from pathlib import Path
 MAX_NOTEBOOK_BYTES = 20 << 20       # a notebook larger than this is not read (clear its outputs)
 MAX_CELLS = 2_000                   # cells after these are not read
 MAX_CELL_CHARS = 200_000            # a code cell longer than this is not parsed
+NOTES_ON_CELLS = 10                 # notes on skipped cells kept per notebook; the rest are counted
 READ_SECONDS = 30.0                 # the child's deadline for one notebook
 READ_MEMORY = 1 << 30               # the child's address space, in bytes
 
@@ -225,6 +226,8 @@ def cells_of(data: bytes) -> tuple[list[tuple[int, str, str]], list[str]]:
                          f"({MAX_CELL_CHARS:,}): skipped")
             continue
         cells.append((number, kind, source))
+    if len(notes) > NOTES_ON_CELLS:
+        notes[NOTES_ON_CELLS:] = [f"and {len(notes) - NOTES_ON_CELLS:,} more cells skipped for these reasons"]
     return cells, notes
 
 
