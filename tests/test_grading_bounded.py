@@ -189,6 +189,20 @@ def test_the_child_reads_what_the_grader_would_read_in_its_own_process(tmp_path)
                            (4, "predictions: `my_bubble = 3 / 8`"), (5, "predictions: `my_peak = 2`")]
 
 
+def test_the_child_runs_pplab_as_the_grader_read_it_not_the_files_on_disk(tmp_path):
+    """A notebook run without the sandbox could rewrite submission.py: the reader runs the
+    sources the grader read before grading began (here, one changed to say so)."""
+    from pplab.course.check_process import pplab_sources
+
+    sources = pplab_sources()
+    file, text, package = sources["pplab.course.submission"]
+    sources["pplab.course.submission"] = [file, text + (
+        "\n_read = definitions\n\ndef definitions(cells, answers):\n    found = _read(cells, answers)\n"
+        "    found.notes.append('read from the snapshot')\n    return found\n"), package]
+    got = reading.read_submission(_write(tmp_path / "nb.ipynb", SOLUTION), ANSWERS, sources=sources)
+    assert got.found.notes == ["read from the snapshot"] and "my_broadcast" in got.found.answers
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("data, note", [
     (b"{ not json", "not a notebook (not JSON: JSONDecodeError)"),

@@ -232,7 +232,7 @@ def grade_notebook(path: str | Path, *, timeout: float = 600.0, cell_timeout: fl
     for ex in wanted:
         answers.setdefault(ex.answer, []).append(ex.notebook)
     try:                  # bounded: a regular file only, parsed in a child with a deadline (reading.py)
-        reading = read_submission(path, answers)
+        reading = read_submission(path, answers, sources=sources)
     except (ValueError, OSError) as exc:
         grade.notes.append(f"could not read the notebook: {exc}")
         grade.status = "refused"

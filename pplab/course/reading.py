@@ -23,9 +23,11 @@ read. Everything done with the submission's bytes before a check is bounded:
   notebook gets a note instead of marks. Reading a course-sized notebook takes well under a
   second, most of it the child's start.
 
-The child imports no torch (2 s a notebook): it runs this module, submission.py and
-checks/prediction_lines.py with pplab's packages registered bare (their __init__ files not
-run) and a stand-in for SourceAnswer; the grader builds the real SourceAnswers from the JSON.
+The child imports no torch (2 s a notebook) and reads nothing of pplab from disk: it gets
+the source of this module, submission.py and checks/prediction_lines.py in its request, as
+the grader read them before any notebook ran (a notebook run without the sandbox could
+rewrite them since), registers pplab's packages bare (their __init__ files not run) with a
+stand-in for SourceAnswer, and the grader builds the real SourceAnswers from the JSON.
 """
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ READ_SECONDS = 30.0                 # the child's deadline for one notebook
 READ_MEMORY = 1 << 30               # the child's address space, in bytes
 
 COURSE = Path(__file__).resolve().parents[2]      # exercises/ and solutions/: the markdown given to students
-PACKAGE_ROOT = Path(__file__).resolve().parents[2]   # the folder holding pplab/ (the course, or site-packages)
+CHILD_MODULES = ("pplab.checks.prediction_lines", "pplab.course.submission", "pplab.course.reading")
 HAND_IN = "hand in the .ipynb file Jupyter saves"
 
 
@@ -97,21 +99,27 @@ def read_bytes(path: str | Path, limit: int = MAX_NOTEBOOK_BYTES) -> bytes:
     return data
 
 
-def read_submission(path: str | Path, answers: dict, *, seconds: float = READ_SECONDS,
-                    memory: int = READ_MEMORY) -> Reading:
+def read_submission(path: str | Path, answers: dict, *, sources: dict | None = None,
+                    seconds: float = READ_SECONDS, memory: int = READ_MEMORY) -> Reading:
     """Read a submitted notebook in a child with a deadline and a memory limit.
 
     answers: {answer name: [the course notebooks that ask for it]}, the answers to look
-    for; markdown of those notebooks that the student did not change is not 'written'."""
+    for; markdown of those notebooks that the student did not change is not 'written'.
+    sources: pplab's sources as the grader read them (check_process.pplab_sources); the
+    child runs its modules from there (default: read from disk now)."""
     from ..checks import SourceAnswer
     from .exercises import MARKDOWN_STUB
     from .submission import Definitions
 
     data = read_bytes(path)
-    request = json.dumps({"answers": answers, "course": str(COURSE), "stub": MARKDOWN_STUB, "memory": memory,
-                          "path": [p for p in sys.path if p]}).encode() + b"\n"
+    root = Path(__file__).resolve().parents[2]
+    modules = {name: (sources[name][:2] if sources else
+                      [str(root.joinpath(*name.split("."))) + ".py",
+                       root.joinpath(*name.split(".")).with_suffix(".py").read_text()]) for name in CHILD_MODULES}
+    request = json.dumps({"modules": modules, "answers": answers, "course": str(COURSE), "stub": MARKDOWN_STUB,
+                          "memory": memory, "path": [p for p in sys.path if p]}).encode() + b"\n"
     # -S: no site (its .pth files cost more than the parse); the grader's sys.path comes in the request
-    child = subprocess.Popen([sys.executable, "-S", "-c", BOOT, str(PACKAGE_ROOT)], stdin=subprocess.PIPE,
+    child = subprocess.Popen([sys.executable, "-S", "-c", BOOT], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
         out, err = child.communicate(request + data, timeout=seconds)
@@ -148,26 +156,28 @@ def read_submission(path: str | Path, answers: dict, *, seconds: float = READ_SE
 
 MEMORY_EXIT = 3                   # the child's exit code when it ran out of memory
 
-# Run as `python -S -c BOOT PACKAGE_ROOT`: pplab's packages registered without running their
-# __init__ (which imports torch), and a SourceAnswer that is only a tuple.
+# Run as `python -S -c BOOT`, the request on stdin: pplab's packages registered without
+# running their __init__ (which imports torch) and with nothing to find on disk, the child's
+# modules run from the sources in the request, and a SourceAnswer that is only a tuple.
 BOOT = """
-import sys, types
-root = sys.argv[1]
+import json, sys, types
+header = json.loads(sys.stdin.buffer.readline())
+sys.path[:] = header["path"]
 for name in ("pplab", "pplab.course", "pplab.checks"):
-    package = types.ModuleType(name)
-    package.__path__ = [root + "/" + name.replace(".", "/")]
-    sys.modules[name] = package
+    sys.modules[name] = package = types.ModuleType(name)
+    package.__path__ = []
 sys.modules["pplab.checks"].SourceAnswer = lambda name, statements, params: (name, statements, params)
-from pplab.course.reading import _child
-_child()
+for name, (file, text) in header["modules"].items():
+    sys.modules[name] = module = types.ModuleType(name)
+    module.__file__, module.__package__ = file, name.rpartition(".")[0]
+    exec(compile(text, file, "exec"), module.__dict__)
+sys.modules["pplab.course.reading"]._child(header)
 """
 
 
-def _child() -> None:
+def _child(header: dict) -> None:
     import resource
 
-    header = json.loads(sys.stdin.buffer.readline())
-    sys.path[:] = header["path"]
     try:
         resource.setrlimit(resource.RLIMIT_AS, (header["memory"], header["memory"]))
     except (ValueError, OSError):          # macOS may refuse it: the deadline still holds
