@@ -148,7 +148,7 @@ def grade(submissions: str | Path, out: str | Path, *, timeout: float = 600.0, c
         rows.append(row)
         if log:
             log(f"{student}: {row['total']}/{_points(sum(EXERCISES[ex].points for ex in ids))}" + (f" ({row['notes'][:300]})" if row["notes"] else ""))
-    with open(out, "w", newline="") as f:
+    with open(out, "w", newline="", encoding="utf-8") as f:           # names are Unicode whatever the locale
         writer = csv.DictWriter(f, ["student", *ids, "total", "notes"])
         writer.writeheader()
         writer.writerows({k: _csv_safe(v) for k, v in row.items()} for row in rows)
@@ -194,7 +194,8 @@ def _write_answers(written: dict, folder: Path) -> None:
     for student, items in written.items():
         if items:
             text = "".join(f"## {name}, cell {n}\n\n{body.strip()}\n\n" for name, n, body in items)
-            (folder / answers_file_name(student)).write_text(f"# {student}: written answers\n\n{text}")
+            (folder / answers_file_name(student)).write_text(f"# {student}: written answers\n\n{text}",
+                                                             encoding="utf-8")
 
 
 def _file_safe(name: str) -> str:
