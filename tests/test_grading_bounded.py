@@ -243,9 +243,9 @@ def test_a_parse_that_never_ends_is_killed_with_a_note(tmp_path, monkeypatch):
 
 @pytest.mark.timeout(120)
 def test_a_parse_that_needs_too_much_memory_is_stopped_with_a_note(tmp_path):
-    (tmp_path / "x.ipynb").write_bytes(b'{"cells": [' + b"[]," * 3_000_000 + b'[]], "nbformat": 4}')
-    with pytest.raises(reading.Unreadable, match=r"reading it needed more than 0.125 GiB, the grader's limit"):
-        reading.read_submission(tmp_path / "x.ipynb", ANSWERS, memory=128 << 20)
+    (tmp_path / "x.ipynb").write_bytes(b'{"cells": [' + b"[]," * 1_500_000 + b'[]], "nbformat": 4}')
+    with pytest.raises(reading.Unreadable, match=r"reading it needed more than 0.0625 GiB, the grader's limit"):
+        reading.read_submission(tmp_path / "x.ipynb", ANSWERS, memory=64 << 20)
 
 
 def test_a_reader_that_crashes_gives_a_note_not_a_grader_crash(tmp_path, monkeypatch):
