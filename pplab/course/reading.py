@@ -14,14 +14,15 @@ read. Everything done with the submission's bytes before a check is bounded:
   socket, a device, a symbolic link or a folder named *.ipynb is refused by name.
 - At most MAX_NOTEBOOK_BYTES (20 MB) are read. Of the cells, the first MAX_CELLS (2,000)
   are read, and a code cell over MAX_CELL_CHARS (200,000 characters) is skipped, each with a
-  note (the course's notebooks have under 20 cells of under 4,000 characters).
+  note (the course's notebooks have at most 45 cells, of at most 5,200 characters).
 - The JSON parse, the cells' shape, IPython's magics, Python's parser, the walk over the
   syntax tree (submission.definitions), the prediction lines and the written answers run in
   a child process of their own, which gets the bytes on its stdin and answers in plain JSON.
   It has READ_SECONDS (30 s) and READ_MEMORY (1 GiB of address space): a child that runs out
   of either, or crashes (deeply nested code can overflow the C stack), is killed and the
-  notebook gets a note instead of marks. Reading a course-sized notebook takes well under a
-  second, most of it the child's start.
+  notebook gets a note instead of marks. For a course-sized notebook the child's cost is
+  mostly its start: Python, then IPython's import (for %magics), then a few milliseconds of
+  parsing.
 
 The child imports no torch (2 s a notebook) and reads nothing of pplab from disk: it gets
 the source of this module, submission.py and checks/prediction_lines.py in its request, as
