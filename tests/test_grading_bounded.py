@@ -271,6 +271,7 @@ def test_names_that_read_as_one_student_are_each_refused_with_a_note(tmp_path):
     (tmp_path / "eve").mkdir()
     _write(tmp_path / "eve" / "b.ipynb", "x = 1")
     _write(tmp_path / f"{unicodedata.normalize('NFD', 'renée')}.ipynb", "x = 1")
+    (tmp_path / "EVE" / "notes").mkdir(parents=True)       # no notebook in it: nobody, and no collision with eve
     refused = {}
     found = students.find_submissions(tmp_path, refused)
     assert sorted(found) == ["bob smith", "bob_smith", "eve", unicodedata.normalize("NFC", "renée")]

@@ -69,8 +69,9 @@ def find_submissions(directory: str | Path, refused: dict | None = None) -> dict
             _walk(Path(entry.path), directory, notebooks, notes)
 
     by_identity: dict[str, list[str]] = {}
-    for raw in entries:
-        by_identity.setdefault(identity(raw), []).append(raw)
+    for raw, (notebooks, notes) in entries.items():
+        if notebooks or notes:                    # a folder without notebooks is nobody
+            by_identity.setdefault(identity(raw), []).append(raw)
     found: dict[str, list[Path]] = {}
     for raws in by_identity.values():
         if len(raws) > 1:
