@@ -13,7 +13,7 @@ import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 from pplab import checks
-from pplab.course import cli, exercises, grading, sandbox, submission
+from pplab.course import cli, exercises, grading, reading, sandbox, submission
 
 REPO = Path(__file__).resolve().parents[1]
 PPLAB = [sys.executable, "-m", "pplab.course.cli"]
@@ -320,7 +320,7 @@ def test_the_predictions_a_student_filled_in_go_with_the_written_answers():
     cells = [(1, "code", "my_bubble = 3 / 8   # your prediction: the bubble\nmy_peak = None  # your prediction: peak"),
              (2, "code", "x = 1   # not a prediction"),
              (3, "markdown", "I think the last rank idles most.")]
-    assert grading._written_answers(cells, set()) == [
+    assert reading.written_answers(cells, set()) == [
         (1, "predictions: `my_bubble = 3 / 8`"), (3, "I think the last rank idles most.")]
 
 

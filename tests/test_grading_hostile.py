@@ -81,7 +81,8 @@ def test_one_grading_run_survives_every_kind_of_hostile_submission(tmp_path):
     # 1. broken notebooks: each gets its own row and a note; answers they hold are still graded
     (subs / "no_source.ipynb").write_text(json.dumps({"cells": [{"cell_type": "code"}], "metadata": {},
                                                       "nbformat": 4, "nbformat_minor": 5}))
-    _write(subs / "huge_expression.ipynb", "from pplab import comm", "x = (" + " + ".join(["1"] * 30_000) + ")", good)
+    _write(subs / "huge_expression.ipynb", "from pplab import comm", "x = (" + " + ".join(["1"] * 30_000) + ")", good,
+           "my_x =" + " " * 20_000)                 # issue 34: the old prediction pattern took days over this cell
     _write(subs / "deep_nesting.ipynb", "x = " + "[" * 5000 + "]" * 5000, WRONG)
     (subs / "binary.ipynb").write_bytes(os.urandom(4096))
     (subs / "nbformat3.ipynb").write_text(json.dumps({"worksheets": [{"cells": []}], "metadata": {}, "nbformat": 3}))
@@ -144,6 +145,12 @@ def test_one_grading_run_survives_every_kind_of_hostile_submission(tmp_path):
         code = inspect.getsource(attack).replace(f"def {attack.__name__}(", "def my_broadcast(", 1)
         _write(subs / f"rank_{attack.__name__}.ipynb", sealed_attacks.IMPORTS, inspect.getsource(sealed_attacks._token),
                inspect.getsource(sealed_attacks._plain_broadcast), code)
+    # 11. issue 34: not a regular file (a FIFO blocked the read forever), two names that read as one student
+    os.mkfifo(subs / "fifo.ipynb")
+    (subs / "folder.ipynb").mkdir()
+    _write(subs / "folder.ipynb" / "inside.ipynb", good)
+    _write(subs / "zo\xeb.ipynb", good)
+    _write(subs / "zoe\u0308.ipynb", good)
     _write(subs / "zz_good.ipynb", "from pplab import comm", good,
            markdown=["My written answer: the tree needs ceil(log2 p) rounds."])
 
@@ -174,7 +181,8 @@ def test_one_grading_run_survives_every_kind_of_hostile_submission(tmp_path):
         "not_json": "missing", "writes_environment": "0", "daemon": "0", "linked": "missing", "'=1+1": "0",
         "forges_notes": "0", "copies_a_classmate": "0", "imports_checker": "0", "in_a_block": "missing",
         "floods_output": "1", "rank_steals_from_frames": "0", "rank_erases_the_record": "0",
-        "rank_uses_the_backend": "0", "rank_uses_functional_collectives": "0", "rank_shares_a_file": "0"}, rows
+        "rank_uses_the_backend": "0", "rank_uses_functional_collectives": "0", "rank_shares_a_file": "0",
+        "fifo": "missing", "folder": "missing", "zo\\xeb": "missing", "zoe\\u0308": "missing"}, rows
     notes = {s: r["notes"] for s, r in rows.items()}
     assert "cell 1 is not a well-formed cell (no cell_type or source): skipped" in notes["no_source"]
     assert "cell 2 could not be read by Python's parser (RecursionError)" in notes["huge_expression"]
@@ -188,7 +196,11 @@ def test_one_grading_run_survives_every_kind_of_hostile_submission(tmp_path):
     assert "a check's ranks have no process group" in notes["rank_uses_the_backend"]
     assert "torch.distributed._functional_collectives" in notes["rank_uses_functional_collectives"]
     assert "you called torch.distributed.all_reduce" in notes["rank_erases_the_record"]
-    assert "summary: 22 student(s)" in run.stderr
+    assert "fifo.ipynb is a named pipe (FIFO), not a notebook file" in notes["fifo"]
+    assert "folder.ipynb is a folder, not a notebook file" in notes["folder"]
+    assert "cannot tell them apart: neither was graded" in notes["zo\\xeb"]
+    assert "cell 4 has a syntax error" in notes["huge_expression"]
+    assert "summary: 26 student(s)" in run.stderr
     assert (tmp_path / "grades_answers" / "zz_good.md").read_text().count("ceil(log2 p)") == 1
     assert time.monotonic() - started < 500
 

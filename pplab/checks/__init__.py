@@ -9,7 +9,8 @@ back from it), `forbidden` (what an answer may not call), `router` and `isolatio
 `sealed_rank` (a rank's life), `zygote` (what ranks are forked from) and `sealed` (a
 launch, seen from the checker), and `core`: the registry (`@exercise`), `check`/
 `run_check` and the helpers every checker uses (core's docstring has the contract);
-`predictions` compares a chapter's 'predict, then run' answers with what was measured. Each
+`predictions` compares a chapter's 'predict, then run' answers with what was measured
+(`prediction_lines` finds them in a cell's source, in linear time, for the grader). Each
 other module of this package holds one chapter's checkers and imports from `core` and
 `sealed`. Every module here is imported when the package is, so a new chapter adds one
 file and touches nothing else.

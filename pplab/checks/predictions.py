@@ -17,25 +17,16 @@ The course's tests fill every prediction in with a worked answer (tests/predicti
 and set PPLAB_PREDICTIONS_MUST_MATCH=1, so a worked answer that stops matching what the
 notebook measures fails the test run (a `timed` measurement excepted: clocks are noisy); a
 learner's miss only prints. The grader reads the
-predictions a student wrote (`predictions_in`) without running anything.
+predictions a student wrote (`predictions_in`, prediction_lines.py) without running anything.
 """
 from __future__ import annotations
 
 import os
-import re
 
 from .core import CheckResult
-
-# `my_x = <value>   # your prediction...` at the start of a line
-PREDICTION_LINE = re.compile(r"^(?P<name>[A-Za-z_]\w*)\s*=\s*(?P<value>.*?)\s*#\s*your prediction\b.*$", re.M)
-
+from .prediction_lines import PREDICTION_LINE, predictions_in  # noqa: F401 - found in linear time, on its own
 
 NO_PREDICTION = "no prediction yet"
-
-
-def predictions_in(source: str) -> dict[str, str]:
-    """The prediction lines of a cell's source: {variable: the value as written}."""
-    return {m["name"]: m["value"] for m in PREDICTION_LINE.finditer(source)}
 
 
 def _must_match() -> bool:

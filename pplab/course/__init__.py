@@ -3,6 +3,8 @@
 exercises.py      exercises/ written from solutions/ (the solution between BEGIN/END SOLUTION markers).
 grading.py        `pplab grade`: each notebook run for its notes, its answers taken from its source.
 submission.py     what the grader takes from a notebook's source: the definitions an answer needs.
+reading.py        a submission's bytes read bounded: regular files only, parsed in a child with a deadline.
+students.py       the submissions folder read as one identity per student; their answer files' names.
 check_process.py  one answer's check, in a fresh process where no student code runs.
 sandbox.py        Linux namespaces around every process that runs a student's code.
 runner.py         runs a notebook in a kernel, for the notes; kills process trees.

@@ -21,21 +21,30 @@
      user namespaces (not Linux, or turned off) the grader says so once, in its summary:
      student code then runs with the grader's rights, so grade in a container.
    A notebook that crashes, hangs or deadlocks loses nothing: its definitions are graded.
-   Whatever one submission holds (not a notebook, a symbolic link, huge or deeply nested
-   code, output without end), it gets its own row with a note and the others are graded.
+   Whatever one submission holds (not a notebook, a symbolic link, a named pipe, huge or
+   deeply nested code, output without end), it gets its own row with a note and the others
+   are graded. Before any check, what the grader does with a submission's bytes is bounded
+   (reading.py): only regular files are opened, never waiting and never through a link;
+   at most 20 MB, 2,000 cells and 200,000 characters a code cell are read; the JSON parse,
+   IPython's magics, Python's parser, the walk for definitions, the prediction lines and the
+   written answers run in a child process with 30 s and 1 GiB, killed past either, so a
+   pathological notebook costs seconds and gets a note. Each student has one identity
+   (students.py): names are read in NFC, and two that differ only by case or Unicode form
+   are both refused with a note, never merged; a student's folder is searched 8 levels deep,
+   for at most 100 notebooks.
 
 2. The CSV: one row per student, one column per exercise in chapter order (the points
    earned: 1 passed, 0 tried and failed for most; part of a capstone's points for the parts
    that were right, "missing" where no notebook of the student defines the answer or
    it is still the exercise's stub), the total, and the notes. Values a spreadsheet
-   would read as a formula (=, +, -, @ first) are quoted with a leading '. Written
-   answers (markdown cells the student added or changed, and the predictions they filled in)
-   go to ANSWERS/<student>.md.
+   would read as a formula (=, +, -, @, a tab or a carriage return first) are quoted with
+   a leading '. Written answers (markdown cells the student added or changed, and the
+   predictions they filled in) go to ANSWERS/<student>.md, one file per student: the name
+   is percent-encoded ('bob smith' -> bob%20smith.md), so no two students share one.
 """
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import csv
 import json
 import os
@@ -49,8 +58,9 @@ from pathlib import Path
 
 
 from . import sandbox
-from .exercises import MARKDOWN_STUB
 from .check_process import pplab_sources, run_check_process
+from .students import answers_file_name, find_submissions
+from .reading import MAX_CELL_CHARS, MAX_NOTEBOOK_BYTES, read_cells, read_submission  # noqa: F401 - read_cells: tests
 from .runner import _kill_tree
 
 
@@ -58,8 +68,6 @@ from .runner import _kill_tree
 # ----------------------------------------------------------------------------------
 # 2. Grading: run each notebook for its notes, then check its definitions elsewhere
 
-MAX_NOTEBOOK_BYTES = 20 << 20       # a notebook larger than this is not read (clear its outputs)
-MAX_CELL_CHARS = 200_000            # a code cell longer than this is not parsed
 MISSING = "missing"                 # the CSV's mark for an answer nobody wrote
 
 
@@ -71,44 +79,6 @@ class NotebookGrade:
     notes: list = field(default_factory=list)       # "cell 4 raised ValueError: ...", "ignored cell 2, line 1: ..."
     written: list = field(default_factory=list)     # markdown the student wrote: (cell number, text)
     status: str = "graded"                          # "graded", "refused" (not read) or "failed to run"
-
-
-def find_submissions(directory: str | Path, refused: dict | None = None) -> dict[str, list[Path]]:
-    """{student: notebooks}: DIR/<student>.ipynb, or every notebook under DIR/<student>/.
-
-    A symbolic link (to another student's notebook, to the solutions...) is never followed:
-    it goes into `refused` as {student: [why]}, and that student gets a row with the note."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise FileNotFoundError(f"no submissions folder at {directory}")
-    refused = {} if refused is None else refused
-    found: dict[str, list[Path]] = {}
-
-    def link(path: Path, student: str) -> bool:
-        if path.is_symlink():
-            refused.setdefault(student, []).append(
-                f"{path.relative_to(directory)} is a symbolic link (to {os.readlink(path)}): refused, hand in the "
-                f"notebook itself")
-            return True
-        return False
-
-    for entry in sorted(directory.iterdir()):
-        if entry.name.startswith("."):
-            continue
-        if entry.suffix == ".ipynb" and (entry.is_file() or entry.is_symlink()):
-            if not link(entry, entry.stem):
-                found.setdefault(entry.stem, []).append(entry)
-        elif entry.is_dir() or entry.is_symlink():
-            if link(entry, entry.name):
-                continue
-            notebooks = []
-            for root, dirs, files in os.walk(entry):                       # never into a linked folder
-                dirs[:] = sorted(d for d in dirs if d != ".ipynb_checkpoints" and not link(Path(root, d), entry.name))
-                notebooks += [Path(root, f) for f in sorted(files) if f.endswith(".ipynb")
-                              and not link(Path(root, f), entry.name)]
-            if notebooks:
-                found.setdefault(entry.name, []).extend(sorted(notebooks))
-    return found
 
 
 def chapter_order(exercise_ids) -> list[str]:
@@ -178,7 +148,7 @@ def grade(submissions: str | Path, out: str | Path, *, timeout: float = 600.0, c
         rows.append(row)
         if log:
             log(f"{student}: {row['total']}/{_points(sum(EXERCISES[ex].points for ex in ids))}" + (f" ({row['notes'][:300]})" if row["notes"] else ""))
-    with open(out, "w", newline="") as f:
+    with open(out, "w", newline="", encoding="utf-8") as f:           # names are Unicode whatever the locale
         writer = csv.DictWriter(f, ["student", *ids, "total", "notes"])
         writer.writeheader()
         writer.writerows({k: _csv_safe(v) for k, v in row.items()} for row in rows)
@@ -187,7 +157,7 @@ def grade(submissions: str | Path, out: str | Path, *, timeout: float = 600.0, c
         statuses = [g.status for g in grades.values()]
         log(f"summary: {len(rows)} student(s), {len(tasks)} notebook(s): {statuses.count('graded')} graded, "
             f"{statuses.count('failed to run')} failed to run, {statuses.count('refused')} refused, "
-            f"{sum(len(r) for r in refused.values())} link(s) refused; {time.monotonic() - started:.0f} s" +
+            f"{sum(len(r) for r in refused.values())} file(s) or name(s) refused; {time.monotonic() - started:.0f} s" +
             (f". NOT SANDBOXED ({no_sandbox}): student code ran with the grader's rights" if no_sandbox else ""))
     return rows
 
@@ -208,24 +178,28 @@ def _points(x: float):
 
 
 def _csv_safe(value):
-    """A cell a spreadsheet would run as a formula (=, +, -, @ first) gets a leading '."""
+    """A cell a spreadsheet would run as a formula (=, +, -, @, a tab or a carriage return
+    first: OWASP's list for CSV injection) gets a leading '."""
     if isinstance(value, str) and value[:1] in ("=", "+", "-", "@", "\t", "\r"):
         return "'" + value
     return value
 
 
 def _write_answers(written: dict, folder: Path) -> None:
-    """Each student's written answers (markdown they wrote) into FOLDER/<student>.md."""
+    """Each student's written answers (markdown they wrote) into FOLDER/<student>.md, one
+    file per student whatever their names (students.answers_file_name)."""
     if not any(written.values()):
         return
     folder.mkdir(parents=True, exist_ok=True)
     for student, items in written.items():
         if items:
             text = "".join(f"## {name}, cell {n}\n\n{body.strip()}\n\n" for name, n, body in items)
-            (folder / f"{_file_safe(student)}.md").write_text(f"# {student}: written answers\n\n{text}")
+            (folder / answers_file_name(student)).write_text(f"# {student}: written answers\n\n{text}",
+                                                             encoding="utf-8")
 
 
 def _file_safe(name: str) -> str:
+    """A name for the scratch copy of a notebook (not unique: one notebook per scratch folder)."""
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name).lstrip(".") or "_"
 
 
@@ -243,40 +217,6 @@ def _grade_safely(path: Path, settings: dict) -> NotebookGrade:
                                     f"it was not graded; please report it"], status="failed to run")
 
 
-def read_cells(path: Path) -> tuple[list[tuple[int, str, str]], list[str]]:
-    """[(cell number, cell type, source)] of a notebook, read without trusting its shape,
-    and notes on what could not be read. Raises ValueError if it is not a notebook at all."""
-    size = path.stat().st_size
-    if size > MAX_NOTEBOOK_BYTES:
-        raise ValueError(f"the notebook is {size / 2**20:.0f} MB, more than the grader reads "
-                         f"({MAX_NOTEBOOK_BYTES >> 20} MB): clear its outputs and hand it in again")
-    with open(path, "rb") as f:
-        data = f.read(MAX_NOTEBOOK_BYTES + 1)
-    try:
-        nb = json.loads(data)
-    except (ValueError, RecursionError) as exc:
-        raise ValueError(f"not a notebook (not JSON: {type(exc).__name__})") from None
-    if not isinstance(nb, dict) or not isinstance(nb.get("cells"), list):
-        old = isinstance(nb, dict) and "worksheets" in nb
-        raise ValueError("not a notebook in nbformat 4" + (" (nbformat 3: open and save it in Jupyter)" if old
-                                                           else " (no list of cells)"))
-    cells, notes = [], []
-    for number, cell in enumerate(nb["cells"], 1):
-        kind = cell.get("cell_type") if isinstance(cell, dict) else None
-        source = cell.get("source", None) if isinstance(cell, dict) else None
-        if isinstance(source, list) and all(isinstance(s, str) for s in source):
-            source = "".join(source)
-        if kind not in ("code", "markdown", "raw") or not isinstance(source, str):
-            notes.append(f"cell {number} is not a well-formed cell (no cell_type or source): skipped")
-            continue
-        if kind == "code" and len(source) > MAX_CELL_CHARS:
-            notes.append(f"cell {number} holds {len(source):,} characters, more than the grader reads "
-                         f"({MAX_CELL_CHARS:,}): skipped")
-            continue
-        cells.append((number, kind, source))
-    return cells, notes
-
-
 def grade_notebook(path: str | Path, *, timeout: float = 600.0, cell_timeout: float = 120.0,
                    check_timeout: float = 30.0, sources: dict | None = None, exercises=None, hidden=(),
                    sandboxed: bool = True) -> NotebookGrade:
@@ -284,25 +224,22 @@ def grade_notebook(path: str | Path, *, timeout: float = 600.0, cell_timeout: fl
     then check the answers it defines (its source, whatever the run did), each in a fresh
     process of the grader's."""
     from ..checks import EXERCISES
-    from .submission import definitions
 
     sources = sources or pplab_sources()
     path = Path(path)
     grade = NotebookGrade()
-    if path.is_symlink():
-        grade.notes.append(f"{path.name} is a symbolic link: refused, hand in the notebook itself")
-        grade.status = "refused"
-        return grade
-    try:
-        cells, unreadable = read_cells(path)
-        grade.notes += unreadable
+    wanted = [EXERCISES[ex] for ex in (exercises or EXERCISES)]
+    answers: dict[str, list] = {}
+    for ex in wanted:
+        answers.setdefault(ex.answer, []).append(ex.notebook)
+    try:                  # bounded: a regular file only, parsed in a child with a deadline (reading.py)
+        reading = read_submission(path, answers, sources=sources)
     except (ValueError, OSError) as exc:
         grade.notes.append(f"could not read the notebook: {exc}")
         grade.status = "refused"
         return grade
-    wanted = [EXERCISES[ex] for ex in (exercises or EXERCISES)]
-    found = definitions([(n, src) for n, kind, src in cells if kind == "code"], {ex.answer for ex in wanted})
-    grade.written = _written_answers(cells, {ex.notebook for ex in wanted if ex.answer in found.answers})
+    grade.notes += reading.notes
+    found, grade.written = reading.found, reading.written
     before = pplab_sources()
     if not run_notebook(path, grade.notes, timeout=timeout, cell_timeout=cell_timeout, hidden=hidden,
                         sandboxed=sandboxed):
@@ -325,32 +262,6 @@ def grade_notebook(path: str | Path, *, timeout: float = 600.0, cell_timeout: fl
             grade.passed[ex.id], grade.messages[ex.id] = passed, message
             grade.scores[ex.id] = ex.points if passed else min(max(score, 0.0), ex.points)
     return grade
-
-
-def _written_answers(cells, exercise_notebooks) -> list[tuple[int, str]]:
-    """Markdown cells the student wrote or changed: not in any exercise notebook of the
-    course that this notebook answers, and not the stub."""
-    given = set()
-    for name in exercise_notebooks:
-        for folder in ("exercises", "solutions"):
-            file = Path(__file__).resolve().parents[2] / folder / f"{name}.ipynb"
-            with contextlib.suppress(OSError, ValueError):
-                given |= {src.strip() for _, kind, src in read_cells(file)[0] if kind == "markdown"}
-    written = [(n, src) for n, kind, src in cells if kind == "markdown" and src.strip()
-               and src.strip() not in given and src.strip() != MARKDOWN_STUB]
-    return sorted(written + _predictions(cells))
-
-
-def _predictions(cells) -> list[tuple[int, str]]:
-    """The chapters' 'predict, then run' answers the student filled in, read from the source
-    (`my_x = 3 * n  # your prediction: ...`), so the instructor sees what they guessed."""
-    from ..checks.predictions import predictions_in
-    found = []
-    for n, kind, src in cells:
-        guessed = {k: v for k, v in predictions_in(src).items() if v != "None"} if kind == "code" else {}
-        if guessed:
-            found.append((n, "predictions: " + "; ".join(f"`{k} = {v}`" for k, v in guessed.items())))
-    return found
 
 
 # -- running the notebook, for its notes only ----------------------------------------
