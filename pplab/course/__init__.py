@@ -2,6 +2,9 @@
 
 exercises.py      exercises/ written from solutions/ (the solution between BEGIN/END SOLUTION markers).
 grading.py        `pplab grade`: each notebook run for its notes, its answers taken from its source.
+results.py        the one result object (GradeResult, ExerciseResult) every output is written from.
+formats.py        the outputs: CSV, JSON, JUnit XML, PrairieLearn's results.json.
+gradescope.py     Gradescope's autograder zip, and its run_autograder (a deadline of its own).
 submission.py     what the grader takes from a notebook's source: the definitions an answer needs.
 check_process.py  one answer's check, in a fresh process where no student code runs.
 sandbox.py        Linux namespaces around every process that runs a student's code.
@@ -9,4 +12,7 @@ runner.py         runs a notebook in a kernel, for the notes; kills process tree
 cli.py            the `pplab` command.
 
 The student-facing checks (`pplab.check`, pplab/checks/) belong to this layer too.
+
+    result = pplab.course.grade_notebook("alice.ipynb", exercises=["broadcast"])   # a GradeResult
 """
+from .results import ExerciseResult, GradeResult, grade_notebook, grade_submission  # noqa: F401
