@@ -170,9 +170,22 @@ def _isolation(no_sandbox, work: Path):
     import pwd
 
     user = pwd.getpwnam(os.environ.get("PPLAB_AUTOGRADER_USER", UNPRIVILEGED))
+    network = _own_network_possible()
+    try:
+        probe = subprocess.run([sys.executable, "-c", "import torch, pplab"], capture_output=True, text=True,
+                               user=user.pw_uid, group=user.pw_gid, extra_groups=[], cwd="/")
+        why = None if probe.returncode == 0 else \
+            (probe.stderr.strip().splitlines() or [f"exit code {probe.returncode}"])[-1][:200]
+    except OSError as err:
+        why = str(err)[:200]
+    if why:                             # its Python lies in a folder only root may read (/root/.pyenv, say)
+        return (f"no namespace sandbox ({no_sandbox}) and {user.pw_name} cannot run this Python ({why}): "
+                f"student code ran AS ROOT, with limits on processes, file size and core dumps, "
+                + ("without network" if network else "WITH the container's network")
+                + ", in a fresh container for this submission; install Python where every user can read it"), \
+            (lambda: (_unshare_network() if network else None, _limits()))
     for path in [work, *work.rglob("*")]:                     # the child writes its scratch files here
         os.lchown(path, user.pw_uid, user.pw_gid)
-    network = _own_network_possible()
     note = (f"no namespace sandbox ({no_sandbox}): student code ran as the unprivileged user {user.pw_name} "
             f"(not root), with limits on processes, file size and core dumps, "
             + ("without network (a network namespace of its own)" if network else
