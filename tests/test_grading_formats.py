@@ -244,7 +244,8 @@ def test_gradescope_without_namespaces_past_its_deadline_scores_what_finished(au
     config = json.loads((base / "source" / "config.json").read_text())
     config["limits"].update(check_timeout=300.0, timeout=10.0)      # the notebook's run: only its notes
     (base / "source" / "config.json").write_text(json.dumps(config))
-    data, _ = _run_autograder(base, env, {"mine.ipynb": [_answer_cell("00_broadcast", "my_broadcast"), TRAFFIC_HANGS]},
+    data, _ = _run_autograder(base, env, {"mine.ipynb": ["from pplab import comm", _answer_cell("00_broadcast", "my_broadcast"),
+                                                               TRAFFIC_HANGS]},
                               PPLAB_SANDBOX="off", PPLAB_AUTOGRADER_DEADLINE="45")
     broadcast, traffic = data["tests"]
     assert (broadcast["score"], broadcast["status"]) == (1, "passed"), data

@@ -125,6 +125,11 @@ def _prairielearn(args, exercises) -> int:
     out = Path(args.out or os.environ.get("PPLAB_PRAIRIELEARN_OUT", PRAIRIELEARN_OUT))
     limits = dict(timeout=args.timeout, cell_timeout=args.cell_timeout, check_timeout=args.check_timeout)
     result = grade_submission(args.submissions, exercises, limits=limits, sandboxed=not args.no_sandbox)
+    from . import sandbox
+
+    why = "--no-sandbox" if args.no_sandbox else sandbox.why_not()
+    if why:                        # PrairieLearn's container is the isolation left: say so in the output
+        result.isolation = f"not sandboxed ({why}): student code ran with the grader's rights in this container"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(prairielearn(result), ensure_ascii=False))
     print(f"wrote {out}: {result.points:g} of {result.max_points} points")
