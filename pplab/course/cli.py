@@ -120,7 +120,7 @@ def _prairielearn(args, exercises) -> int:
     from pathlib import Path
 
     from .formats import PRAIRIELEARN_OUT, prairielearn
-    from .results import grade_submission
+    from .api import grade_submission
 
     out = Path(args.out or os.environ.get("PPLAB_PRAIRIELEARN_OUT", PRAIRIELEARN_OUT))
     limits = dict(timeout=args.timeout, cell_timeout=args.cell_timeout, check_timeout=args.check_timeout)

@@ -35,6 +35,13 @@ def csv_row(result: GradeResult) -> dict:
     return row
 
 
+def csv_safe(value):
+    """A cell a spreadsheet would run as a formula (=, +, -, @, tab, CR first) gets a leading '."""
+    if isinstance(value, str) and value[:1] in ("=", "+", "-", "@", "\t", "\r"):
+        return "'" + value
+    return value
+
+
 def write(results: list, out, fmt: str, *, exercise_ids: list) -> None:
     """Write `results` (GradeResults) to the file `out` in format `fmt`."""
     if fmt not in FORMATS:
@@ -42,12 +49,10 @@ def write(results: list, out, fmt: str, *, exercise_ids: list) -> None:
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if fmt == "csv":
-        from .grading import _csv_safe
-
         with open(out, "w", newline="") as f:
             writer = csv.DictWriter(f, ["student", *exercise_ids, "total", "notes"])
             writer.writeheader()
-            writer.writerows({k: _csv_safe(v) for k, v in csv_row(r).items()} for r in results)
+            writer.writerows({k: csv_safe(v) for k, v in csv_row(r).items()} for r in results)
     elif fmt == "json":
         out.write_text(json.dumps({"exercises": list(exercise_ids), "students": [r.to_dict() for r in results]},
                                   indent=1, ensure_ascii=False) + "\n")

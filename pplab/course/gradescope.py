@@ -307,7 +307,7 @@ def gradescope_results(result: GradeResult, seconds: float) -> dict:
 def _child(job: dict) -> None:
     """In the grading child: grade the submission, one JSON line per finished check and notebook,
     then {"done": ..., "notes": [...]} with the whole submission's notes."""
-    from .results import grade_submission
+    from .api import grade_submission
 
     out = os.fdopen(job["fd"], "w", buffering=1)
 

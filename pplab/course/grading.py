@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import csv
 import json
 import os
 import shutil
@@ -207,11 +206,7 @@ def _points(x: float):
     return int(x) if float(x).is_integer() else round(x, 2)
 
 
-def _csv_safe(value):
-    """A cell a spreadsheet would run as a formula (=, +, -, @ first) gets a leading '."""
-    if isinstance(value, str) and value[:1] in ("=", "+", "-", "@", "\t", "\r"):
-        return "'" + value
-    return value
+_csv_safe = formats.csv_safe              # moved to formats.py, with the CSV writer
 
 
 def _write_answers(written: dict, folder: Path) -> None:
