@@ -88,6 +88,19 @@ def test_combine_keeps_each_exercises_best_notebook_and_marks_the_rest_missing()
                                        "notes": "c.ipynb is a symbolic link; a.ipynb: cell 2 raised KeyError: 'x'"}
 
 
+def test_the_stub_and_the_seed_are_fields_of_a_checks_result_not_words_to_find():
+    from pplab import checks
+
+    def answer(body):
+        return checks.SourceAnswer("linear_traffic", (("<cell 1>", 1, f"def linear_traffic(strategy, B, c_in, c_out):\n"
+                                                                      f"    {body}"),))
+    stub = checks.run_check("linear_traffic", answer('raise NotImplementedError("write your solution here")'), seed=5)
+    assert (stub.missing, stub.passed, stub.hint) == (True, False, "")
+    wrong = checks.run_check("linear_traffic", answer("return 0"), seed=5)
+    assert (wrong.missing, wrong.passed, wrong.hint) == (False, False, "Re-run with seed=5 to reproduce.")
+    assert wrong.message.endswith(" Re-run with seed=5 to reproduce.")         # the student still reads it
+
+
 # -- the formats, from a result written by hand ---------------------------------------
 
 def test_csv_and_json(tmp_path):
@@ -156,6 +169,10 @@ def test_gradescope_results_and_a_deadline_that_came_early():
     # it finished: an exercise no notebook answered is missing, not timed out
     done = gradescope._what_finished(ids, finished, [{"done": "graded", "notes": []}], 30)
     assert [r.status for r in done.exercises] == ["passed", "missing", "missing"] and done.notes == []
+    # the grading process died (not the deadline): the rest is an error of the grader's, not timed out
+    crashed = gradescope._what_finished(ids, finished, [{"crashed": 1}], 30)
+    assert [r.status for r in crashed.exercises] == ["passed", "error", "error"]
+    assert crashed.exercises[1].message == "not graded: the grader stopped (exit code 1; see results/pplab.log)"
     data = gradescope.gradescope_results(result, 12.4)
     assert data["score"] == 1.0 and data["execution_time"] == 12
     assert data["tests"][0] == {"score": 1.0, "max_score": 1, "name": f"broadcast: {finished[0].name}", "number": "1",

@@ -36,7 +36,7 @@ import time
 import zipfile
 from pathlib import Path
 
-from .results import PASSED, TIMED_OUT, ExerciseResult, GradeResult, combine
+from .results import ERROR, PASSED, TIMED_OUT, ExerciseResult, GradeResult, combine
 
 DEADLINE = 540.0                    # seconds: under Gradescope's default limit of 10 minutes
 LIMITS = {"timeout": 240.0, "cell_timeout": 120.0, "check_timeout": 30.0}   # grading.grade_notebook's
@@ -259,11 +259,14 @@ def _grade_in_child(work: Path, ids, limits, sandboxed: bool, seconds: float, pr
     reader.start()
     try:
         child.wait(max(seconds, 1.0))
+        crashed = child.returncode != 0
     except subprocess.TimeoutExpired:
-        pass
+        crashed = False
     _kill_tree(child.pid)                                  # the checks and notebooks still running too
     child.wait()
     reader.join(5)
+    if crashed:                                            # not the deadline: say so, not "timed out"
+        notebooks.append({"crashed": child.returncode})
     return list(finished), list(notebooks)
 
 
@@ -278,18 +281,23 @@ def _what_finished(ids, finished, notebooks, deadline) -> GradeResult:
         if r.exercise not in grade.results or r.points > grade.results[r.exercise].points:
             grade.results[r.exercise] = r
     done = [record for record in notebooks if "done" in record]
+    crashed = [record["crashed"] for record in notebooks if "crashed" in record]
     result = combine("submission", [("submission", grade)], ids)
     if done:
         result.notes = done[-1]["notes"]                   # the whole submission's notes, as the child's combine wrote them
+        return result
+    result.notes = [n for record in notebooks for n in record.get("notes", [])] + result.notes
+    if crashed:
+        status, message = ERROR, f"not graded: the grader stopped (exit code {crashed[0]}; see results/pplab.log)"
+        result.notes.append(f"grader error: the grading process stopped (exit code {crashed[0]}) before every "
+                            f"exercise was graded; please report it with results/pplab.log")
     else:
-        result.notes = [n for record in notebooks for n in record["notes"]] + result.notes
-    if not done:
-        for i, r in enumerate(result.exercises):
-            if r.exercise not in grade.results:
-                result.exercises[i] = ExerciseResult.of(
-                    r.exercise, TIMED_OUT, 0.0, f"not graded before the autograder's deadline ({deadline:g} s)")
+        status, message = TIMED_OUT, f"not graded before the autograder's deadline ({deadline:g} s)"
         result.notes.append(f"the autograder's deadline ({deadline:g} s) came before every exercise was graded: "
                             f"the finished ones are scored, the rest marked timed out")
+    for i, r in enumerate(result.exercises):
+        if r.exercise not in grade.results:
+            result.exercises[i] = ExerciseResult.of(r.exercise, status, 0.0, message)
     return result
 
 
