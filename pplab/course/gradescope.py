@@ -9,9 +9,9 @@ The zip holds, at its root (what Gradescope asks for):
 
 run_autograder has its own deadline (default 540 s, under Gradescope's default 10 minutes):
 the grading runs in a child process that reports each exercise as its check ends; at the
-deadline the child and everything it started are killed, and results.json holds the
-exercises that finished, the rest marked "timed out", rather than Gradescope's timeout
-zeroing everything. Nothing but results.json goes to results/ and the child's output goes
+deadline (or on SIGTERM or SIGINT) the child and everything it started are killed, and
+results.json holds the exercises that finished, the rest marked "timed out", rather than
+Gradescope's timeout zeroing everything. results/pplab.log says each exercise as it finishes. Nothing but results.json goes to results/ and the child's output goes
 to results/pplab.log, so nothing gets in the JSON's way.
 
 Gradescope's containers run the autograder as root and have no user namespaces, so the
@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -41,6 +42,7 @@ from .results import ERROR, PASSED, TIMED_OUT, ExerciseResult, GradeResult, comb
 DEADLINE = 540.0                    # seconds: under Gradescope's default limit of 10 minutes
 LIMITS = {"timeout": 240.0, "cell_timeout": 120.0, "check_timeout": 30.0}   # grading.grade_notebook's
 UNPRIVILEGED = "nobody"
+STOP = threading.Event()            # set by SIGTERM or SIGINT: stop grading, write what finished
 
 SETUP_SH = r'''#!/usr/bin/env bash
 # Gradescope runs this once, as root, on its Ubuntu image, when the autograder is uploaded.
@@ -128,6 +130,8 @@ def _wheel(checkout: Path, folder: Path) -> Path:
 def run(config_path) -> dict:
     """Grade ROOT/submission as one student's, within the deadline; write ROOT/results/results.json."""
     started = time.monotonic()
+    for sig in (signal.SIGTERM, signal.SIGINT):           # stopped from outside: write what finished, as at the deadline
+        signal.signal(sig, lambda *_: STOP.set())
     root = Path(os.environ.get("PPLAB_AUTOGRADER_ROOT", "/autograder"))
     config = json.loads(Path(config_path).read_text())
     ids = config["exercises"]
@@ -143,7 +147,7 @@ def run(config_path) -> dict:
         isolation, preexec = _isolation(no_sandbox, work)
         finished, notebooks = _grade_in_child(work, ids, config.get("limits", LIMITS), no_sandbox is None,
                                               started + deadline - time.monotonic(), preexec, log)
-    result = _what_finished(ids, finished, notebooks, deadline)
+    result = _what_finished(ids, finished, notebooks, deadline, "stopped by a signal" if STOP.is_set() else None)
     result.isolation = isolation
     data = gradescope_results(result, time.monotonic() - started)
     results_path.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
@@ -251,17 +255,18 @@ def _grade_in_child(work: Path, ids, limits, sandboxed: bool, seconds: float, pr
                     record = json.loads(line)
                     if "result" in record:
                         finished.append(ExerciseResult.from_dict(record["result"]))
+                        log.write(f"pplab: finished {finished[-1].exercise}: {finished[-1].status}\n".encode())
+                        log.flush()
                     else:
                         notebooks.append(record)               # a notebook's notes, or the last: "done"
                 except (ValueError, TypeError, KeyError):
                     pass                                   # a line cut short by the kill
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    try:
-        child.wait(max(seconds, 1.0))
-        crashed = child.returncode != 0
-    except subprocess.TimeoutExpired:
-        crashed = False
+    end = time.monotonic() + max(seconds, 1.0)
+    while child.poll() is None and time.monotonic() < end and not STOP.is_set():
+        STOP.wait(0.1)
+    crashed = child.poll() is not None and child.returncode != 0
     _kill_tree(child.pid)                                  # the checks and notebooks still running too
     child.wait()
     reader.join(5)
@@ -270,7 +275,7 @@ def _grade_in_child(work: Path, ids, limits, sandboxed: bool, seconds: float, pr
     return list(finished), list(notebooks)
 
 
-def _what_finished(ids, finished, notebooks, deadline) -> GradeResult:
+def _what_finished(ids, finished, notebooks, deadline, stopped: str | None = None) -> GradeResult:
     """The student's GradeResult from what the child reported: for each exercise the best
     finished result. If the child did not finish (its last record is {"done": ...}), the
     exercises without a result are marked timed out."""
@@ -292,8 +297,9 @@ def _what_finished(ids, finished, notebooks, deadline) -> GradeResult:
         result.notes.append(f"grader error: the grading process stopped (exit code {crashed[0]}) before every "
                             f"exercise was graded; please report it with results/pplab.log")
     else:
-        status, message = TIMED_OUT, f"not graded before the autograder's deadline ({deadline:g} s)"
-        result.notes.append(f"the autograder's deadline ({deadline:g} s) came before every exercise was graded: "
+        why = stopped or f"the autograder's deadline ({deadline:g} s)"
+        status, message = TIMED_OUT, f"not graded before {why}"
+        result.notes.append(f"{why[0].upper()}{why[1:]} came before every exercise was graded: "
                             f"the finished ones are scored, the rest marked timed out")
     for i, r in enumerate(result.exercises):
         if r.exercise not in grade.results:
