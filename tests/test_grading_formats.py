@@ -322,7 +322,8 @@ def test_grade_writes_json_junit_and_prairielearn(tmp_path):
     _write(subs / "bob.ipynb", "def linear_traffic(strategy, B, c_in, c_out):\n    return 0")
     out = tmp_path / "grades.json"
     run = subprocess.run(PPLAB + ["grade", str(subs), "--format", "json", "--out", str(out), "--exercises",
-                                  "linear_traffic", "--check-timeout", "20"], capture_output=True, text=True, timeout=300)
+                                  "linear_traffic", "--check-timeout", "20", "--jobs", "2"], capture_output=True, text=True,
+                         timeout=300)
     assert run.returncode == 0, run.stderr
     data = json.loads(out.read_text())
     ada, bob = (GradeResult.from_dict(s) for s in data["students"])
