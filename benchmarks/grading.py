@@ -1,7 +1,18 @@
-"""How long `pplab grade` takes for correct notebooks, against the grader of an earlier commit.
+"""How long `pplab grade` takes for correct notebooks, against the grader of an earlier commit;
+and (--platform) the time and memory one student's assignment takes, for the platforms' machines.
 
     python benchmarks/grading.py                     # baseline: the commit before the sandbox
     python benchmarks/grading.py --baseline REF --rounds 3
+    python benchmarks/grading.py --platform          # each chapter's exercises, then all at once, on 1 CPU
+    python benchmarks/grading.py --platform --chapters 0,1,3 --no-all
+
+--platform (issue #35): Gradescope and PrairieLearn grade one student per container, by default
+1 CPU, about 1.5 GB and 10 minutes. For each chapter, the chapter's solution notebooks handed in
+as one student are graded with `pplab grade --format json --exercises <the chapter's>`, pinned to
+CPU 0 (taskset) when it can be, and the script samples, every 0.2 s, the proportional set size
+(PSS: shared pages split among their users, so the sum is what the processes really hold) of
+the grader and every process below it, and prints the wall time, the peak of that sum and the
+points earned (every solution should earn all of its points; a row says so when one did not).
 
 The goal (issue #21): the sandbox and the checks that survive hostile students cost an honest
 class little, at most 1.5x the old grader's time for the same correct notebooks. Both graders
@@ -40,11 +51,88 @@ def grade_once(tree: Path, subs: Path, out: Path) -> float:
     return seconds
 
 
+def grade_measured(notebooks: list, exercises: list, tmp: Path, cpu: bool = True) -> tuple[float, float, float, int]:
+    """(seconds, peak summed PSS in MiB, points earned, max points) of grading `notebooks` as one student."""
+    import json
+    import shutil as sh
+    import threading
+
+    import psutil
+
+    subs = tmp / "subs"
+    sh.rmtree(subs, ignore_errors=True)
+    (subs / "student").mkdir(parents=True)
+    for nb in notebooks:
+        sh.copy(REPO / "solutions" / f"{nb}.ipynb", subs / "student" / f"{nb}.ipynb")
+    out = tmp / "grades.json"
+    command = [sys.executable, "-m", "pplab", "grade", str(subs), "--format", "json", "--out", str(out),
+               "--exercises", ",".join(exercises)]
+    if cpu and sh.which("taskset"):
+        command = ["taskset", "-c", "0"] + command
+    peak, stop = [0.0], threading.Event()
+    started = time.perf_counter()
+    proc = subprocess.Popen(command, cwd=tmp, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+
+    def sample():
+        root = psutil.Process(proc.pid)
+        while not stop.is_set():
+            total = 0
+            try:
+                for p in [root, *root.children(recursive=True)]:
+                    try:
+                        total += p.memory_full_info().pss
+                    except psutil.Error:
+                        pass
+            except psutil.Error:
+                break
+            peak[0] = max(peak[0], total / 2**20)
+            stop.wait(0.2)
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    _, err = proc.communicate()
+    seconds = time.perf_counter() - started
+    stop.set()
+    sampler.join()
+    if proc.returncode != 0:
+        raise SystemExit(f"grading {notebooks} failed:\n{err[-2000:]}")
+    student = json.loads(out.read_text())["students"][0]
+    return seconds, peak[0], student["points"], student["max_points"]
+
+
+def platform(chapters: list | None, everything: bool) -> None:
+    sys.path.insert(0, str(REPO))
+    from pplab.checks import EXERCISES
+
+    by_chapter: dict = {}
+    for ex in EXERCISES.values():
+        by_chapter.setdefault(int(ex.notebook[:2]), []).append(ex)
+    with tempfile.TemporaryDirectory(prefix="pplab-bench-platform-") as tmp:
+        for chapter in sorted(by_chapter):
+            if chapters is not None and chapter not in chapters:
+                continue
+            exs = by_chapter[chapter]
+            s, mib, got, most = grade_measured(sorted({e.notebook for e in exs}), [e.id for e in exs], Path(tmp))
+            short = "" if got == most else " (short of full marks: a check hit its time limit on a loaded machine?)"
+            print(f"| chapter {chapter} | {len(exs)} | {s:.0f} s | {mib:.0f} MiB | {got:g} / {most}{short} |", flush=True)
+        if everything:
+            exs = list(EXERCISES.values())
+            s, mib, got, most = grade_measured(sorted({e.notebook for e in exs}), [e.id for e in exs], Path(tmp))
+            print(f"| all at once | {len(exs)} | {s:.0f} s | {mib:.0f} MiB | {got:g} / {most} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline", default=BASELINE, help=f"git ref of the old grader (default {BASELINE})")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--platform", action="store_true", help="time and peak memory per chapter, on 1 CPU")
+    parser.add_argument("--chapters", default=None, help="with --platform: comma-separated chapter numbers")
+    parser.add_argument("--no-all", action="store_true", help="with --platform: skip grading all exercises at once")
     args = parser.parse_args()
+    if args.platform:
+        print("| graded | exercises | time | peak memory (summed PSS) | points |\n|---|---|---|---|---|", flush=True)
+        platform(None if args.chapters is None else [int(c) for c in args.chapters.split(",")], not args.no_all)
+        return
     with tempfile.TemporaryDirectory(prefix="pplab-bench-grading-") as tmp:
         tmp = Path(tmp)
         old = tmp / "baseline"

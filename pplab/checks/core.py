@@ -100,7 +100,7 @@ from torch import nn
 
 from ..runtime import comm  # noqa: F401 - chapters' checkers import comm from here (tensor_parallel)
 from .answers import SourceAnswer, allow_type, decode, encode  # noqa: F401 - what checkers use, in one place
-from .failures import Fail, Forbidden, Scored  # noqa: F401 - Scored: what a graded-on-quality checker returns
+from .failures import Fail, Forbidden, NotImplementedYet, Scored  # noqa: F401 - Scored: what a graded-on-quality checker returns
 from .forbidden import forbidden_references, refuse_library  # noqa: F401
 from .sealed import call_answer, zygote  # noqa: F401 - run_check enters zygote() before the seed exists
 
@@ -146,6 +146,8 @@ class CheckResult:
     seed: int
     score: float = 0.0                   # points earned (the grader's CSV); a pass earns them all
     points: int = 1
+    hint: str = ""                       # the sentence of `message` that says how to reproduce it
+    missing: bool = False                # the answer is still the stub (the grader: missing, not 0)
 
     def __bool__(self) -> bool:
         return self.passed
@@ -191,7 +193,8 @@ def _run_check(ex: Exercise, answer, seed, timeout) -> CheckResult:
     except Fail as failure:
         hint = f" Re-run with seed={seed} to reproduce." if failure.seed_matters else ""
         earned = _clamp(failure.earned or 0, ex.points - 1)        # a Fail never earns every point
-        return CheckResult(ex.id, False, f"{failure}{hint}{_of(earned, ex.points)}", seed, earned, ex.points)
+        return CheckResult(ex.id, False, f"{failure}{hint}{_of(earned, ex.points)}", seed, earned, ex.points,
+                           hint.strip(), isinstance(failure, NotImplementedYet))
     earned = _clamp(getattr(summary, "earned", ex.points), ex.points)
     verdict = "passed" if earned == ex.points else "scored"      # a graded-on-quality answer short of full marks
     return CheckResult(ex.id, earned == ex.points, f"{verdict} {summary}{_of(earned, ex.points)}", seed, earned, ex.points)
@@ -254,6 +257,8 @@ class Parts:
         """The run stopped (a raise, a hang): no part can be vouched for. Its failure, then the
         first problem found before it, if any."""
         before = f" Before that: {self.first()}" if self.first() else ""
+        if isinstance(failure, NotImplementedYet):
+            return failure                       # still the stub: nothing was checked before it
         return Fail(f"{failure}{before}", failure.seed_matters)
 
     def finish(self, summary: str) -> str:

@@ -35,6 +35,14 @@ class Scored(str):
         return text
 
 
+class NotImplementedYet(Fail):
+    """The answer is still the exercise's stub (it raised NotImplementedError): the grader
+    marks it missing, not 0, and reads that from this class, never from the message."""
+
+    def __init__(self, name: str):
+        super().__init__(_not_implemented(name), seed_matters=False)
+
+
 class Forbidden(Fail):
     """The answer called (or names) a library function the exercise asks to replace."""
 

@@ -59,7 +59,7 @@ import sys
 import time
 
 from .answers import _not_plain, answer_files, decode, encode
-from .failures import Fail, Forbidden, _hang_message, _not_implemented, _student_frame
+from .failures import Fail, Forbidden, NotImplementedYet, _hang_message, _student_frame
 from .forbidden import _forbidden_message
 from .router import Reader, Router, WireError, pack
 from .sealed_rank import begin, observe, phase, watch_collectives  # noqa: F401 - what a sealed job calls
@@ -385,7 +385,7 @@ def _failure(outcome, where, name, files, timeout, statuses, pids, single=False)
         if exc == "Fail":
             return Fail(where(rank) + message)
         if exc == "NotImplementedError":
-            return Fail(_not_implemented(name), seed_matters=False)
+            return NotImplementedYet(name)
         return Fail(f"{where(rank)}{who(rank)} raised {exc}: {message}{_student_frame(text, files)}.")
     if kind == "deadlock":
         _, waiting, finished = outcome

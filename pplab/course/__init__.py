@@ -2,6 +2,10 @@
 
 exercises.py      exercises/ written from solutions/ (the solution between BEGIN/END SOLUTION markers).
 grading.py        `pplab grade`: each notebook run for its notes, its answers taken from its source.
+results.py        the one result object (GradeResult, ExerciseResult) every output is written from.
+api.py            grade_notebook / grade_submission: one notebook, or one student's folder, to a GradeResult.
+formats.py        the outputs: CSV, JSON, JUnit XML, PrairieLearn's results.json.
+gradescope.py     Gradescope's autograder zip, and its run_autograder (a deadline of its own).
 submission.py     what the grader takes from a notebook's source: the definitions an answer needs.
 reading.py        a submission's bytes read bounded: regular files only, parsed in a child with a deadline.
 students.py       the submissions folder read as one identity per student; their answer files' names.
@@ -11,4 +15,8 @@ runner.py         runs a notebook in a kernel, for the notes; kills process tree
 cli.py            the `pplab` command.
 
 The student-facing checks (`pplab.check`, pplab/checks/) belong to this layer too.
+
+    result = pplab.course.grade_notebook("alice.ipynb", exercises=["broadcast"])   # a GradeResult
 """
+from .api import grade_notebook, grade_submission  # noqa: F401
+from .results import ExerciseResult, GradeResult  # noqa: F401

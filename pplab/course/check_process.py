@@ -1,6 +1,7 @@
 """The grader's check of one answer, in a fresh process where no student code runs.
 
-    passed, message, score = run_check_process("broadcast", answer, sources, check_timeout=30)
+    verdict = run_check_process("broadcast", answer, sources, check_timeout=30)
+    verdict.passed, verdict.message, verdict.score, verdict.status    # status: results.STATUSES
 
 `answer` is a SourceAnswer: the student's definitions as source text (submission.py). The
 check process is `python -I` (no current folder, no PYTHONPATH, no user site) serving pplab
@@ -26,11 +27,23 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from . import sandbox
 from .runner import _become_subreaper, _kill_children, _kill_tree, _not_dumpable
 
 OUTPUT_LINES, LINE_CHARS = 100, 500          # what the grader keeps of a check's output
+
+
+class Verdict(NamedTuple):
+    """What the grader learns from one check: results.py turns it into an ExerciseResult."""
+
+    passed: bool
+    message: str                      # the check's message, without the hint
+    score: float                      # points earned
+    status: str = "failed"            # results.STATUSES: passed, partial, failed, missing, timed out, error
+    hint: str = ""                    # how to reproduce a failure (the seed)
+    seconds: float = 0.0              # how long the check took
 
 
 def pplab_sources() -> dict:
@@ -109,8 +122,8 @@ class _Tail:
 
 
 def run_check_process(exercise_id: str, answer, sources: dict, check_timeout: float,
-                      notes: list | None = None, *, hidden=(), sandboxed: bool = True) -> tuple[bool, str, float]:
-    """(passed, message, points earned) of one exercise's check of `answer` (a SourceAnswer), run in a fresh
+                      notes: list | None = None, *, hidden=(), sandboxed: bool = True) -> Verdict:
+    """The Verdict (passed, message, points earned, status, ...) of one exercise's check of `answer` (a SourceAnswer), run in a fresh
     process where no student code runs (in the sandbox if `sandboxed` and the machine has
     one; `hidden`: folders it must not see, e.g. the other submissions).
 
@@ -177,16 +190,23 @@ def run_check_process(exercise_id: str, answer, sources: dict, check_timeout: fl
         notes.append(f"{exercise_id}: ignored {forged} forged verdict(s) (from processes other than the check "
                      f"itself)")
     if timed_out and not verdicts:
-        return False, f"the check did not finish within {limit:g} s (the grader's limit for one check)", 0.0
+        return Verdict(False, f"the check did not finish within {limit:g} s (the grader's limit for one check)", 0.0,
+                       "timed out", seconds=limit)
     try:
         verdict = json.loads(verdicts[0])
         score = float(verdict["score"])
-        return verdict["passed"] is True, str(verdict["message"]), score if score == score else 0.0   # NaN: 0
+        score = score if score == score else 0.0                                           # NaN: 0
+        passed, hint = verdict["passed"] is True, str(verdict["hint"])
+        status = "missing" if verdict["missing"] is True else "passed" if passed else "partial" if score > 0 \
+            else "error" if verdict["error"] is True else "failed"
+        return Verdict(passed, str(verdict["message"]).replace(" " + hint, "") if hint else str(verdict["message"]),
+                       score, status, hint, float(verdict["seconds"]))
     except (IndexError, ValueError, KeyError, TypeError):
         if proc.returncode == sandbox.SETUP_FAILED:
-            return False, f"grader error: the sandbox could not be set up ({text[-1][:200] if text else ''})", 0.0
+            return Verdict(False, f"grader error: the sandbox could not be set up ({text[-1][:200] if text else ''})",
+                           0.0, "error")
         tail = text[-1][:200] if text else "no output"
-        return False, f"the check process gave no verdict (exit code {proc.returncode}): {tail}", 0.0
+        return Verdict(False, f"the check process gave no verdict (exit code {proc.returncode}): {tail}", 0.0, "error")
 
 
 def _is_the_check(pid: int, started: int, sandboxed: bool, psutil) -> bool:
@@ -216,9 +236,11 @@ def _check_main(job: dict) -> None:
         answer = SourceAnswer(job["name"], tuple(tuple(s) for s in job["statements"]),
                               None if job["params"] is None else tuple(tuple(p) for p in job["params"]))
         result = run_check(job["exercise"], answer, timeout=float(job["timeout"]))
-        verdict = {"passed": result.passed, "message": result.message, "score": result.score}
+        verdict = {"passed": result.passed, "message": result.message, "score": result.score, "hint": result.hint,
+                   "missing": result.missing, "error": False}
     except BaseException as exc:  # noqa: BLE001 - a bug of ours must still give a verdict
-        verdict = {"passed": False, "message": f"the check raised {type(exc).__name__}: {exc}", "score": 0.0}
+        verdict = {"passed": False, "message": f"the check raised {type(exc).__name__}: {exc}", "score": 0.0,
+                   "hint": "", "missing": False, "error": True}
     verdict["seconds"] = round(time.monotonic() - started, 2)
     _kill_children()
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as channel:

@@ -2,12 +2,18 @@
 
     pplab exercises [--check]                  write exercises/ from solutions/ (or name what is stale)
     pplab grade SUBMISSIONS --out grades.csv   run and score every submitted notebook
+    pplab grade SUBMISSIONS --format junit     ... or write JSON, JUnit XML, PrairieLearn's results.json
+    pplab gradescope build --exercises ... -o autograder.zip   Gradescope's autograder (gradescope.py)
     pplab list                                 the exercises and the name each one asks you to define
 """
 from __future__ import annotations
 
 import argparse
 import sys
+
+from .formats import FORMATS
+
+DEFAULT_OUT = {"csv": "grades.csv", "json": "grades.json", "junit": "grades.xml"}
 
 
 def main(argv=None) -> int:
@@ -21,7 +27,11 @@ def main(argv=None) -> int:
 
     gr = sub.add_parser("grade", help="run every submitted notebook and write one row per student")
     gr.add_argument("submissions", help="folder of DIR/<student>.ipynb or DIR/<student>/*.ipynb")
-    gr.add_argument("--out", default="grades.csv", help="CSV to write (default: grades.csv)")
+    gr.add_argument("--out", default=None, help="file to write (default: grades.csv, grades.json, grades.xml; "
+                    "for prairielearn $PPLAB_PRAIRIELEARN_OUT or /grade/results/results.json)")
+    gr.add_argument("--format", default="csv", choices=FORMATS,
+                    help="csv (default), json, junit (JUnit XML), or prairielearn (one submission: the whole "
+                         "folder is one student's, as in PrairieLearn's /grade/student)")
     gr.add_argument("--timeout", type=float, default=600.0,
                     help="seconds per submitted notebook before it is killed (default: 600)")
     gr.add_argument("--cell-timeout", type=float, default=120.0,
@@ -36,6 +46,15 @@ def main(argv=None) -> int:
                     help="folder for each student's written answers (default: next to --out, OUT_answers/)")
     gr.add_argument("--no-sandbox", action="store_true",
                     help="run student code without the sandbox (only where you grade in a container already)")
+
+    gs = sub.add_parser("gradescope", help="Gradescope's autograder zip")
+    gs_sub = gs.add_subparsers(dest="action", required=True)
+    gb = gs_sub.add_parser("build", help="write autograder.zip (setup.sh, run_autograder, pplab's wheel)")
+    gb.add_argument("--exercises", required=True, help="comma-separated exercise ids the assignment grades")
+    gb.add_argument("-o", "--out", default="autograder.zip", help="zip to write (default: autograder.zip)")
+    gb.add_argument("--deadline", type=float, default=540.0,
+                    help="seconds run_autograder grades before it writes what finished (default: 540, under "
+                         "Gradescope's 10 minutes; raise it with the assignment's own limit)")
 
     sub.add_parser("list", help="list the exercises")
 
@@ -63,14 +82,27 @@ def main(argv=None) -> int:
 
         try:
             exercises = None if args.exercises is None else [e.strip() for e in args.exercises.split(",") if e.strip()]
+            if args.format == "prairielearn":
+                return _prairielearn(args, exercises)
+            args.out = args.out or DEFAULT_OUT[args.format]
             rows = grade(args.submissions, args.out, timeout=args.timeout, cell_timeout=args.cell_timeout,
                          check_timeout=args.check_timeout, jobs=args.jobs, exercises=exercises,
                          answers=args.answers, sandboxed=not args.no_sandbox,
-                         log=lambda line: print(line, file=sys.stderr, flush=True))
+                         log=lambda line: print(line, file=sys.stderr, flush=True), fmt=args.format)
         except (FileNotFoundError, ValueError) as err:
             print(f"pplab grade: {err}", file=sys.stderr)
             return 2
         print(f"wrote {args.out}: {len(rows)} student(s)")
+        return 0
+    if args.command == "gradescope":
+        from .gradescope import build
+
+        try:
+            out = build([e.strip() for e in args.exercises.split(",") if e.strip()], args.out, deadline=args.deadline)
+        except (FileNotFoundError, ValueError, RuntimeError) as err:
+            print(f"pplab gradescope build: {err}", file=sys.stderr)
+            return 2
+        print(f"wrote {out}: upload it as the assignment's autograder (Gradescope: Configure Autograder, zip file)")
         return 0
     if args.command == "list":
         from ..checks import EXERCISES
@@ -79,6 +111,29 @@ def main(argv=None) -> int:
             print(f"{e.id:<20} define {e.answer:<20} {e.title}" + (f" ({e.notebook})" if e.notebook else ""))
         return 0
     return 2
+
+
+def _prairielearn(args, exercises) -> int:
+    """PrairieLearn runs the grader once per submission: the folder is one student's."""
+    import json
+    import os
+    from pathlib import Path
+
+    from .formats import PRAIRIELEARN_OUT, prairielearn
+    from .api import grade_submission
+
+    out = Path(args.out or os.environ.get("PPLAB_PRAIRIELEARN_OUT", PRAIRIELEARN_OUT))
+    limits = dict(timeout=args.timeout, cell_timeout=args.cell_timeout, check_timeout=args.check_timeout)
+    result = grade_submission(args.submissions, exercises, limits=limits, sandboxed=not args.no_sandbox)
+    from . import sandbox
+
+    why = "--no-sandbox" if args.no_sandbox else sandbox.why_not()
+    if why:                        # PrairieLearn's container is the isolation left: say so in the output
+        result.isolation = f"not sandboxed ({why}): student code ran with the grader's rights in this container"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(prairielearn(result), ensure_ascii=False))
+    print(f"wrote {out}: {result.points:g} of {result.max_points} points")
+    return 0
 
 
 if __name__ == "__main__":

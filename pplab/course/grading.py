@@ -45,7 +45,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import csv
 import json
 import os
 import shutil
@@ -57,7 +56,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
-from . import sandbox
+from . import formats, results, sandbox
+from .results import MISSING, PASSED, ExerciseResult
 from .check_process import pplab_sources, run_check_process
 from .students import answers_file_name, find_submissions
 from .reading import MAX_CELL_CHARS, MAX_NOTEBOOK_BYTES, read_cells, read_submission  # noqa: F401 - read_cells: tests
@@ -68,17 +68,23 @@ from .runner import _kill_tree
 # ----------------------------------------------------------------------------------
 # 2. Grading: run each notebook for its notes, then check its definitions elsewhere
 
-MISSING = "missing"                 # the CSV's mark for an answer nobody wrote
 
 
 @dataclass
 class NotebookGrade:
-    passed: dict = field(default_factory=dict)      # exercise id -> True/False, for answers it defines
-    scores: dict = field(default_factory=dict)      # exercise id -> points earned (all of them when passed)
-    messages: dict = field(default_factory=dict)    # exercise id -> the check's message
+    results: dict = field(default_factory=dict)     # exercise id -> ExerciseResult (results.py), for answers it defines
     notes: list = field(default_factory=list)       # "cell 4 raised ValueError: ...", "ignored cell 2, line 1: ..."
     written: list = field(default_factory=list)     # markdown the student wrote: (cell number, text)
     status: str = "graded"                          # "graded", "refused" (not read) or "failed to run"
+    seconds: float = 0.0                            # running the notebook and its checks
+
+    @property
+    def passed(self) -> dict:                       # exercise id -> True/False
+        return {ex: r.status == PASSED for ex, r in self.results.items()}
+
+    @property
+    def scores(self) -> dict:                       # exercise id -> points earned
+        return {ex: r.points for ex, r in self.results.items()}
 
 
 def chapter_order(exercise_ids) -> list[str]:
@@ -90,7 +96,7 @@ def chapter_order(exercise_ids) -> list[str]:
 
 def grade(submissions: str | Path, out: str | Path, *, timeout: float = 600.0, cell_timeout: float = 120.0,
           check_timeout: float = 30.0, jobs: int = 1, exercises=None, answers: str | Path | None = None,
-          sandboxed: bool = True, log=None) -> list[dict]:
+          sandboxed: bool = True, log=None, fmt: str = "csv") -> list[dict]:
     """Grade every submission and write one CSV row per student; return the rows.
 
     timeout: seconds for running each notebook, after which it and everything it started
@@ -99,7 +105,8 @@ def grade(submissions: str | Path, out: str | Path, *, timeout: float = 600.0, c
       per call of an answer) in the grader's checks; jobs: notebooks graded at the same
       time; exercises: the ids to grade (default: all); answers: folder for each student's
       written answers (default: next to `out`, named after it); sandboxed: run student code
-      in the sandbox where the machine has one (sandbox.py).
+      in the sandbox where the machine has one (sandbox.py); fmt: what to write to `out`
+      (formats.FORMATS: csv, json or junit).
 
     Columns: student, one per exercise in chapter order (the points earned: 1 passed, 0
     failed for a one-point exercise; part of its points for a capstone right in some parts or
@@ -129,29 +136,21 @@ def grade(submissions: str | Path, out: str | Path, *, timeout: float = 600.0, c
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         futures = {task: pool.submit(_grade_safely, task[1], settings) for task in tasks}
         grades = {task: future.result() for task, future in futures.items()}
-    rows, written = [], {}
+    rows, written, graded = [], {}, []
     for student in sorted(set(students) | set(refused)):
         notebooks = students.get(student, [])
-        row, notes = {"student": student}, list(refused.get(student, []))
-        for ex in ids:
-            tried = [grades[(student, nb)].scores[ex] for nb in notebooks if ex in grades[(student, nb)].scores]
-            row[ex] = MISSING if not tried else _points(max(tried))
+        result = results.combine(student, [(nb, grades[(student, nb)]) for nb in notebooks], ids,
+                                 refused.get(student, []))
+        if no_sandbox:
+            result.isolation = f"not sandboxed ({no_sandbox})"
         for nb in notebooks:
-            g = grades[(student, nb)]
-            prefix = f"{nb.name}: " if len(notebooks) > 1 else ""
-            notes += [prefix + n for n in g.notes]
-            notes += [f"{prefix}{ex}: {_short(g.messages[ex])}" for ex, ok in g.passed.items()
-                      if ex in ids and not ok and row[ex] != EXERCISES[ex].points and g.messages[ex]]
-            written[student] = written.get(student, []) + [(nb.name, n, text) for n, text in g.written]
-        row["total"] = _points(sum(row[ex] for ex in ids if row[ex] != MISSING))
-        row["notes"] = "; ".join(notes)
+            written[student] = written.get(student, []) + [(nb.name, n, text) for n, text in grades[(student, nb)].written]
+        graded.append(result)
+        row = formats.csv_row(result)
         rows.append(row)
         if log:
             log(f"{student}: {row['total']}/{_points(sum(EXERCISES[ex].points for ex in ids))}" + (f" ({row['notes'][:300]})" if row["notes"] else ""))
-    with open(out, "w", newline="", encoding="utf-8") as f:           # names are Unicode whatever the locale
-        writer = csv.DictWriter(f, ["student", *ids, "total", "notes"])
-        writer.writeheader()
-        writer.writerows({k: _csv_safe(v) for k, v in row.items()} for row in rows)
+    formats.write(graded, out, fmt, exercise_ids=ids)
     _write_answers(written, Path(answers) if answers else Path(out).with_name(Path(out).stem + "_answers"))
     if log:
         statuses = [g.status for g in grades.values()]
@@ -177,12 +176,7 @@ def _points(x: float):
     return int(x) if float(x).is_integer() else round(x, 2)
 
 
-def _csv_safe(value):
-    """A cell a spreadsheet would run as a formula (=, +, -, @, a tab or a carriage return
-    first: OWASP's list for CSV injection) gets a leading '."""
-    if isinstance(value, str) and value[:1] in ("=", "+", "-", "@", "\t", "\r"):
-        return "'" + value
-    return value
+_csv_safe = formats.csv_safe              # moved to formats.py, with the CSV writer
 
 
 def _write_answers(written: dict, folder: Path) -> None:
@@ -203,11 +197,6 @@ def _file_safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name).lstrip(".") or "_"
 
 
-def _short(message: str, limit: int = 200) -> str:
-    message = message.split(" Re-run with seed=")[0]
-    return message if len(message) <= limit else message[: limit - 1] + "…"
-
-
 def _grade_safely(path: Path, settings: dict) -> NotebookGrade:
     """grade_notebook, but whatever goes wrong stays with this notebook: a note, not a crash."""
     try:
@@ -219,15 +208,17 @@ def _grade_safely(path: Path, settings: dict) -> NotebookGrade:
 
 def grade_notebook(path: str | Path, *, timeout: float = 600.0, cell_timeout: float = 120.0,
                    check_timeout: float = 30.0, sources: dict | None = None, exercises=None, hidden=(),
-                   sandboxed: bool = True) -> NotebookGrade:
+                   sandboxed: bool = True, on_result=None) -> NotebookGrade:
     """Run one notebook for its notes (which cells raised, timed out, killed the kernel),
     then check the answers it defines (its source, whatever the run did), each in a fresh
-    process of the grader's."""
+    process of the grader's. on_result(ExerciseResult) is called as each check ends (the
+    Gradescope runner keeps what finished before its deadline)."""
     from ..checks import EXERCISES
 
     sources = sources or pplab_sources()
     path = Path(path)
     grade = NotebookGrade()
+    started = time.monotonic()
     wanted = [EXERCISES[ex] for ex in (exercises or EXERCISES)]
     answers: dict[str, list] = {}
     for ex in wanted:
@@ -252,15 +243,19 @@ def grade_notebook(path: str | Path, *, timeout: float = 600.0, cell_timeout: fl
     grade.notes += found.notes
     for ex in wanted:
         if ex.answer in found.refused:
-            grade.passed[ex.id], grade.messages[ex.id] = False, found.refused[ex.answer]
-            grade.scores[ex.id] = 0.0
+            grade.results[ex.id] = ExerciseResult.of(ex.id, results.FAILED, 0.0, found.refused[ex.answer])
         elif ex.answer in found.answers:
-            passed, message, score = run_check_process(ex.id, found.answers[ex.answer], sources, check_timeout,
-                                                grade.notes, hidden=hidden, sandboxed=sandboxed)
-            if not passed and "is not implemented yet" in message:
+            verdict = run_check_process(ex.id, found.answers[ex.answer], sources, check_timeout,
+                                        grade.notes, hidden=hidden, sandboxed=sandboxed)
+            if verdict.status == MISSING:
                 continue                                 # the exercise's stub, untouched: missing, not 0
-            grade.passed[ex.id], grade.messages[ex.id] = passed, message
-            grade.scores[ex.id] = ex.points if passed else min(max(score, 0.0), ex.points)
+            grade.results[ex.id] = ExerciseResult.of(ex.id, verdict.status, ex.points if verdict.passed else
+                                                     verdict.score, verdict.message, verdict.hint, verdict.seconds)
+        else:
+            continue
+        if on_result:
+            on_result(grade.results[ex.id])
+    grade.seconds = round(time.monotonic() - started, 2)
     return grade
 
 
