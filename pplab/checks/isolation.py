@@ -84,10 +84,12 @@ def _needed_under(hidden) -> list:
     return sorted(p for p in set(under) if not any(p != q and p.startswith(q + "/") for q in under))
 
 
-def isolate() -> str:
+def isolate(hide=()) -> str:
     """Namespaces for this rank (see the module docstring). Returns what could not be done
     ("" if everything was). Forks once: the caller continues as PID 1 of a new namespace,
-    while its parent waits for it and exits with its status."""
+    while its parent waits for it and exits with its status. hide: files and folders the
+    rank must not read (a graded check's library and references, fresh_zygote.py), covered
+    before the mounts are locked."""
     uid, gid = os.getuid(), os.getgid()
     try:
         _call(_libc().unshare(_CLONE_NEWUSER | _CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWPID), "unshare")
@@ -129,9 +131,23 @@ def isolate() -> str:
             missing.append(f"{path} (read-only)")
         finally:
             os.close(fd)
+    for path in hide:
+        try:
+            _hide(path)
+        except OSError:
+            missing.append(f"hidden {path}")
     try:                                                 # lock the mounts: a namespace below cannot undo them
         _call(_libc().unshare(_CLONE_NEWUSER | _CLONE_NEWNS), "unshare (nested)")
         _map_root(0, 0)
     except OSError:
         missing.append("locked mounts")
     return ", ".join(missing)
+
+
+def _hide(path: str) -> None:
+    """Cover `path`: a folder with an empty read-only tmpfs, a file with /dev/null (empty, whatever is written)."""
+    if os.path.isdir(path):
+        _mount("tmpfs", path, "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "size=4k,mode=555")
+        _mount(None, path, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
+    elif os.path.lexists(path):
+        _mount("/dev/null", path, None, _MS_BIND)

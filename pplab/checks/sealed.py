@@ -384,6 +384,8 @@ def _failure(outcome, where, name, files, timeout, statuses, pids, single=False)
             return Forbidden(message)
         if exc == "Fail":
             return Fail(where(rank) + message)
+        if exc == "Unavailable":                         # a denied module reached for (library_view.py)
+            return Fail(f"{where(rank)}{message}.", seed_matters=False)
         if exc == "NotImplementedError":
             return Fail(_not_implemented(name), seed_matters=False)
         return Fail(f"{where(rank)}{who(rank)} raised {exc}: {message}{_student_frame(text, files)}.")
