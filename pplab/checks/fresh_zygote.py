@@ -71,7 +71,7 @@ class FreshZygote(Zygote):
         self.control, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         payload = {"view": [library_view.__file__, _source("pplab.checks.library_view")],
                    "sources": served(denies), "denied": {m: note(m) for m in denies}, "checks_note": CHECKS_NOTE,
-                   "hide": hidden_paths(), "fd": theirs.fileno(), "preload": list(preload),
+                   "hide": hidden_paths(denies), "fd": theirs.fileno(), "preload": list(preload),
                    "answer": [answer.name, [list(s) for s in answer.statements],
                               None if answer.params is None else [list(p) for p in answer.params]]}
         self.proc = subprocess.Popen([sys.executable, "-I", "-c", _BOOT], stdin=subprocess.PIPE,
@@ -128,9 +128,10 @@ def served(denies) -> dict:
     return found
 
 
-def hidden_paths() -> list:
-    """Every folder pplab can be found in (the one imported, an editable install's, one on
-    sys.path), and beside each the course's .git and solutions/: hidden from the ranks."""
+def hidden_paths(denies=()) -> dict:
+    """{path: {file left in it: text}}: every folder pplab can be found in (the one imported, an
+    editable install's, one on sys.path), each left holding only a stub for each denied module
+    that raises its note, and beside each the course's .git and solutions/, hidden whole."""
     import pplab
     places = {os.path.realpath(p) for p in getattr(pplab, "__path__", ()) if os.path.isdir(p)}
     for finder in list(sys.meta_path):
@@ -142,11 +143,17 @@ def hidden_paths() -> list:
         folder = os.path.join(entry or ".", "pplab")
         if os.path.isfile(os.path.join(folder, "__init__.py")):
             places.add(os.path.realpath(folder))
+    stubs = {}
+    for module in denies:                                # pplab.a.b: a/b.py, or a/b/__init__.py if a package
+        rel = os.path.join(*module.split(".")[1:])
+        package = any(os.path.isdir(os.path.join(p, rel)) for p in places)
+        stubs[os.path.join(rel, "__init__.py") if package else rel + ".py"] = f"raise ImportError({note(module)!r})\n"
+    hidden = {p: stubs for p in places}
     for root in {os.path.dirname(p) for p in places}:
         for beside in (".git", "solutions"):
             if os.path.lexists(os.path.join(root, beside)):
-                places.add(os.path.realpath(os.path.join(root, beside)))
-    return sorted(places)
+                hidden[os.path.realpath(os.path.join(root, beside))] = {}
+    return hidden
 
 
 def jobs_of(checker) -> list:

@@ -87,9 +87,9 @@ def _needed_under(hidden) -> list:
 def isolate(hide=()) -> str:
     """Namespaces for this rank (see the module docstring). Returns what could not be done
     ("" if everything was). Forks once: the caller continues as PID 1 of a new namespace,
-    while its parent waits for it and exits with its status. hide: files and folders the
-    rank must not read (a graded check's library and references, fresh_zygote.py), covered
-    before the mounts are locked."""
+    while its parent waits for it and exits with its status. hide: {file or folder: {file
+    left in it: text}} the rank must not read (a graded check's library and references,
+    fresh_zygote.py), covered before the mounts are locked."""
     uid, gid = os.getuid(), os.getgid()
     try:
         _call(_libc().unshare(_CLONE_NEWUSER | _CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWPID), "unshare")
@@ -131,9 +131,9 @@ def isolate(hide=()) -> str:
             missing.append(f"{path} (read-only)")
         finally:
             os.close(fd)
-    for path in hide:
+    for path, files in dict(hide).items():
         try:
-            _hide(path)
+            _hide(path, files)
         except OSError:
             missing.append(f"hidden {path}")
     try:                                                 # lock the mounts: a namespace below cannot undo them
@@ -144,10 +144,16 @@ def isolate(hide=()) -> str:
     return ", ".join(missing)
 
 
-def _hide(path: str) -> None:
-    """Cover `path`: a folder with an empty read-only tmpfs, a file with /dev/null (empty, whatever is written)."""
+def _hide(path: str, files: dict) -> None:
+    """Cover `path`: a folder with an empty read-only tmpfs holding only `files` ({relative path:
+    text}, e.g. a stub saying why a module is not there), a file with /dev/null."""
     if os.path.isdir(path):
-        _mount("tmpfs", path, "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "size=4k,mode=555")
+        _mount("tmpfs", path, "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "size=1m,mode=755")
+        for name, text in files.items():
+            target = os.path.join(path, name)
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            with open(target, "w") as f:
+                f.write(text)
         _mount(None, path, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
     elif os.path.lexists(path):
         _mount("/dev/null", path, None, _MS_BIND)
