@@ -39,6 +39,7 @@ bytes of its optimizer_class instances, its state_dict); every verdict is reache
 from __future__ import annotations
 
 import copy
+import gc
 import random
 import sys
 
@@ -119,10 +120,34 @@ def _recording(name, made):
     return Recorded
 
 
+def _optimizers() -> list:
+    """Every torch optimizer alive in this rank, of any class (gc after a collection)."""
+    gc.collect()
+    return [o for o in gc.get_objects() if isinstance(o, torch.optim.Optimizer)]
+
+
+def _resident_bytes(before: list) -> int:
+    """Bytes of per-element state (tensors of dimension >= 1, each storage once) held by the
+    optimizers alive now that were not alive at `before`: the state the answer really keeps,
+    whichever class holds it (an unused optimizer_class instance "for show" beside a full one
+    does not hide the full one)."""
+    old, seen, total = {id(o) for o in before}, set(), 0
+    for o in _optimizers():
+        if id(o) in old:
+            continue
+        for s in o.state.values():
+            for v in s.values():
+                if torch.is_tensor(v) and v.dim() > 0 and (v.untyped_storage().data_ptr(), v.numel()) not in seen:
+                    seen.add((v.untyped_storage().data_ptr(), v.numel()))
+                    total += v.numel() * v.element_size()
+    return total
+
+
 def _rank_job(fn, trials):
     rank = dist.get_rank()
     for i, t in enumerate(trials):
         sealed.begin(i)
+        before = _optimizers()                                          # kept alive: their ids stay theirs
         made_groups = [dist.new_group(m) for m in t["members"]]          # every rank makes every group
         group = next(g for g, m in zip(made_groups, t["members"]) if rank in m)
         params = [torch.nn.Parameter(x.clone()) for x in t["start"]]
@@ -154,7 +179,9 @@ def _rank_job(fn, trials):
         held = sorted({index[id(q)] for o in made for g in o.param_groups for q in g["params"] if id(q) in index})
         state = sum(v.numel() * v.element_size() for o in made for s in o.state.values() for v in s.values()
                     if torch.is_tensor(v) and v.dim() > 0)
+        resident = _resident_bytes(before)
         sealed.observe(i, {"history": history, "leftover": leftover, "held": held, "state_bytes": state,
+                           "resident_bytes": resident,
                            "state_dict": optimizer.state_dict() if t["save"] else None})
 
 
@@ -342,7 +369,14 @@ def _check_sharded(observed, ref, run, members, whole):
     total, largest, n, name = sum(per_param), max(per_param), len(members), run["optimizer"]
     bound = total / n + largest
     for rank in members:
-        mine = observed[rank]["state_bytes"]
+        mine, resident = observed[rank]["state_bytes"], observed[rank]["resident_bytes"]
+        if resident > bound and resident > mine:
+            return (f"rank {rank}'s optimizers hold {resident:,} bytes of per-element state in all (every torch "
+                    f"optimizer in the rank counted; its optimizer_class instances hold {mine:,} of them): "
+                    f"single-process {name} holds {total:,}, so each of {n} ranks should hold at most {total:,}/{n} "
+                    f"+ {largest} (the largest parameter's state) = {bound:,.0f}. It held the whole state (Ψ·K "
+                    f"bytes) instead of its 1/N (Ψ·K/N): keep one optimizer, of optimizer_class, over this rank's "
+                    f"parameters only.")
         if mine > bound:
             held = observed[rank]["held"]
             holds = f" (its optimizers hold parameters {held}, {len(held)} of {len(per_param)})" if held else ""
