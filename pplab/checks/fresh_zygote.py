@@ -60,7 +60,11 @@ for module in payload["preload"]:                  # once here, not compiled aga
         pass
 control = socket.socket(fileno=payload["fd"])
 del payload, view
-zygote._zygote_main(control, answer)
+try:
+    zygote._zygote_main(control, answer)
+finally:
+    import os
+    os._exit(0)                                    # no interpreter teardown: the check waits for this exit
 '''
 
 
