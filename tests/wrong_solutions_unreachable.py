@@ -24,6 +24,8 @@ TARGETS = {
                     "return [[(a.kind, a.microbatch) for a in acts] for acts in lib(num_stages, num_microbatches)]"),
     "ring_attention": ("ring_attention", "q, k, v, group=None", "pplab.sequence_parallel.ring_attention",
                        "ring_attention", "return lib(q, k, v, group, causal=True, layout='zigzag')"),
+    "sharded_optimizer": ("ShardedOptimizer", "params, optimizer_class, group=None, **defaults", "pplab.zero",
+                          "ZeroOptimizer", "return lib(params, optimizer_class, group=group, **defaults)"),
 }
 
 # route -> (top-level statements, the expression giving `lib` inside the answer); {m}: module, {n}: name

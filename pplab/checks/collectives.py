@@ -24,11 +24,10 @@ import statistics
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from .. import costmodel
 from . import sealed
-from .collectives_rank import _all_reduce_rank, _broadcast_rank, _reduce_scatter_rank, _returned_copy
+from .collectives_rank import _all_reduce_rank, _broadcast_rank, _reduce_scatter_rank
 from .core import Fail, Parts, exercise, first_difference, refuse_library, require_function
 from .core import _fmt
 

@@ -21,6 +21,7 @@ DENIED: dict[str, tuple[str, ...]] = {
     "moe_dispatch": ("pplab.expert_parallel",),
     "zero_bubble": ("pplab.pipeline.schedules", "pplab.pipeline.looped", "pplab.pipeline.bidirectional"),
     "ring_attention": ("pplab.sequence_parallel.ring_attention",),
+    "sharded_optimizer": ("pplab.zero",),
 }
 
 

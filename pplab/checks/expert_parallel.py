@@ -24,7 +24,6 @@ import math
 import random
 
 import torch
-import torch.distributed as dist
 
 from . import sealed
 from .expert_parallel_rank import _dispatch_rank, _refuse_dispatch_plan, _rows

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from . import sealed
 from .ring_attention_rank import _refuse_library_ring, _ring_rank
-from .core import Parts, exercise, first_difference, refuse_library, require_function
+from .core import Parts, exercise, first_difference, require_function
 from .core import _fmt
 
 PARTS = ("forward", "backward dQ", "backward dK/dV", "traffic")
