@@ -35,7 +35,7 @@ def test_each_route_to_the_library_earns_nothing_on_broadcast(route):
         assert f"the library's pplab.collectives {NOTE}" in message, message
 
 
-@pytest.mark.parametrize("exercise_id", ["moe_dispatch", "zero_bubble", "ring_attention", "sharded_optimizer"])
+@pytest.mark.parametrize("exercise_id", ["moe_dispatch", "zero_bubble", "ring_attention", "sharded_optimizer", "fsdp"])
 def test_every_route_at_once_earns_nothing(exercise_id):
     """One submission tries all nine routes and uses the first that works: none does."""
     module = TARGETS[exercise_id][2]
@@ -51,7 +51,7 @@ def test_the_checkers_own_modules_are_not_there_either():
 
 
 @pytest.mark.parametrize("exercise_id, route", [(e, "computed getattr") for e in sorted(TARGETS)
-                                                 if e != "sharded_optimizer"] +       # a capstone: seconds saved
+                                                 if e not in ("sharded_optimizer", "fsdp")] +   # capstones: seconds saved
                          [("broadcast", "gc.get_objects"), ("broadcast", "reading the file")])
 def test_the_same_submission_scores_where_the_library_is_in_reach(exercise_id, route, monkeypatch):
     """Without the fresh zygote (ranks forked from the checker, as before), these routes reach the

@@ -26,6 +26,8 @@ TARGETS = {
                        "ring_attention", "return lib(q, k, v, group, causal=True, layout='zigzag')"),
     "sharded_optimizer": ("ShardedOptimizer", "params, optimizer_class, group=None, **defaults", "pplab.zero",
                           "ZeroOptimizer", "return lib(params, optimizer_class, group=group, **defaults)"),
+    "fsdp": ("FSDP", "units, compute_dtype=None", "pplab.zero.fully_sharded", "FullyShardedModule",
+             "return lib(units, compute_dtype=compute_dtype)"),
 }
 
 # route -> (top-level statements, the expression giving `lib` inside the answer); {m}: module, {n}: name

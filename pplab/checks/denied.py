@@ -22,6 +22,7 @@ DENIED: dict[str, tuple[str, ...]] = {
     "zero_bubble": ("pplab.pipeline.schedules", "pplab.pipeline.looped", "pplab.pipeline.bidirectional"),
     "ring_attention": ("pplab.sequence_parallel.ring_attention",),
     "sharded_optimizer": ("pplab.zero",),
+    "fsdp": ("pplab.zero.fully_sharded", "pplab.zero.flat", "pplab.zero.optimizer", "pplab.zero.plusplus"),
 }
 
 

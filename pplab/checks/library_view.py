@@ -68,6 +68,9 @@ class Missing:
     def __iter__(self):
         raise Unavailable(self._note)
 
+    def __mro_entries__(self, bases):                    # a library class built on a denied one: denied too
+        raise Unavailable(self._note)
+
     def __repr__(self) -> str:
         return f"<{self.__module__}.{self.__name__}: not available while your answer is checked>"
 
