@@ -172,21 +172,25 @@ def writes_to_every_descriptor(tensor, src):
 
 
 ATTACKS = [
-    (steals_from_frames, r"rank \d's result differs from the reference \(rank \d's tensor, the src\)"),
+    (steals_from_frames, (r"rank \d's result differs from the reference \(rank \d's tensor, the src\)",
+                          r"pplab\.checks\.collectives is not available while your answer is checked: it is the checker's own module")),
     (erases_the_record, r"^exercise 'broadcast' asks you to build broadcast .*you called "
                         r"torch\.distributed\.all_reduce, a library collective\.$"),
     (uses_the_backend, r"rank \d raised RuntimeError: a check's ranks have no process group.* \(in uses_the_backend, "
                        r"line \d+: `group = dist\.distributed_c10d\._get_default_group\(\)`\)"),
     (uses_functional_collectives, r"you called torch\.distributed\._functional_collectives\.all_reduce, a library "
                                   r"collective\.$"),
-    (uses_the_checker, r"rank \d's result differs from the reference"),
+    (uses_the_checker, (r"rank \d's result differs from the reference", r"pplab\.checks\.collectives is not available while your answer is checked: it is the checker's own module")),
     (writes_to_every_descriptor, r"rank \d (broke its channel to the checker \(a message that is not valid|died)"),
-    (uses_the_library_through_a_helper, r"you called pplab\.collectives\.broadcast, the library collective it "
-                                        r"replaces\.$"),
+    (uses_the_library_through_a_helper, (r"you called pplab\.collectives\.broadcast, the library collective it "
+                                         r"replaces\.$", r"the library's pplab\.collectives is not available while "
+                                                          r"your answer is checked")),
 ]
 
 
-@pytest.mark.parametrize("answer, pattern", [pytest.param(form.values[0], pattern, id=form.id)
+# (as a function, as source): graded, the checker's modules and pplab.collectives are not there at all
+@pytest.mark.parametrize("answer, pattern", [pytest.param(form.values[0], pattern if isinstance(pattern, str) else
+                                                          pattern[form.id.endswith("-source")], id=form.id)
                                              for fn, pattern in ATTACKS
                                              for form in both_forms(fn)])
 def test_an_attack_from_inside_the_answer_gets_no_pass(answer, pattern):

@@ -108,6 +108,47 @@ class EveryRankStepsEverything(Owners):
         self.inner.load_state_dict(saved)
 
 
+class FullStateBesideAShardForShow(EveryRankStepsEverything):
+    """Right values from a full optimizer of torch's class (found under the one given) on every
+    rank, so none of its state is split; the optimizer_class instance steps copies of this rank's
+    shard, for show, so that the instances the check hands out look split."""
+
+    def __init__(self, params, optimizer_class, group=None, **defaults):
+        self.real = next(c for c in optimizer_class.__mro__ if c.__module__.startswith("torch.optim"))
+        self.full, self.shows = None, []
+        super().__init__(params, optimizer_class, group=group, **defaults)
+
+    def add_param_group(self, group):
+        params = list(group["params"])
+        self.groups.append(params)
+        for p in params:
+            self.owner[id(p)] = r = self.count.index(min(self.count))
+            self.count[r] += p.numel()
+        if self.full is None:
+            self.full = self.real([{**group, "params": params}], **self.defaults)
+        else:
+            self.full.add_param_group({**group, "params": params})
+        copies = [(p, p.detach().clone().requires_grad_()) for p in params if self.owner[id(p)] == self.me]
+        self.shows += copies
+        self._give_inner({**group, "params": [c for _, c in copies]})
+
+    @torch.no_grad()
+    def step(self):
+        for p in self.params():
+            comm.all_reduce(p.grad, group=self.group)
+            p.grad /= self.n
+        self.full.step()
+        for p, c in self.shows:
+            c.grad = p.grad.clone()
+        self.inner.step()
+
+    def state_dict(self):
+        return self.full.state_dict()
+
+    def load_state_dict(self, saved):
+        self.full.load_state_dict(saved)
+
+
 class NeverSendsTheUpdates(Owners):
     def _send_back(self):
         pass                                                   # the other ranks keep their stale copies
@@ -235,6 +276,10 @@ WRONG = {"sharded_optimizer": [
      [parts(sharded="✘"), FRESH + r"rank 0's (AdamW|SGD) state is [\d,]+ bytes \(its optimizers hold parameters "
       r"\[0, 1, 2, 3, 4, 5, 6\], 7 of 7\)", r"Give this rank's optimizer_class only the parameters this rank owns"],
      None),
+    (FullStateBesideAShardForShow,
+     [parts(sharded="✘"), FRESH + r"rank 0's optimizers hold [\d,]+ bytes of per-element state in all \(every torch "
+      r"optimizer in the rank counted; its optimizer_class instances hold [\d,]+ of them\)",
+      r"It held the whole state \(Ψ·K bytes\) instead of its 1/N \(Ψ·K/N\)"], None),
     (NeverSendsTheUpdates,
      [parts(steps="✘", added="✘", state_dict="✘"), FRESH + r"after step 1, rank 0's parameter",
       r"Other ranks have it right \(rank [12](, whose optimizer steps it|, rank 2; rank [12]'s optimizer steps it)\): "

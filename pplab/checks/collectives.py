@@ -24,10 +24,10 @@ import statistics
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from .. import costmodel
 from . import sealed
+from .collectives_rank import _all_reduce_rank, _broadcast_rank, _reduce_scatter_rank
 from .core import Fail, Parts, exercise, first_difference, refuse_library, require_function
 from .core import _fmt
 
@@ -70,20 +70,6 @@ def _describe_broadcast(trials):
         t = trials[world_size][i]
         return f"world_size={world_size}, src={t.src}, dtype={t.dtype}, shape={t.shape}"
     return describe
-
-
-def _returned_copy(returned, tensor):
-    """What the answer returned, if that is a tensor other than the one it was given."""
-    return returned.detach().clone() if isinstance(returned, torch.Tensor) and returned is not tensor else None
-
-
-def _broadcast_rank(fn, trials):
-    """Run on every (sealed) rank: call the student's fn on each trial, record what it left in the tensor."""
-    for i, trial in enumerate(trials):
-        sealed.begin(i)
-        tensor = trial["tensor"]
-        returned = fn(tensor, trial["src"])
-        sealed.observe(i, {"tensor": tensor, "returned": _returned_copy(returned, tensor)})
 
 
 def _received(traffic, rank) -> int:
@@ -241,16 +227,6 @@ def _run(fn, exercise_id, builds, job, check, cases, seed, timeout, what="shape"
 _RS_CASES = ([("float32", 7), ("int64", 5), ("float32", 250)], [("float32", 1), ("int64", 1)])  # elements per rank
 
 
-def _reduce_scatter_rank(fn, inputs):
-    """Run on every (sealed) rank: call the student's fn on each trial, record output and input."""
-    p = dist.get_world_size()
-    for i, input in enumerate(inputs):
-        sealed.begin(i)
-        output = torch.full((input.numel() // p,), -7777, dtype=input.dtype)
-        returned = fn(output, input)
-        sealed.observe(i, {"output": output, "input": input, "returned": _returned_copy(returned, output)})
-
-
 def _check_reduce_scatter(name, trials, seed):
     def check(p, i, observed, traffic):
         dtype, n = trials[p][i]
@@ -306,14 +282,6 @@ def check_reduce_scatter(fn, seed: int, timeout: float) -> str:
 
 # ----------------------------------------------------------------------------------
 # Exercise "ring_all_reduce"
-
-
-def _all_reduce_rank(fn, inputs):
-    """Run on every (sealed) rank: call the student's fn on each trial, record the tensor."""
-    for i, tensor in enumerate(inputs):
-        sealed.begin(i)
-        returned = fn(tensor)
-        sealed.observe(i, {"tensor": tensor, "returned": _returned_copy(returned, tensor)})
 
 
 def _check_all_reduce(name, trials, seed):

@@ -102,6 +102,8 @@ from ..runtime import comm  # noqa: F401 - chapters' checkers import comm from h
 from .answers import SourceAnswer, allow_type, decode, encode  # noqa: F401 - what checkers use, in one place
 from .failures import Fail, Forbidden, NotImplementedYet, Scored  # noqa: F401 - Scored: what a graded-on-quality checker returns
 from .forbidden import forbidden_references, refuse_library  # noqa: F401
+from .denied import DENIED
+from .fresh_zygote import fresh_zygote, jobs_of   # a graded answer to an exercise in DENIED: ranks from a fresh interpreter
 from .sealed import call_answer, zygote  # noqa: F401 - run_check enters zygote() before the seed exists
 
 # ----------------------------------------------------------------------------------
@@ -176,7 +178,10 @@ def run_check(exercise_id: str, answer, *, seed: int | None = None, timeout: flo
     if ex.sealed and answer is not None and answer is not Ellipsis and callable(answer):
         for module in ex.preload:                       # no secret in a module: the zygote inherits it
             importlib.import_module(module)
-        with zygote(answer):                            # forked now, before the seed exists
+        denies = DENIED.get(ex.id, ()) if isinstance(answer, SourceAnswer) else ()
+        fresh = fresh_zygote(answer, denies, ("pplab.checks.sealed", *ex.preload, *jobs_of(ex.checker))) \
+            if denies else None
+        with fresh or zygote(answer):                   # started now, before the seed exists
             return _run_check(ex, answer, seed, timeout)
     return _run_check(ex, answer, seed, timeout)
 

@@ -40,14 +40,13 @@ parameter that differ are named:
 from __future__ import annotations
 
 import random
-import sys
 
 import torch
 
 from . import sealed
-from .core import Fail, Forbidden, Parts, exercise, refuse_library, require_function
+from .core import Fail, Forbidden, Parts, exercise, require_function
 from .core import _fmt
-from .fsdp_capstone_rank import fsdp_rank
+from .fsdp_capstone_rank import _refuse_library_fsdp, fsdp_rank
 from .fsdp_capstone_reference import NAMES, LOSS_TOL, one_step, reference, single_threaded
 from ..models import GPTConfig, gpt_layers
 
@@ -76,16 +75,6 @@ def _trial(seed, p):
     ids = torch.randint(0, cfg.vocab, (p, b, cfg.seq + 1), generator=g)
     return {"cfg": cfg, "model_seed": rng.randrange(2**31), "rows": b, "ids": ids[:, :, :-1], "targets": ids[:, :, 1:],
             "adamw": {"lr": rng.choice([0.01, 0.02]), "betas": (0.9, 0.99), "eps": 1e-3, "weight_decay": 0.1}}
-
-
-def _refuse_library_fsdp(fn) -> None:
-    """In the sealed rank: Forbidden if the answer uses a library's FSDP (torch's only if imported)."""
-    from ..zero import FlatBucket, FullyShardedModule, ZeroOptimizer
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    library = {"FullyShardedModule": FullyShardedModule, "FlatBucket": FlatBucket, "ZeroOptimizer": ZeroOptimizer}
-    library.update({n: getattr(fsdp, n) for n in ("FullyShardedDataParallel", "fully_shard") if hasattr(fsdp, n)})
-    refuse_library(fn, "fsdp", "the sharding, gathering and reduce-scattering", library,
-                   "pplab.zero's FullyShardedModule or a library's FSDP")
 
 
 # ----------------------------------------------------------------------------------

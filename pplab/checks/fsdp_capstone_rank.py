@@ -17,7 +17,8 @@ from torch import nn
 
 from . import sealed
 from .failures import Fail
-from .forbidden import _filled          # a closure's cell that holds a value
+from .forbidden import _filled, refuse_library   # _filled: a closure's cell that holds a value
+from .library_view import unavailable
 from ..memory import storage_bytes
 from ..models import GPTConfig, gpt_layers, gpt_loss
 
@@ -169,3 +170,16 @@ def fsdp_rank(fn, trials):
                 record["held"] = _held(fsdp, shards, units, optimizer)
                 steps.append(record)
             sealed.observe(i, {"steps": steps, "order": probe.order})
+
+
+def _refuse_library_fsdp(fn) -> None:
+    """In the sealed rank: Forbidden if the answer uses a library's FSDP (torch's only if imported)."""
+    import importlib
+    import sys
+    zero = importlib.import_module("pplab.zero")
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    library = {n: getattr(zero, n) for n in ("FullyShardedModule", "FlatBucket", "ZeroOptimizer")}
+    library = {n: v for n, v in library.items() if not unavailable(v)}     # graded: not there at all
+    library.update({n: getattr(fsdp, n) for n in ("FullyShardedDataParallel", "fully_shard") if hasattr(fsdp, n)})
+    refuse_library(fn, "fsdp", "the sharding, gathering and reduce-scattering", library,
+                   "pplab.zero's FullyShardedModule or a library's FSDP")

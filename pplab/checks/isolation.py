@@ -84,10 +84,12 @@ def _needed_under(hidden) -> list:
     return sorted(p for p in set(under) if not any(p != q and p.startswith(q + "/") for q in under))
 
 
-def isolate() -> str:
+def isolate(hide=()) -> str:
     """Namespaces for this rank (see the module docstring). Returns what could not be done
     ("" if everything was). Forks once: the caller continues as PID 1 of a new namespace,
-    while its parent waits for it and exits with its status."""
+    while its parent waits for it and exits with its status. hide: {file or folder: {file
+    left in it: text}} the rank must not read (a graded check's library and references,
+    fresh_zygote.py), covered before the mounts are locked."""
     uid, gid = os.getuid(), os.getgid()
     try:
         _call(_libc().unshare(_CLONE_NEWUSER | _CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWPID), "unshare")
@@ -129,9 +131,29 @@ def isolate() -> str:
             missing.append(f"{path} (read-only)")
         finally:
             os.close(fd)
+    for path, files in dict(hide).items():
+        try:
+            _hide(path, files)
+        except OSError:
+            missing.append(f"hidden {path}")
     try:                                                 # lock the mounts: a namespace below cannot undo them
         _call(_libc().unshare(_CLONE_NEWUSER | _CLONE_NEWNS), "unshare (nested)")
         _map_root(0, 0)
     except OSError:
         missing.append("locked mounts")
     return ", ".join(missing)
+
+
+def _hide(path: str, files: dict) -> None:
+    """Cover `path`: a folder with an empty read-only tmpfs holding only `files` ({relative path:
+    text}, e.g. a stub saying why a module is not there), a file with /dev/null."""
+    if os.path.isdir(path):
+        _mount("tmpfs", path, "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "size=1m,mode=755")
+        for name, text in files.items():
+            target = os.path.join(path, name)
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            with open(target, "w") as f:
+                f.write(text)
+        _mount(None, path, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
+    elif os.path.lexists(path):
+        _mount("/dev/null", path, None, _MS_BIND)

@@ -25,6 +25,7 @@ import random
 import re
 
 from . import sealed
+from .pipeline_rank import _refuse_zero_bubble
 from .core import Fail, Forbidden, Parts, Scored, allow_type, exercise, refuse_library, require_function
 
 # pplab.pipeline is imported inside the checks: it loads its executor (torch.fx, sympy),
@@ -485,15 +486,6 @@ def _zb_cases(seed: int) -> list[tuple[int, int]]:
     rng = random.Random(seed)
     p = rng.randint(3, 6)
     return [(4, 8), (3, 3), (5, rng.randint(5, 9)), (p, rng.randint(p, 2 * p + 3))]
-
-
-def _refuse_zero_bubble(fn) -> None:
-    """In the sealed rank: Forbidden if the answer calls the library's schedules."""
-    from ..pipeline import Action, make_schedule, schedules
-    allow_type(Action)
-    refuse_library(fn, "zero_bubble", "a zero-bubble schedule",
-                   {"make_schedule": make_schedule, "zb_h1": schedules.zb_h1, "zb_v": schedules.zb_v},
-                   "pplab.pipeline's schedules")
 
 
 @exercise("zero_bubble", "A zero-bubble schedule: as short as the pipeline allows, in 1F1B's memory",

@@ -11,6 +11,9 @@ group can talk by routes a watch in the rank cannot see. So, in a sealed launch:
 1. Ranks never hold a secret. `run_check` starts a *zygote* (`zygote(answer)`) before it
    draws the seed: a fork of this process that keeps the answer (a function object, or a
    SourceAnswer's source, resolved in each rank) and nothing the check computes later.
+   When `pplab grade` checks an exercise listed in denied.py, the zygote is instead a fresh
+   interpreter that never imported the checker nor the library modules the exercise asks
+   the student to write (fresh_zygote.py): graded, an answer runs where they do not exist.
    For each launch the zygote forks the ranks. Each gets only its own channel (a
    socketpair made here, passed with `socket.send_fds`) and pipes for its output.
 2. Inputs come from the checker, per rank. `inputs[i][r]` is plain data for rank r in
@@ -384,6 +387,8 @@ def _failure(outcome, where, name, files, timeout, statuses, pids, single=False)
             return Forbidden(message)
         if exc == "Fail":
             return Fail(where(rank) + message)
+        if exc == "Unavailable":                         # a denied module reached for (library_view.py)
+            return Fail(f"{where(rank)}{message}.", seed_matters=False)
         if exc == "NotImplementedError":
             return NotImplementedYet(name)
         return Fail(f"{where(rank)}{who(rank)} raised {exc}: {message}{_student_frame(text, files)}.")

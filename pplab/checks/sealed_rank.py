@@ -396,7 +396,7 @@ def rank_main(zygote_pid: int, chan_fd: int, out_fd: int, err_fd: int) -> None:
     os.closerange(chan + 1, 1 << 16)
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
-    missing = isolate()
+    missing = isolate(_STATE.get("hide", ()))               # hide: set in a fresh zygote (fresh_zygote.py)
     prctl(_PR_SET_DUMPABLE, 0)                           # no other process may read this one's memory
     torch.set_num_threads(1)                             # p ranks share the cores
     channel = Channel(socket.socket(fileno=chan))

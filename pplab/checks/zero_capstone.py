@@ -40,19 +40,17 @@ from __future__ import annotations
 
 import copy
 import random
-import sys
 
 import torch
-import torch.distributed as dist
 
 from . import sealed
-from .core import Fail, Forbidden, exercise, first_difference, refuse_library, require_function
+from .zero_capstone_rank import _OPTIMIZERS, _rank_job, _refuse_library_optimizers
+from .core import Fail, Forbidden, exercise, first_difference, require_function
 from .core import _fmt
 
 ATOL, RTOL = 1e-6, 1e-5           # fp32: the same arithmetic in a different order stays far inside
 STEPS, ADD_AT, MORE = 4, 2, 2     # steps per run; add_param_group before step ADD_AT + 1; steps after a load
 SAVE_AT, LOAD_AT = 3, 2           # the world sizes a state_dict is saved at and loaded at
-_OPTIMIZERS = {"AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD}
 # The defaults (keywords) and each group's own options. Adam divides a gradient by its own size,
 # so a gradient summed over ranks instead of averaged would move it almost as far: eps of the
 # gradients' size (1e-3) makes the size count, and a missing mean changes every element.
@@ -107,66 +105,6 @@ def _rank_input(run, rank, *, save=False, resume=None, grads=None, state_dict=No
 
 # ----------------------------------------------------------------------------------
 # In every sealed rank
-
-
-def _recording(name, made):
-    """optimizer_class for the answer: the torch class, noting each instance it creates."""
-    class Recorded(_OPTIMIZERS[name]):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            made.append(self)
-    Recorded.__name__ = Recorded.__qualname__ = name
-    return Recorded
-
-
-def _rank_job(fn, trials):
-    rank = dist.get_rank()
-    for i, t in enumerate(trials):
-        sealed.begin(i)
-        made_groups = [dist.new_group(m) for m in t["members"]]          # every rank makes every group
-        group = next(g for g, m in zip(made_groups, t["members"]) if rank in m)
-        params = [torch.nn.Parameter(x.clone()) for x in t["start"]]
-        made = []
-
-        def param_group(indices, options):
-            return {"params": [params[j] for j in indices], **options}
-        keywords = dict(t["defaults"]) if len(t["members"]) == 1 else {"group": group, **t["defaults"]}
-        optimizer = fn([param_group(*g) for g in t["groups"]], _recording(t["optimizer"], made), **keywords)
-        active = [j for indices, _ in t["groups"] for j in indices]
-        if t["load"] is not None:                                       # a resume
-            optimizer.add_param_group(param_group(*t["added"]))
-            active += t["added"][0]
-            with torch.no_grad():
-                for p, x in zip(params, t["resume"]):
-                    p.copy_(x)                                           # as model.load_state_dict does
-            optimizer.load_state_dict(t["load"])
-        history, leftover = [], []
-        for step, grads in enumerate(t["grads"]):
-            if step == t["add_at"]:
-                optimizer.add_param_group(param_group(*t["added"]))
-                active += t["added"][0]
-            optimizer.zero_grad()
-            leftover.append([j for j in active if params[j].grad is not None and bool(params[j].grad.any())])
-            sum((params[j] * grads[j]).sum() for j in active).backward()      # .grad = this rank's gradient
-            optimizer.step()
-            history.append([p.detach().clone() for p in params])
-        index = {id(p): j for j, p in enumerate(params)}
-        held = sorted({index[id(q)] for o in made for g in o.param_groups for q in g["params"] if id(q) in index})
-        state = sum(v.numel() * v.element_size() for o in made for s in o.state.values() for v in s.values()
-                    if torch.is_tensor(v) and v.dim() > 0)
-        sealed.observe(i, {"history": history, "leftover": leftover, "held": held, "state_bytes": state,
-                           "state_dict": optimizer.state_dict() if t["save"] else None})
-
-
-def _refuse_library_optimizers(fn) -> None:
-    """In the sealed rank: Forbidden if the answer uses a library's sharded optimizer. torch's is
-    looked for only where the answer imported it (importing it here would cost seconds per check)."""
-    from ..zero import ZeroOptimizer
-    torch_optim = sys.modules.get("torch.distributed.optim")
-    refuse_library(fn, "sharded_optimizer", "the sharding of the optimizer",
-                   {"ZeroOptimizer": ZeroOptimizer,
-                    "ZeroRedundancyOptimizer": getattr(torch_optim, "ZeroRedundancyOptimizer", ZeroOptimizer)},
-                   "a library's sharded optimizer")
 
 
 # ----------------------------------------------------------------------------------
@@ -342,7 +280,14 @@ def _check_sharded(observed, ref, run, members, whole):
     total, largest, n, name = sum(per_param), max(per_param), len(members), run["optimizer"]
     bound = total / n + largest
     for rank in members:
-        mine = observed[rank]["state_bytes"]
+        mine, resident = observed[rank]["state_bytes"], observed[rank]["resident_bytes"]
+        if resident > bound and resident > mine:
+            return (f"rank {rank}'s optimizers hold {resident:,} bytes of per-element state in all (every torch "
+                    f"optimizer in the rank counted; its optimizer_class instances hold {mine:,} of them): "
+                    f"single-process {name} holds {total:,}, so each of {n} ranks should hold at most {total:,}/{n} "
+                    f"+ {largest} (the largest parameter's state) = {bound:,.0f}. It held the whole state (Ψ·K "
+                    f"bytes) instead of its 1/N (Ψ·K/N): keep one optimizer, of optimizer_class, over this rank's "
+                    f"parameters only.")
         if mine > bound:
             held = observed[rank]["held"]
             holds = f" (its optimizers hold parameters {held}, {len(held)} of {len(per_param)})" if held else ""

@@ -89,6 +89,8 @@ class Copy(importlib.abc.MetaPathFinder, importlib.abc.Loader):
                 yield prefix + tail, package
     def create_module(self, spec):
         return None
+    def get_source(self, name):              # the copy's text: what a graded check's fresh zygote serves
+        return sources[name][1]
     def exec_module(self, module):
         file, text, _ = sources[module.__name__]
         module.__file__ = file

@@ -1,0 +1,36 @@
+"""What each exercise's answer runs without, when it is graded: the library modules that hold
+the implementation the exercise asks for (public and private names alike).
+
+When `pplab grade` checks an exercise listed here (the answer is a SourceAnswer), its ranks
+are forked from a fresh interpreter that never imported these modules nor any checker
+(fresh_zygote.py), an import of one raises "the library's X is not available while your
+answer is checked" (library_view.py), and their files are hidden (isolation.py's `hide`).
+What an answer may use is what is left: pplab.comm, pplab.split, pplab.trace, torch, and
+every other chapter.
+
+An exercise whose checker runs a job in the ranks keeps that job in a `*_rank` module of
+pplab/checks holding no reference (collectives_rank.py, ...): only those, and the sealed
+machinery, are served to the ranks.
+"""
+from __future__ import annotations
+
+DENIED: dict[str, tuple[str, ...]] = {
+    "broadcast": ("pplab.collectives",),
+    "reduce_scatter": ("pplab.collectives",),
+    "ring_all_reduce": ("pplab.collectives",),
+    "moe_dispatch": ("pplab.expert_parallel",),
+    "zero_bubble": ("pplab.pipeline.schedules", "pplab.pipeline.looped", "pplab.pipeline.bidirectional"),
+    "ring_attention": ("pplab.sequence_parallel.ring_attention",),
+    "sharded_optimizer": ("pplab.zero",),
+    "fsdp": ("pplab.zero.fully_sharded", "pplab.zero.flat", "pplab.zero.optimizer", "pplab.zero.plusplus"),
+}
+
+
+def note(module: str) -> str:
+    """What a student reads when their answer reaches for `module`."""
+    return (f"the library's {module} is not available while your answer is checked: the exercise asks you to "
+            f"write what it holds yourself (with pplab.comm, pplab.split, pplab.trace and torch)")
+
+
+CHECKS_NOTE = ("is not available while your answer is checked: it is the checker's own module (its references "
+               "and expected values stay in the checker's process)")
