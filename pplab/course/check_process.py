@@ -33,11 +33,12 @@ from .runner import _become_subreaper, _kill_children, _kill_tree, _not_dumpable
 OUTPUT_LINES, LINE_CHARS = 100, 500          # what the grader keeps of a check's output
 
 
-def pplab_sources() -> dict:
-    """{module name: [file, source, is a package]} of the pplab package, read now. The check
-    processes import pplab from this copy, so a notebook that rewrites (or adds to) pplab's
-    files, or leaves a module named like one anywhere, changes nothing in them."""
-    root = Path(__file__).resolve().parents[1]                 # the pplab package
+def pplab_sources(root: str | Path | None = None) -> dict:
+    """{module name: [file, source, is a package]} of the pplab package (at `root`, default
+    this one), read now. The check processes import pplab from this copy, so a notebook that
+    rewrites (or adds to) pplab's files, or leaves a module named like one anywhere, changes
+    nothing in them."""
+    root = Path(root or Path(__file__).resolve().parents[1])   # the pplab package
     found = {}
     for file in sorted(root.rglob("*.py")):
         parts = list(file.relative_to(root.parent).with_suffix("").parts)
@@ -45,6 +46,21 @@ def pplab_sources() -> dict:
         name = ".".join(parts[:-1] if package else parts)
         found[name] = [str(file), file.read_text(), package]
     return found
+
+
+def copy_pplab(sources: dict, folder: str | Path) -> dict:
+    """Write `sources` as a package under FOLDER/pplab (read-only files) and return the sources
+    of that copy: a sandbox sees this copy, never the course's checkout."""
+    package = Path(folder) / "pplab"
+    package.mkdir(parents=True, exist_ok=True)
+    Path(folder).chmod(0o755)                   # readable by a sandbox's own uid (where the grader is root)
+    for name, (_, text, is_package) in sources.items():
+        parts = name.split(".")[1:]
+        file = package.joinpath(*parts, "__init__.py") if is_package else package.joinpath(*parts[:-1], parts[-1] + ".py")
+        file.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+        file.write_text(text)
+        file.chmod(0o444)
+    return pplab_sources(package)
 
 
 # Runs first in a check process (python -I: no current folder, no PYTHONPATH, no user site
@@ -109,10 +125,12 @@ class _Tail:
 
 
 def run_check_process(exercise_id: str, answer, sources: dict, check_timeout: float,
-                      notes: list | None = None, *, hidden=(), sandboxed: bool = True) -> tuple[bool, str, float]:
+                      notes: list | None = None, *, hidden=(), sandboxed: bool = True,
+                      limits: sandbox.Limits = sandbox.Limits()) -> tuple[bool, str, float]:
     """(passed, message, points earned) of one exercise's check of `answer` (a SourceAnswer), run in a fresh
     process where no student code runs (in the sandbox if `sandboxed` and the machine has
-    one; `hidden`: folders it must not see, e.g. the other submissions).
+    one, which sees the folder `sources` were read from (a copy: copy_pplab), read-only;
+    `hidden`: folders it must never see; `limits`: the submission's).
 
     Forged verdicts seen on the way (connections from any other process, or lines that look
     like one in its output) are named in `notes`."""
@@ -131,16 +149,24 @@ def run_check_process(exercise_id: str, answer, sources: dict, check_timeout: fl
         verdict_dir.mkdir()
         address = str(verdict_dir / "socket")              # a path: it reaches into the sandbox's network
         server.bind(address)
+        os.chmod(address, 0o777)           # where the grader is root, the check runs as a uid of its own
         server.listen(16)
         server.settimeout(0.2)
         job = {"sources": sources, "exercise": exercise_id, "timeout": check_timeout, "name": answer.name,
                "statements": [list(s) for s in answer.statements], "verdict": address,
                "params": None if answer.params is None else [list(p) for p in answer.params]}
         argv = [sys.executable, "-I", "-c", _BOOT]
-        env.update(HOME=str(cwd), TMPDIR=str(cwd), MPLCONFIGDIR=str(cwd))
+        env.update(HOME=str(cwd), TMPDIR=str(cwd), MPLCONFIGDIR=str(cwd),
+                   PPLAB_RANK_TMPFS=str(max(limits.disk // 8, 16 << 20)))      # each rank's /tmp and /dev/shm
         sandboxed = sandboxed and sandbox.why_not() is None
         if sandboxed:
-            argv = sandbox.wrap(argv, workdir=str(cwd), visible=[verdict_dir], hidden=hidden, env=env)
+            library = os.path.dirname(os.path.dirname(sources["pplab"][0]))       # above the copy's pplab/
+            if library in sandbox._course():                 # never the checkout itself: a copy of its pplab
+                sources = copy_pplab(sources, Path(tmp, "library"))
+                library = str(Path(tmp, "library"))
+            argv = sandbox.wrap(argv, workdir=str(cwd), read_only=[verdict_dir, library], denied=hidden, env=env,
+                                limits=limits)
+            job["sources"] = sources
         proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         output = _Tail(proc.stdout)
@@ -178,6 +204,9 @@ def run_check_process(exercise_id: str, answer, sources: dict, check_timeout: fl
                      f"itself)")
     if timed_out and not verdicts:
         return False, f"the check did not finish within {limit:g} s (the grader's limit for one check)", 0.0
+    stopped = sandbox.stopped_by(proc.returncode, text) if sandboxed else None
+    if stopped and not verdicts:
+        return False, f"the check was stopped: {stopped}", 0.0
     try:
         verdict = json.loads(verdicts[0])
         score = float(verdict["score"])
