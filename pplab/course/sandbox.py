@@ -68,10 +68,11 @@ class Limits:
 
 
 def wrap(argv: list[str], *, workdir: str, read_only=(), writable=(), denied=(), env: dict | None = None,
-         limits: Limits = Limits()) -> list[str]:
+         limits: Limits = Limits(), user_namespace: bool = False) -> list[str]:
     """The command that runs `argv` in the sandbox, in a copy of `workdir` (and of each
     `writable` folder), seeing `read_only` folders besides the system and Python; `denied`
-    folders stay empty even where they lie inside an allowed one."""
+    folders stay empty even where they lie inside an allowed one. `user_namespace`: build
+    it in a user namespace even where the grader is root (as it is built for anyone else)."""
     argv = list(argv)
     if not os.path.isabs(argv[0]):
         argv[0] = _which(argv[0])
@@ -84,6 +85,7 @@ def wrap(argv: list[str], *, workdir: str, read_only=(), writable=(), denied=(),
         "read_only": allowed,
         "denied": sorted(d for d in denied if not any(isolation.under(a, [d]) for a in allowed)),
         "limits": {"memory": limits.memory, "processes": limits.processes, "disk": limits.disk},
+        "user_namespace": user_namespace,
         "uid": 200_000 + (os.getpid() % 1000) * 100 + next(_UIDS) % 100,   # where the grader is root
     }
     return [sys.executable, "-I", "-S", "-c", _BOOT, json.dumps(spec)]
