@@ -144,6 +144,14 @@ def test_one_grading_run_survives_every_kind_of_hostile_submission(tmp_path):
         code = inspect.getsource(attack).replace(f"def {attack.__name__}(", "def my_broadcast(", 1)
         _write(subs / f"rank_{attack.__name__}.ipynb", sealed_attacks.IMPORTS, inspect.getsource(sealed_attacks._token),
                inspect.getsource(sealed_attacks._plain_broadcast), code)
+    # 11. limits (issue 34): a fork bomb, a 30 GB allocation, a full disk; each in the kernel and in the answer
+    bomb = "import os\nfor _ in range(10_000):\n    try:\n        os.fork()\n    except OSError:\n        pass"
+    huge = "import torch\nx = torch.zeros(30 << 30, dtype=torch.uint8)"
+    fill = ("with open('/tmp/fill', 'wb') as f:\n    for _ in range(10_000):\n"
+            "        f.write(b'x' * (1 << 20))")
+    for name, attack in (("fork_bomb", bomb), ("allocates_30_gb", huge), ("fills_the_disk", fill)):
+        _write(subs / f"{name}.ipynb", attack, f"def my_broadcast(tensor, src):\n    exec(ATTACK)\n",
+               f"ATTACK = {attack!r}")
     _write(subs / "zz_good.ipynb", "from pplab import comm", good,
            markdown=["My written answer: the tree needs ceil(log2 p) rounds."])
 
@@ -151,7 +159,8 @@ def test_one_grading_run_survives_every_kind_of_hostile_submission(tmp_path):
     started = time.monotonic()
     try:
         run = subprocess.run(PPLAB + ["grade", str(subs), "--out", str(out), "--timeout", "120", "--cell-timeout",
-                                      "25", "--check-timeout", "15", "--jobs", "3", "--exercises", "broadcast"],
+                                      "25", "--check-timeout", "15", "--jobs", "3", "--exercises", "broadcast",
+                                      "--memory", "1500M", "--processes", "200", "--disk", "128M"],
                              capture_output=True, text=True, timeout=500)
         left = _ours_alive()
     finally:
@@ -174,7 +183,8 @@ def test_one_grading_run_survives_every_kind_of_hostile_submission(tmp_path):
         "not_json": "missing", "writes_environment": "0", "daemon": "0", "linked": "missing", "'=1+1": "0",
         "forges_notes": "0", "copies_a_classmate": "0", "imports_checker": "0", "in_a_block": "missing",
         "floods_output": "1", "rank_steals_from_frames": "0", "rank_erases_the_record": "0",
-        "rank_uses_the_backend": "0", "rank_uses_functional_collectives": "0", "rank_shares_a_file": "0"}, rows
+        "rank_uses_the_backend": "0", "rank_uses_functional_collectives": "0", "rank_shares_a_file": "0",
+        "fork_bomb": "0", "allocates_30_gb": "0", "fills_the_disk": "0"}, rows
     notes = {s: r["notes"] for s, r in rows.items()}
     assert "cell 1 is not a well-formed cell (no cell_type or source): skipped" in notes["no_source"]
     assert "cell 2 could not be read by Python's parser (RecursionError)" in notes["huge_expression"]
@@ -188,7 +198,12 @@ def test_one_grading_run_survives_every_kind_of_hostile_submission(tmp_path):
     assert "a check's ranks have no process group" in notes["rank_uses_the_backend"]
     assert "torch.distributed._functional_collectives" in notes["rank_uses_functional_collectives"]
     assert "you called torch.distributed.all_reduce" in notes["rank_erases_the_record"]
-    assert "summary: 22 student(s)" in run.stderr
+    assert "the notebook was stopped: it ran" in notes["fork_bomb"] and "--processes 200" in notes["fork_bomb"]
+    assert "the check was stopped: it ran" in notes["fork_bomb"]
+    assert "can't allocate memory" in notes["allocates_30_gb"] and "--memory 1.46G" in notes["allocates_30_gb"]
+    assert "--disk 128M" in notes["fills_the_disk"]
+    assert "limits per submission: memory 1.46G, 200 processes, disk 128M" in run.stderr
+    assert "summary: 25 student(s)" in run.stderr
     assert (tmp_path / "grades_answers" / "zz_good.md").read_text().count("ceil(log2 p)") == 1
     assert time.monotonic() - started < 500
 

@@ -219,13 +219,16 @@ def run_check_process(exercise_id: str, answer, sources: dict, check_timeout: fl
 
 
 def _is_the_check(pid: int, started: int, sandboxed: bool, psutil) -> bool:
-    """The check process is the one the grader started or, in the sandbox, that process's only
-    child (pid 1 of the sandbox: every other process there descends from it)."""
+    """The check process is the one the grader started or, in the sandbox, the command its pid 1
+    started: its first child, pid 2 there (every other process there descends from it)."""
     if pid == started or not sandboxed:
         return pid == started
     try:
-        return psutil.Process(pid).ppid() == started
-    except psutil.Error:
+        parent = psutil.Process(pid).parent()
+        with open(f"/proc/{pid}/status") as f:
+            inner = next(line.split()[-1] for line in f if line.startswith("NSpid:"))
+        return parent is not None and parent.ppid() == started and inner == "2"
+    except (psutil.Error, OSError, StopIteration):
         return False
 
 
