@@ -429,7 +429,7 @@ def _watch(command: int, limits: dict, report_write: int) -> None:
                 signal.signal(s, signal.SIG_IGN)
             except (OSError, ValueError):
                 pass
-    page = os.sysconf("SC_PAGE_SIZE")
+    page, state = os.sysconf("SC_PAGE_SIZE"), {}
     while True:
         while True:
             try:
@@ -440,7 +440,7 @@ def _watch(command: int, limits: dict, report_write: int) -> None:
                 break
             if pid == command:
                 os._exit(128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))
-        note = over_limit(limits, page)
+        note = over_limit(limits, page, state)
         if note:
             os.write(report_write, note.encode())
             os._exit(LIMIT_HIT)
@@ -454,8 +454,9 @@ def _size(n: float) -> str:
     return f"{n:.0f}"
 
 
-def over_limit(limits: dict, page: int) -> str:
-    """Which limit the sandbox's processes (all of /proc here) are past now, as a note; '' if none."""
+def over_limit(limits: dict, page: int, state: dict) -> str:
+    """Which limit the sandbox's processes (all of /proc here) are past now, as a note; '' if none.
+    The proportional count (PSS) walks every page of every process: at most once a second."""
     tasks, rss, pids = 0, 0, []
     for name in os.listdir("/proc"):
         if not name.isdigit() or name == "1":
@@ -471,7 +472,8 @@ def over_limit(limits: dict, page: int) -> str:
     if limits["processes"] and tasks >= limits["processes"]:
         return (f"it ran {tasks} processes and threads at once, the limit for a submission "
                 f"(pplab grade --processes {limits['processes']})")
-    if limits["memory"] and rss > limits["memory"]:
+    if limits["memory"] and rss > limits["memory"] and time.monotonic() > state.get("next_pss", 0):
+        state["next_pss"] = time.monotonic() + 1.0
         pss = 0                                      # forked processes share pages: count each page once
         for name in pids:
             try:
