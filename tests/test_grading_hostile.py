@@ -201,7 +201,8 @@ def test_one_grading_run_survives_every_kind_of_hostile_submission(tmp_path):
     assert "torch.distributed._functional_collectives" in notes["rank_uses_functional_collectives"]
     assert "you called torch.distributed.all_reduce" in notes["rank_erases_the_record"]
     assert "the notebook was stopped: it ran" in notes["fork_bomb"] and "--processes 200" in notes["fork_bomb"]
-    assert "the check was stopped: it ran" in notes["fork_bomb"]
+    # in the check, the bomb's ranks reach the limit, or (forking slowly on a loaded machine) its time limit
+    assert "the check was stopped: it ran" in notes["fork_bomb"] or "still running after 15 s" in notes["fork_bomb"]
     assert "can't allocate memory" in notes["allocates_30_gb"] and "--memory 1.46G" in notes["allocates_30_gb"]
     assert "--disk 128M" in notes["fills_the_disk"]
     assert "limits per submission: memory 1.46G, 200 processes, disk 128M" in run.stderr
