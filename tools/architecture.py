@@ -27,7 +27,7 @@ LAYERS = [
     ("chapters", ["collectives", "costmodel", "costfit", "data_parallel", "tensor_parallel", "pipeline",
                   "sequence_parallel", "zero", "models", "mesh", "hybrid", "planner", "expert_parallel",
                   "offload", "grad_clip", "rng", "recompute", "mixed_precision", "cluster"]),
-    ("course", ["checks", "course", "__main__"]),
+    ("course", ["isolation", "checks", "course", "__main__"]),
 ]
 
 

@@ -10,7 +10,8 @@ submission.py     what the grader takes from a notebook's source: the definition
 reading.py        a submission's bytes read bounded: regular files only, parsed in a child with a deadline.
 students.py       the submissions folder read as one identity per student; their answer files' names.
 check_process.py  one answer's check, in a fresh process where no student code runs.
-sandbox.py        Linux namespaces around every process that runs a student's code.
+sandbox.py        the sandbox (an allow list, limits) around every process that runs a student's code;
+                  the Linux isolation itself is pplab/isolation.py, shared with the sealed ranks.
 runner.py         runs a notebook in a kernel, for the notes; kills process trees.
 cli.py            the `pplab` command.
 

@@ -13,19 +13,33 @@ from pathlib import Path
 
 from .results import GradeResult, _known_exercises, combine
 
+SANDBOX_LIMITS = ("memory", "processes", "disk")      # what a submission may take (sandbox.Limits)
+
+
+def _grading_keywords(limits: dict | None) -> dict:
+    """`limits` as keywords of grading.grade_notebook: the time limits as they are, and memory,
+    processes, disk (e.g. {"memory": "1500M"}) as one sandbox.Limits."""
+    from .sandbox import Limits
+
+    keywords = dict(limits or {})
+    wanted = {k: keywords.pop(k) for k in SANDBOX_LIMITS if k in keywords}
+    if wanted:
+        keywords["limits"] = Limits.parse(**{**dict(memory="2G", processes=256, disk="512M"), **wanted})
+    return keywords
+
 
 def grade_notebook(path, exercises=None, *, limits: dict | None = None, sandboxed: bool = True) -> GradeResult:
     """Grade one notebook: a GradeResult with one ExerciseResult per exercise (default: all of them).
 
-    limits: the grader's limits for this notebook, as keywords of grading.grade_notebook
-    (timeout: seconds to run the notebook; cell_timeout; check_timeout: seconds per launch of
-    ranks in a check), e.g. {"timeout": 300, "check_timeout": 20}."""
+    limits: the grader's limits for this notebook: timeout (seconds to run the notebook),
+    cell_timeout, check_timeout (seconds per launch of ranks in a check), and what its sandboxes
+    may take: memory, processes, disk (sandbox.Limits), e.g. {"timeout": 300, "memory": "1500M"}."""
     import time
 
     from . import grading
     ids = grading.chapter_order(_known_exercises(exercises))
     started = time.monotonic()
-    grade = grading.grade_notebook(path, exercises=ids, sandboxed=sandboxed, **(limits or {}))
+    grade = grading.grade_notebook(path, exercises=ids, sandboxed=sandboxed, **_grading_keywords(limits))
     result = combine(Path(path).stem, [(path, grade)], ids)
     result.seconds = round(time.monotonic() - started, 2)
     return result
@@ -49,7 +63,7 @@ def grade_submission(folder, exercises=None, *, student: str = "submission", lim
     refused: dict = {}
     found = grading.find_submissions(folder, refused)
     notebooks = sorted(nb for nbs in found.values() for nb in nbs)
-    settings = dict(limits or {}, sources=pplab_sources(), exercises=ids, sandboxed=sandboxed, on_result=on_result,
+    settings = dict(_grading_keywords(limits), sources=pplab_sources(), exercises=ids, sandboxed=sandboxed, on_result=on_result,
                     hidden=grading._hidden_from_students(folder, Path(folder) / "_", None))
     grades = []
     for nb in notebooks:

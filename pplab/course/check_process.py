@@ -46,11 +46,12 @@ class Verdict(NamedTuple):
     seconds: float = 0.0              # how long the check took
 
 
-def pplab_sources() -> dict:
-    """{module name: [file, source, is a package]} of the pplab package, read now. The check
-    processes import pplab from this copy, so a notebook that rewrites (or adds to) pplab's
-    files, or leaves a module named like one anywhere, changes nothing in them."""
-    root = Path(__file__).resolve().parents[1]                 # the pplab package
+def pplab_sources(root: str | Path | None = None) -> dict:
+    """{module name: [file, source, is a package]} of the pplab package (at `root`, default
+    this one), read now. The check processes import pplab from this copy, so a notebook that
+    rewrites (or adds to) pplab's files, or leaves a module named like one anywhere, changes
+    nothing in them."""
+    root = Path(root or Path(__file__).resolve().parents[1])   # the pplab package
     found = {}
     for file in sorted(root.rglob("*.py")):
         parts = list(file.relative_to(root.parent).with_suffix("").parts)
@@ -58,6 +59,34 @@ def pplab_sources() -> dict:
         name = ".".join(parts[:-1] if package else parts)
         found[name] = [str(file), file.read_text(), package]
     return found
+
+
+def copy_pplab(sources: dict, folder: str | Path) -> dict:
+    """Write `sources` as a package under FOLDER/pplab (read-only files) and return the sources
+    of that copy: a sandbox sees this copy, never the course's checkout."""
+    package = Path(folder) / "pplab"
+    package.mkdir(parents=True, exist_ok=True)
+    Path(folder).chmod(0o755)                   # readable by a sandbox's own uid (where the grader is root)
+    import importlib.util
+    import shutil
+
+    for name, (original, text, is_package) in sources.items():
+        parts = name.split(".")[1:]
+        file = package.joinpath(*parts, "__init__.py") if is_package else package.joinpath(*parts[:-1], parts[-1] + ".py")
+        file.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+        file.write_text(text)
+        file.chmod(0o444)
+        # The copy is read-only: Python cannot cache its bytecode there. Where the original's
+        # cached bytecode is for these very bytes, it goes along (with the original's time, which
+        # Python checks with the size): imports in a sandbox need not compile pplab again.
+        with contextlib.suppress(OSError, ValueError, NotImplementedError):
+            stat, cached = os.stat(original), importlib.util.cache_from_source(original)
+            if stat.st_size == len(text.encode()) and os.path.exists(cached):
+                os.utime(file, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+                target = Path(importlib.util.cache_from_source(str(file)))
+                target.parent.mkdir(mode=0o755, exist_ok=True)
+                shutil.copyfile(cached, target)
+    return pplab_sources(package)
 
 
 # Runs first in a check process (python -I: no current folder, no PYTHONPATH, no user site
@@ -124,10 +153,12 @@ class _Tail:
 
 
 def run_check_process(exercise_id: str, answer, sources: dict, check_timeout: float,
-                      notes: list | None = None, *, hidden=(), sandboxed: bool = True) -> Verdict:
+                      notes: list | None = None, *, hidden=(), sandboxed: bool = True,
+                      limits: sandbox.Limits = sandbox.Limits()) -> Verdict:
     """The Verdict (passed, message, points earned, status, ...) of one exercise's check of `answer` (a SourceAnswer), run in a fresh
     process where no student code runs (in the sandbox if `sandboxed` and the machine has
-    one; `hidden`: folders it must not see, e.g. the other submissions).
+    one, which sees the folder `sources` were read from (a copy: copy_pplab), read-only;
+    `hidden`: folders it must never see; `limits`: the submission's).
 
     Forged verdicts seen on the way (connections from any other process, or lines that look
     like one in its output) are named in `notes`."""
@@ -146,16 +177,24 @@ def run_check_process(exercise_id: str, answer, sources: dict, check_timeout: fl
         verdict_dir.mkdir()
         address = str(verdict_dir / "socket")              # a path: it reaches into the sandbox's network
         server.bind(address)
+        os.chmod(address, 0o777)           # where the grader is root, the check runs as a uid of its own
         server.listen(16)
         server.settimeout(0.2)
         job = {"sources": sources, "exercise": exercise_id, "timeout": check_timeout, "name": answer.name,
                "statements": [list(s) for s in answer.statements], "verdict": address,
                "params": None if answer.params is None else [list(p) for p in answer.params]}
         argv = [sys.executable, "-I", "-c", _BOOT]
-        env.update(HOME=str(cwd), TMPDIR=str(cwd), MPLCONFIGDIR=str(cwd))
+        env.update(HOME=str(cwd), TMPDIR=str(cwd), MPLCONFIGDIR=str(cwd),
+                   PPLAB_RANK_TMPFS=str(max(limits.disk // 8, 16 << 20)))      # each rank's /tmp and /dev/shm
         sandboxed = sandboxed and sandbox.why_not() is None
         if sandboxed:
-            argv = sandbox.wrap(argv, workdir=str(cwd), visible=[verdict_dir], hidden=hidden, env=env)
+            library = os.path.dirname(os.path.dirname(sources["pplab"][0]))       # above the copy's pplab/
+            if library in sandbox._course():                 # never the checkout itself: a copy of its pplab
+                sources = copy_pplab(sources, Path(tmp, "library"))
+                library = str(Path(tmp, "library"))
+            argv = sandbox.wrap(argv, workdir=str(cwd), read_only=[verdict_dir, library], denied=hidden, env=env,
+                                limits=limits)
+            job["sources"] = sources
         proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         output = _Tail(proc.stdout)
@@ -194,6 +233,9 @@ def run_check_process(exercise_id: str, answer, sources: dict, check_timeout: fl
     if timed_out and not verdicts:
         return Verdict(False, f"the check did not finish within {limit:g} s (the grader's limit for one check)", 0.0,
                        "timed out", seconds=limit)
+    stopped = sandbox.stopped_by(proc.returncode, text) if sandboxed else None
+    if stopped and not verdicts:
+        return Verdict(False, f"the check was stopped: {stopped}", 0.0, "error")
     try:
         verdict = json.loads(verdicts[0])
         score = float(verdict["score"])
@@ -212,13 +254,16 @@ def run_check_process(exercise_id: str, answer, sources: dict, check_timeout: fl
 
 
 def _is_the_check(pid: int, started: int, sandboxed: bool, psutil) -> bool:
-    """The check process is the one the grader started or, in the sandbox, that process's only
-    child (pid 1 of the sandbox: every other process there descends from it)."""
+    """The check process is the one the grader started or, in the sandbox, the command its pid 1
+    started: its first child, pid 2 there (every other process there descends from it)."""
     if pid == started or not sandboxed:
         return pid == started
     try:
-        return psutil.Process(pid).ppid() == started
-    except psutil.Error:
+        parent = psutil.Process(pid).parent()
+        with open(f"/proc/{pid}/status") as f:
+            inner = next(line.split()[-1] for line in f if line.startswith("NSpid:"))
+        return parent is not None and parent.ppid() == started and inner == "2"
+    except (psutil.Error, OSError, StopIteration):
         return False
 
 

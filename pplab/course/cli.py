@@ -44,6 +44,13 @@ def main(argv=None) -> int:
                          "`pplab list` shows them)")
     gr.add_argument("--answers", default=None,
                     help="folder for each student's written answers (default: next to --out, OUT_answers/)")
+    gr.add_argument("--memory", default="2G",
+                    help="memory the processes of one sandbox (a notebook's run, a check) may hold together "
+                         "(default: 2G)")
+    gr.add_argument("--processes", type=int, default=256,
+                    help="processes and threads one sandbox may run at once (default: 256)")
+    gr.add_argument("--disk", default="512M",
+                    help="bytes one sandbox may write: its folder, /tmp and /dev/shm, kept in memory (default: 512M)")
     gr.add_argument("--no-sandbox", action="store_true",
                     help="run student code without the sandbox (only where you grade in a container already)")
 
@@ -84,10 +91,13 @@ def main(argv=None) -> int:
             exercises = None if args.exercises is None else [e.strip() for e in args.exercises.split(",") if e.strip()]
             if args.format == "prairielearn":
                 return _prairielearn(args, exercises)
+            from .sandbox import Limits
+
+            limits = Limits.parse(args.memory, args.processes, args.disk)
             args.out = args.out or DEFAULT_OUT[args.format]
             rows = grade(args.submissions, args.out, timeout=args.timeout, cell_timeout=args.cell_timeout,
                          check_timeout=args.check_timeout, jobs=args.jobs, exercises=exercises,
-                         answers=args.answers, sandboxed=not args.no_sandbox,
+                         answers=args.answers, sandboxed=not args.no_sandbox, limits=limits,
                          log=lambda line: print(line, file=sys.stderr, flush=True), fmt=args.format)
         except (FileNotFoundError, ValueError) as err:
             print(f"pplab grade: {err}", file=sys.stderr)
@@ -123,7 +133,8 @@ def _prairielearn(args, exercises) -> int:
     from .api import grade_submission
 
     out = Path(args.out or os.environ.get("PPLAB_PRAIRIELEARN_OUT", PRAIRIELEARN_OUT))
-    limits = dict(timeout=args.timeout, cell_timeout=args.cell_timeout, check_timeout=args.check_timeout)
+    limits = dict(timeout=args.timeout, cell_timeout=args.cell_timeout, check_timeout=args.check_timeout,
+                  memory=args.memory, processes=args.processes, disk=args.disk)
     result = grade_submission(args.submissions, exercises, limits=limits, sandboxed=not args.no_sandbox)
     from . import sandbox
 

@@ -15,11 +15,14 @@
      student code runs: the student's definitions run only in the ranks and child
      processes that call them, and what comes back is decoded as plain data;
    - every process that runs a student's code (the notebook's kernel, the ranks of a
-     check) runs in a sandbox (sandbox.py): the course and the Python environment are
-     read-only, the other submissions and the solutions are invisible, /tmp is its own,
-     and when it ends every process it started ends with it. Where the machine has no
-     user namespaces (not Linux, or turned off) the grader says so once, in its summary:
-     student code then runs with the grader's rights, so grade in a container.
+     check) runs in a sandbox (sandbox.py) that sees only the system, the Python
+     environment and a copy of pplab (read-only) and its own folder: no course checkout,
+     solutions, .git or other submission; when it ends every process it started ends
+     with it. Where the machine has no namespaces (not Linux, or turned off) the grader
+     says so once, in its summary: student code then runs with the grader's rights, so
+     grade in a container;
+   - each sandbox has the submission's limits (`limits`: memory, processes, disk, printed
+     in the summary); one that reaches a limit is stopped with a note naming it.
    A notebook that crashes, hangs or deadlocks loses nothing: its definitions are graded.
    Whatever one submission holds (not a notebook, a symbolic link, a named pipe, huge or
    deeply nested code, output without end), it gets its own row with a note and the others
@@ -58,7 +61,7 @@ from pathlib import Path
 
 from . import formats, results, sandbox
 from .results import MISSING, PASSED, ExerciseResult
-from .check_process import pplab_sources, run_check_process
+from .check_process import copy_pplab, pplab_sources, run_check_process
 from .students import answers_file_name, find_submissions
 from .reading import MAX_CELL_CHARS, MAX_NOTEBOOK_BYTES, read_cells, read_submission  # noqa: F401 - read_cells: tests
 from .runner import _kill_tree
@@ -96,7 +99,7 @@ def chapter_order(exercise_ids) -> list[str]:
 
 def grade(submissions: str | Path, out: str | Path, *, timeout: float = 600.0, cell_timeout: float = 120.0,
           check_timeout: float = 30.0, jobs: int = 1, exercises=None, answers: str | Path | None = None,
-          sandboxed: bool = True, log=None, fmt: str = "csv") -> list[dict]:
+          sandboxed: bool = True, limits: sandbox.Limits = sandbox.Limits(), log=None, fmt: str = "csv") -> list[dict]:
     """Grade every submission and write one CSV row per student; return the rows.
 
     timeout: seconds for running each notebook, after which it and everything it started
@@ -105,7 +108,8 @@ def grade(submissions: str | Path, out: str | Path, *, timeout: float = 600.0, c
       per call of an answer) in the grader's checks; jobs: notebooks graded at the same
       time; exercises: the ids to grade (default: all); answers: folder for each student's
       written answers (default: next to `out`, named after it); sandboxed: run student code
-      in the sandbox where the machine has one (sandbox.py); fmt: what to write to `out`
+      in the sandbox where the machine has one (sandbox.py); limits: what each sandbox
+      may take (sandbox.Limits: memory, processes, disk); fmt: what to write to `out`
       (formats.FORMATS: csv, json or junit).
 
     Columns: student, one per exercise in chapter order (the points earned: 1 passed, 0
@@ -126,14 +130,17 @@ def grade(submissions: str | Path, out: str | Path, *, timeout: float = 600.0, c
     if unknown or not ids:
         raise ValueError(f"unknown exercise(s) {', '.join(unknown) or '(none given)'}: the exercises are "
                          f"{', '.join(chapter_order(EXERCISES))}")
-    sources = pplab_sources()                 # before any notebook runs: what the checks will import
+    library = tempfile.TemporaryDirectory(prefix="pplab-library-")
+    # before any notebook runs: what the checks import, and the copy every sandbox sees
+    sources = copy_pplab(pplab_sources(), library.name)
     refused: dict[str, list[str]] = {}
     students = find_submissions(submissions, refused)
     no_sandbox = None if not sandboxed else sandbox.why_not()
     settings = dict(timeout=timeout, cell_timeout=cell_timeout, check_timeout=check_timeout, sources=sources,
-                    exercises=ids, hidden=_hidden_from_students(submissions, out, answers), sandboxed=sandboxed)
+                    exercises=ids, hidden=_hidden_from_students(submissions, out, answers), sandboxed=sandboxed,
+                    limits=limits)
     tasks = [(student, nb) for student, notebooks in students.items() for nb in notebooks]
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+    with library, concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         futures = {task: pool.submit(_grade_safely, task[1], settings) for task in tasks}
         grades = {task: future.result() for task, future in futures.items()}
     rows, written, graded = [], {}, []
@@ -157,7 +164,8 @@ def grade(submissions: str | Path, out: str | Path, *, timeout: float = 600.0, c
         log(f"summary: {len(rows)} student(s), {len(tasks)} notebook(s): {statuses.count('graded')} graded, "
             f"{statuses.count('failed to run')} failed to run, {statuses.count('refused')} refused, "
             f"{sum(len(r) for r in refused.values())} file(s) or name(s) refused; {time.monotonic() - started:.0f} s" +
-            (f". NOT SANDBOXED ({no_sandbox}): student code ran with the grader's rights" if no_sandbox else ""))
+            (f". NOT SANDBOXED ({no_sandbox}): student code ran with the grader's rights" if no_sandbox else
+             f"; limits per submission: {limits.describe()} (--memory, --processes, --disk)" if sandboxed else ""))
     return rows
 
 
@@ -208,7 +216,7 @@ def _grade_safely(path: Path, settings: dict) -> NotebookGrade:
 
 def grade_notebook(path: str | Path, *, timeout: float = 600.0, cell_timeout: float = 120.0,
                    check_timeout: float = 30.0, sources: dict | None = None, exercises=None, hidden=(),
-                   sandboxed: bool = True, on_result=None) -> NotebookGrade:
+                   sandboxed: bool = True, limits: sandbox.Limits = sandbox.Limits(), on_result=None) -> NotebookGrade:
     """Run one notebook for its notes (which cells raised, timed out, killed the kernel),
     then check the answers it defines (its source, whatever the run did), each in a fresh
     process of the grader's. on_result(ExerciseResult) is called as each check ends (the
@@ -233,7 +241,7 @@ def grade_notebook(path: str | Path, *, timeout: float = 600.0, cell_timeout: fl
     found, grade.written = reading.found, reading.written
     before = pplab_sources()
     if not run_notebook(path, grade.notes, timeout=timeout, cell_timeout=cell_timeout, hidden=hidden,
-                        sandboxed=sandboxed):
+                        sandboxed=sandboxed, limits=limits, sources=sources):
         grade.status = "failed to run"
     after = pplab_sources()
     changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
@@ -246,11 +254,12 @@ def grade_notebook(path: str | Path, *, timeout: float = 600.0, cell_timeout: fl
             grade.results[ex.id] = ExerciseResult.of(ex.id, results.FAILED, 0.0, found.refused[ex.answer])
         elif ex.answer in found.answers:
             verdict = run_check_process(ex.id, found.answers[ex.answer], sources, check_timeout,
-                                        grade.notes, hidden=hidden, sandboxed=sandboxed)
+                                        grade.notes, hidden=hidden, sandboxed=sandboxed, limits=limits)
             if verdict.status == MISSING:
                 continue                                 # the exercise's stub, untouched: missing, not 0
+            message = verdict.message if verdict.passed else _name_the_limit(verdict.message, limits)
             grade.results[ex.id] = ExerciseResult.of(ex.id, verdict.status, ex.points if verdict.passed else
-                                                     verdict.score, verdict.message, verdict.hint, verdict.seconds)
+                                                     verdict.score, message, verdict.hint, verdict.seconds)
         else:
             continue
         if on_result:
@@ -265,9 +274,10 @@ NOTES_KEPT, NOTE_CHARS = 200, 500       # what the grader keeps of the runner's 
 
 
 def run_notebook(path: Path, notes: list, *, timeout: float, cell_timeout: float, hidden=(),
-                 sandboxed: bool = True) -> bool:
-    """Run the notebook top to bottom in a fresh kernel, in the sandbox, in a scratch folder
-    holding only a copy of it, with a time limit, and append what went wrong to `notes`.
+                 sandboxed: bool = True, limits: sandbox.Limits = sandbox.Limits(), sources: dict | None = None) -> bool:
+    """Run the notebook top to bottom in a fresh kernel, in the sandbox (with `limits`, and
+    pplab served from the copy `sources` were read from), in a scratch folder holding only
+    a copy of it, with a time limit, and append what went wrong to `notes`.
     Nothing it prints or writes decides a mark: marks come from run_check_process. Returns
     False if the notebook could not be run at all."""
     import threading
@@ -287,8 +297,15 @@ def run_notebook(path: Path, notes: list, *, timeout: float, cell_timeout: float
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "JUPYTER")) or k == "PYTHONPATH"}
         env.update(HOME=str(home), TMPDIR=str(scratch), MPLCONFIGDIR=str(home), IPYTHONDIR=str(home / ".ipython"),
                    JUPYTER_RUNTIME_DIR=str(home / "runtime"), JUPYTER_DATA_DIR=str(home / "data"))
-        if sandboxed and sandbox.why_not() is None:
-            argv = sandbox.wrap(argv, workdir=str(scratch), hidden=hidden, env=env)
+        sandboxed = sandboxed and sandbox.why_not() is None
+        if sandboxed:
+            library = os.path.dirname(os.path.dirname((sources or {}).get("pplab", [""])[0]))
+            if not sources or library in sandbox._course():       # never the checkout: a copy of its pplab
+                copy_pplab(sources or pplab_sources(), Path(tmp, "library"))
+                library = str(Path(tmp, "library"))
+            env["PYTHONPATH"] = library                         # the kernel imports this pplab
+            argv = sandbox.wrap(argv, workdir=str(scratch), read_only=[library], denied=hidden, env=env,
+                                limits=limits)
         runner_proc = subprocess.Popen(argv, cwd=scratch, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                        stderr=subprocess.STDOUT, env=env, pass_fds=[notes_write],
                                        start_new_session=True)
@@ -319,7 +336,12 @@ def run_notebook(path: Path, notes: list, *, timeout: float, cell_timeout: float
         runner_proc.wait()
         reader.join(5)
         output.thread.join(5)
-    notes += told
+    notes += [_name_the_limit(n, limits) for n in told]
+    limit = sandbox.stopped_by(runner_proc.returncode, [line.strip() for line in output.lines if line.strip()]) \
+        if sandboxed else None
+    if limit:
+        notes.append(f"the notebook was stopped: {limit}")
+        return True
     if stopped:
         notes.append(f"stopped after {timeout:g} s (the notebook's time limit)")
     elif runner_proc.returncode != 0 and not told:
@@ -327,6 +349,21 @@ def run_notebook(path: Path, notes: list, *, timeout: float, cell_timeout: float
         notes.append(f"grader error (exit code {runner_proc.returncode}): {tail[0][:NOTE_CHARS]}")
         return False
     return not any(n.startswith("could not run the notebook") for n in told)
+
+
+_LIMIT_ERRORS = {"memory": ("MemoryError", "can't allocate memory", "Cannot allocate memory"),
+                 "disk": ("No space left on device",),
+                 "processes": ("Resource temporarily unavailable", "can't start new thread")}
+
+
+def _name_the_limit(note: str, limits: sandbox.Limits) -> str:
+    """A cell that raised at one of the sandbox's limits: the note says which, and how to change it."""
+    for name, signs in _LIMIT_ERRORS.items():
+        if any(sign in note for sign in signs):
+            value = getattr(limits, name)
+            shown = value if name == "processes" else sandbox.isolation._size(value)
+            return f"{note} (the submission's {name} limit: pplab grade --{name} {shown})"
+    return note
 
 
 def defined_names(source: str) -> list[str]:
