@@ -37,7 +37,7 @@ $(STAMP): pyproject.toml
 	else \
 	  $(PYTHON) -m venv $(VENV) && $(BIN)/pip install $(TORCH); \
 	fi
-	$(BIN)/pip install -e .
+	$(BIN)/pip install -e ".[test]"
 	$(BIN)/python -c "import torch, pplab; print('pplab', pplab.__version__, 'with torch', torch.__version__)"
 	touch $(STAMP)
 

@@ -28,7 +28,8 @@ def test_environment_yml_lists_the_same_packages_as_pyproject():
     pip_names = {_name(d) for d in pyproject["project"]["dependencies"]}
     assert conda_packages() == pip_names
     assert "conda-forge" in (ROOT / "environment.yml").read_text()
-    assert "-e ." in (ROOT / "environment.yml").read_text()
+    assert "-e .[test]" in (ROOT / "environment.yml").read_text(), "conda users get the test extras too"
+    assert '-e ".[test]"' in (ROOT / "Makefile").read_text()
 
 
 def test_readme_gives_the_two_commands_and_ci_runs_the_test_one():
