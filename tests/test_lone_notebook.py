@@ -152,16 +152,17 @@ def _where_things_come_from(python: Path, cwd: Path, env, learner: bool) -> dict
             "files = [p for p in pathlib.Path(pplab.__file__).parent.rglob('*') if '__pycache__' not in p.parts]\n"
             "print(json.dumps({'pplab': pplab.__file__, 'version': pplab.__version__, 'torch': torch.__file__,\n"
             "                  'files': sum(p.is_file() for p in files), 'text': len(TEXT)}))")
-    out = subprocess.run((_as_learner if learner else list)([str(python), "-c", code]), cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run((_as_learner if learner else list)([str(python), "-c", code]), cwd=cwd, env=env,
+                         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.timeout(300)
 def test_first_cell_installs_the_wheel_in_a_fresh_environment_keeping_torch(scratch, python, dependencies):
-    """What a Colab learner gets: the install lines, run where pplab is missing, install pplab (here
-    the wheel built from this checkout: PPLAB_INSTALL), and every module of it then imports from an
-    empty folder with the files it reads at run time, next to the torch that was already there."""
+    """What a Colab learner gets: chapter 0's first cell, run where pplab is missing, installs pplab
+    (here the wheel built from this checkout: PPLAB_INSTALL) with every file of the package, and
+    pplab then imports from an empty folder next to the torch that was already there."""
     source, wheels = scratch / "source", scratch / "wheels"
     _copy_tracked(source)
     built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
@@ -177,7 +178,8 @@ def test_first_cell_installs_the_wheel_in_a_fresh_environment_keeping_torch(scra
     empty = scratch / "colab-notebook"
     empty.mkdir()
     env = _clean_env(PPLAB_INSTALL=f"{wheel} --no-index", HOME=str(scratch / "colab-home"))
-    first_cell = install_cell.INSTALL_LINES
+    first_cell = next(c.source for c in nbformat.read(ROOT / "notebooks" / "00_start_here.ipynb", 4).cells
+                      if c.cell_type == "code")
     code = ("from IPython.core.interactiveshell import InteractiveShell\n"
             "shell = InteractiveShell.instance()\n"
             f"result = shell.run_cell({first_cell!r})\n"
