@@ -50,11 +50,14 @@ def run(name: str) -> dict:
     try:
         shutil.copy(ROOT / "notebooks" / f"{name}.ipynb", folder)
         nb = nbformat.read(folder / f"{name}.ipynb", 4)
-        peak, cpu, done, me = [0], [0.0], threading.Event(), psutil.Process()
+        peak, cpu, done, me = [0, None], [0.0], threading.Event(), psutil.Process()
+        running = [None]                              # the cell being run: where the peak was
 
         def sample():
             while not done.wait(SAMPLE_EVERY):
-                peak[0] = max(peak[0], tree_pss(me))
+                pss = tree_pss(me)
+                if pss > peak[0]:
+                    peak[:] = [pss, running[0]]
                 for kernel in me.children():
                     try:
                         t = kernel.cpu_times()
@@ -67,15 +70,16 @@ def run(name: str) -> dict:
         start = time.perf_counter()
         sampler.start()
         try:
-            NotebookClient(nb, timeout=900, kernel_name="python3",
-                           resources={"metadata": {"path": str(folder)}}).execute()
+            NotebookClient(nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(folder)}},
+                           on_cell_start=lambda cell, cell_index: running.__setitem__(0, cell_index)).execute()
         except Exception as e:                      # a failing cell: say which, keep measuring the others
             error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:120]}"
         seconds = time.perf_counter() - start
         done.set()
         sampler.join()
         left = sorted(p.name for p in folder.iterdir() if p.name != f"{name}.ipynb")
-        return {"name": name, "seconds": seconds, "cpu": cpu[0], "peak": peak[0], "error": error, "left": left}
+        return {"name": name, "seconds": seconds, "cpu": cpu[0], "peak": peak[0], "peak_cell": peak[1],
+                "error": error, "left": left}
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -90,8 +94,8 @@ def main(argv=None) -> int:
     os.environ.update(env)
     cores = len(os.sched_getaffinity(0))
     print(f"{cores} cores, load average {os.getloadavg()[0]:.1f} at the start", flush=True)
-    print("| notebook | wall time (s) | CPU (s) | peak PSS, all processes (GB) | within 60 s / 1.5 GB |")
-    print("|---|---:|---:|---:|---|")
+    print("| notebook | wall time (s) | CPU (s) | peak PSS, all processes (GB) | in cell | within 60 s / 1.5 GB |")
+    print("|---|---:|---:|---:|---:|---|")
     results, loads = [], []
     for name in names:
         r = run(name)
@@ -100,7 +104,8 @@ def main(argv=None) -> int:
         ok = r["seconds"] <= GOAL_SECONDS and r["peak"] <= GOAL_BYTES and not r["error"]
         notes = [("yes" if ok else "**no**")] + ([f"failed: {r['error']}"] if r["error"] else []) \
             + ([f"left beside it: {', '.join(r['left'])}"] if r["left"] else [])
-        print(f"| `{name}` | {r['seconds']:.0f} | {r['cpu']:.0f} | {r['peak'] / 1e9:.2f} | {'; '.join(notes)} |", flush=True)
+        print(f"| `{name}` | {r['seconds']:.0f} | {r['cpu']:.0f} | {r['peak'] / 1e9:.2f} | {r['peak_cell']} "
+              f"| {'; '.join(notes)} |", flush=True)
     print(f"load average after each notebook: {min(loads):.1f} to {max(loads):.1f} on {cores} cores")
     return 1 if any(r["error"] for r in results) else 0
 
