@@ -1,6 +1,6 @@
 # pplab: two commands.
 #   make lab    install (once) and open the course in JupyterLab at notebooks/00_start_here.ipynb
-#   make test   install (once) and run every test, the notebooks included
+#   make test   install (once) and run every test, the notebooks included (CH=04: chapter 4 only)
 #   make browser-test   the pipeline explorer in JupyterLab, and real runs' traces in Perfetto's own UI,
 #                       driven by Playwright in Debian's chromium
 #
@@ -26,8 +26,10 @@ lab: $(STAMP)
 # Two test processes (pytest-xdist): much of a test's time is ranks starting, waiting and timing
 # out, which the other process fills. A notebook's cells stay together in one (loadscope).
 # Not more: every test launches ranks of its own, and the notebooks' measured claims want cores.
+# CH=04 runs one chapter: its library tests, notebooks and exercises (CH=00 ... 10, A, course;
+# tests/chapters.py says which test belongs where).
 test: $(STAMP)
-	$(BIN)/python -m pytest -n 2 --dist loadscope --nbval-lax --nbval-cell-timeout=900 --durations=15 -q tests notebooks solutions
+	$(BIN)/python -m pytest -n 2 --dist loadscope --nbval-lax --nbval-cell-timeout=900 --durations=15 -q $(if $(CH),-m ch$(CH)) tests notebooks solutions
 
 install: $(STAMP)
 
@@ -38,7 +40,7 @@ $(STAMP): pyproject.toml
 	else \
 	  $(PYTHON) -m venv $(VENV) && $(BIN)/pip install $(TORCH); \
 	fi
-	$(BIN)/pip install -e .
+	$(BIN)/pip install -e ".[test]"
 	$(BIN)/python -c "import torch, pplab; print('pplab', pplab.__version__, 'with torch', torch.__version__)"
 	touch $(STAMP)
 

@@ -5,17 +5,33 @@ prediction: ...`). Under the tests, each gets its worked answer (tests/predictio
 before nbval runs the cell, and PPLAB_PREDICTIONS_MUST_MATCH=1 (inherited by the kernels nbval
 starts) makes pplab.checks.compare_prediction fail when a worked answer does not match what the
 notebook measured.
+
+Every test and notebook cell is marked with its chapter (tests/chapters.py), so that
+`make test CH=04` (pytest -m ch04) runs one chapter's library tests, notebooks and exercises.
 """
 import os
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent / "tests"))
 os.environ["PPLAB_PREDICTIONS_MUST_MATCH"] = "1"
 
 
+def pytest_configure(config):
+    from chapters import CHAPTERS
+    for chapter in CHAPTERS:
+        config.addinivalue_line("markers", f"ch{chapter}: chapter {chapter}'s tests and notebooks (make test CH={chapter})")
+
+
+@pytest.hookimpl(tryfirst=True)          # before -m picks the items by their markers
 def pytest_collection_modifyitems(items):
+    from chapters import chapters_of
     from prediction_answers import fill_in
     for item in items:
+        params = item.callspec.params if hasattr(item, "callspec") else None
+        for chapter in chapters_of(Path(str(item.path)), params):
+            item.add_marker(getattr(pytest.mark, f"ch{chapter}"))
         if type(item).__name__ == "IPyNbCell" and item.cell.cell_type == "code":
             item.cell.source = fill_in(item.path.stem, item.cell.source)

@@ -28,7 +28,8 @@ def test_environment_yml_lists_the_same_packages_as_pyproject():
     pip_names = {_name(d) for d in pyproject["project"]["dependencies"]}
     assert conda_packages() == pip_names
     assert "conda-forge" in (ROOT / "environment.yml").read_text()
-    assert "-e ." in (ROOT / "environment.yml").read_text()
+    assert "-e .[test]" in (ROOT / "environment.yml").read_text(), "conda users get the test extras too"
+    assert '-e ".[test]"' in (ROOT / "Makefile").read_text()
 
 
 def test_readme_gives_the_two_commands_and_ci_runs_the_test_one():
@@ -82,3 +83,18 @@ def test_no_cuda_packages_were_installed():
             assert cuda == []
         else:                                          # a torch python3 already had: nothing CUDA added
             assert [d.metadata["Name"] for d in cuda if _inside(d, sys.prefix)] == []
+
+
+def test_every_test_file_and_notebook_belongs_to_a_chapter():
+    """`make test CH=04` runs what tests/chapters.py marks ch04: a file missing from its table
+    would run in no chapter's run."""
+    from chapters import CHAPTERS, TEST_FILES, chapters_of, exercise_chapters
+    files = sorted((ROOT / "tests").rglob("test_*.py")) + sorted((ROOT / "notebooks").glob("*.ipynb")) \
+        + sorted((ROOT / "solutions").glob("*.ipynb"))
+    assert [f.name for f in files if not chapters_of(f)] == [], "add a line to TEST_FILES in tests/chapters.py"
+    assert sorted(set(TEST_FILES) - {f.stem for f in files}) == [], "tests/chapters.py names files that are gone"
+    assert {c for f in files for c in chapters_of(f)} == set(CHAPTERS)
+    assert len(exercise_chapters()) == len(list((ROOT / "solutions").glob("*.ipynb")))
+    assert chapters_of(ROOT / "tests" / "test_checks.py", {"exercise_id": "bubble_fraction"}) == ["04"]
+    assert chapters_of(ROOT / "notebooks" / "04b_schedules_and_torch.ipynb") == ["04"]
+    assert "-m ch$(CH)" in (ROOT / "Makefile").read_text()
