@@ -4,8 +4,8 @@
         ...                               # run what must hold on a busy machine
 
 Spinners are `while True: pass` (the CPU taken, memory left alone), copiers copy 64 MiB arrays
-back and forth (memory bandwidth taken too). Each is its own process at nice 0, in its own
-process group, so that leaving the block (normally, on an exception or on Ctrl-C) kills every
+back and forth (memory bandwidth taken too). Each is its own process, at the niceness of the tests
+(0 in CI), in its own process group, so that leaving the block (normally, on an exception or on Ctrl-C) kills every
 one of them and waits for it: nothing is left running.
 """
 import contextlib
@@ -18,16 +18,11 @@ SPIN = "while True: pass"
 COPY = "a = bytearray(64 << 20)\nwhile True: b = bytes(a); a = bytearray(b)"
 
 
-def _nice_zero():
-    """Back to nice 0 if the tests run niced (root may; anyone else keeps the tests' niceness)."""
-    with contextlib.suppress(PermissionError):
-        os.nice(-os.nice(0))
-
-
 def start(code):
-    """One load process running `code`, at nice 0, leading its own process group."""
+    """One load process running `code`, leading its own process group. It keeps the niceness of
+    whoever starts it (0 in CI), so that it competes with the tests as an equal, not more or less."""
     return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True, preexec_fn=_nice_zero)
+                            stderr=subprocess.DEVNULL, start_new_session=True)
 
 
 def stop(procs):
