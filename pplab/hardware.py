@@ -189,6 +189,17 @@ def fit_this_machine(dtypes=("fp32", "fp64"), matmul_n: int = 512, copy_bytes: i
                            f"in {chunks} slices, one core's times {cores} cores, tried in turn")
 
 
+def core_share(seconds: float = 0.2) -> float:
+    """The share of one core this process gets right now: CPU seconds over wall-clock seconds of a
+    busy loop of `seconds`. About 1 on a quiet machine; about cores / (runnable processes + 1)
+    on a busy one (0.4 beside two spin loops per core of 2 cores). A cell whose claim needs a quiet
+    machine asks this first, and only prints what it measured when the answer is low."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    while time.perf_counter() - wall < seconds:
+        pass
+    return min(1.0, (time.process_time() - cpu) / (time.perf_counter() - wall))
+
+
 @functools.cache
 def peak_here(dtype: str = "fp32") -> float:
     """This machine's peak FLOP/s in `dtype`, fitted quickly the first time a process asks, then kept:

@@ -127,3 +127,23 @@ def test_interleaved_tries_on_a_clock_that_moves_only_when_asked(monkeypatch):
     # one round is enough by count, but 12 s must pass: 3 + 5 = 8 s, then 1 + 4 = 13 s, two rounds
     assert hardware._fastest_interleaved([a, b], repeats=1, min_seconds=12.0) == [1, 4]
     assert order == ["a", "b"] * 3
+
+
+def test_core_share_on_made_up_clocks(monkeypatch):
+    """Wall-clock ticks 0.1 s per reading, CPU time 0.05 s: the process got half a core."""
+    from pplab import hardware
+    wall, cpu = iter(i / 10 for i in range(100)), iter(i / 20 for i in range(100))
+    monkeypatch.setattr(hardware.time, "perf_counter", lambda: next(wall))
+    monkeypatch.setattr(hardware.time, "process_time", lambda: next(cpu))
+    # readings: wall 0 (start), 0.1 (loop test: go on), 0.2 (stop at 0.2 s), 0.3 (end); cpu 0, 0.05
+    assert hardware.core_share(0.2) == pytest.approx(0.05 / 0.3)
+
+
+def test_core_share_falls_beside_two_spin_loops_per_core():
+    """Beside two spinners per core this process can get at most a third of a core on average
+    (every core shared three ways); 0.8 leaves a wide margin for the scheduler's unfairness."""
+    from busy_load import busy
+
+    from pplab.hardware import core_share
+    with busy():
+        assert core_share(0.3) < 0.8
