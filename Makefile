@@ -1,6 +1,7 @@
 # pplab: two commands.
 #   make lab    install (once) and open the course in JupyterLab at notebooks/00_start_here.ipynb
 #   make test   install (once) and run every test, the notebooks included (CH=04: chapter 4 only)
+#   make test-busy   every notebook again, with two busy processes per core running beside it
 #   make browser-test   the pipeline explorer in JupyterLab, and real runs' traces in Perfetto's own UI,
 #                       driven by Playwright in Debian's chromium
 #
@@ -14,7 +15,7 @@ TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.pplab-installed
 
-.PHONY: lab test install exercises benchmarks browser-test clean
+.PHONY: lab test test-busy install exercises benchmarks browser-test clean
 
 # JupyterLab refuses to run as root unless told; containers often are root
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
@@ -30,6 +31,12 @@ lab: $(STAMP)
 # tests/chapters.py says which test belongs where).
 test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 --dist loadscope --nbval-lax --nbval-cell-timeout=900 --durations=15 -q $(if $(CH),-m ch$(CH)) tests notebooks solutions
+
+# A classroom's shared machine: every notebook's asserted claims must hold with two pure-Python
+# spin loops per core running beside it (conftest.py's --busy starts them and always kills them).
+# Separate from `make test`, which must stay quick; CI runs both (.ci/run).
+test-busy: $(STAMP)
+	$(BIN)/python -m pytest -n 2 --dist loadscope --busy --nbval-lax --nbval-cell-timeout=900 --durations=25 -q notebooks
 
 install: $(STAMP)
 

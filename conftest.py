@@ -35,3 +35,32 @@ def pytest_collection_modifyitems(items):
             item.add_marker(getattr(pytest.mark, f"ch{chapter}"))
         if type(item).__name__ == "IPyNbCell" and item.cell.cell_type == "code":
             item.cell.source = fill_in(item.path.stem, item.cell.source)
+
+
+# make test-busy: every notebook under nbval with two pure-Python spin loops per core running
+# beside it (tests/busy_load.py), as on a shared machine. The load runs from the start of the
+# session to its end (the controller's, under xdist: its workers' notebooks share one load) and is
+# killed whatever ends the session: a failure, Ctrl-C, or the interpreter exiting.
+def pytest_addoption(parser):
+    parser.addoption("--busy", action="store_true",
+                     help="run beside two busy processes per core (what every notebook's claims must survive)")
+
+
+_load = []
+
+
+def pytest_sessionstart(session):
+    if session.config.getoption("--busy") and not hasattr(session.config, "workerinput"):
+        import atexit
+
+        import busy_load
+        _load.extend(busy_load.start(busy_load.SPIN) for _ in range(2 * len(os.sched_getaffinity(0))))
+        atexit.register(busy_load.stop, _load)
+        print(f"\n--busy: {len(_load)} spin loops running beside the tests (pids {[p.pid for p in _load]})")
+
+
+def pytest_sessionfinish(session):
+    if _load:
+        import busy_load
+        busy_load.stop(_load)
+        _load.clear()

@@ -2,7 +2,7 @@
 
     H100_SXM.peak("bf16")            # 989.5e12 FLOP/s, dense (no 2:4 sparsity)
     H100_SXM.memory_bandwidth        # 3.35e12 B/s of HBM3
-    here = fit_this_machine()        # a matmul and a copy timed for a few seconds
+    here = fit_this_machine()        # a matmul and a copy timed in turn for a second or two
 
 Every figure of a preset is from the vendor's datasheet named in its `source`. Two conventions
 to know when reading a datasheet:
@@ -18,7 +18,8 @@ to know when reading a datasheet:
 keep a robust figure. A peak is what the machine can do when nothing gets in the way, so each
 figure is the fastest of a few tries (on a shared machine the other tries are slowed by whoever
 else runs) of a square matmul (2n³ FLOPs) and of a large copy (reads and writes the tensor once
-each: 2 × its bytes).
+each: 2 × its bytes). `fit_this_machine` times the two in turn, in tries short enough and on one
+core, so that its ridge comes out the same on a busy machine as on a quiet one.
 """
 from __future__ import annotations
 
@@ -124,20 +125,79 @@ def measure_copy_bandwidth(nbytes: int = 64 * 2 ** 20, repeats: int = 7, min_sec
     return 2 * src.nbytes / _fastest_seconds(lambda: dst.copy_(src), repeats, min_seconds)
 
 
+def _fastest_interleaved(fns, repeats: int, min_seconds: float) -> list:
+    """The fastest try of each of `fns`, tried in turn (one of each, then again) for at least
+    `repeats` rounds and `min_seconds`: every figure then sees the same moments of a shared machine,
+    instead of one finding a quiet second that the other never had."""
+    for fn in fns:
+        fn()                               # warm up each
+    best, rounds, began = [float("inf")] * len(fns), 0, time.perf_counter()
+    while rounds < repeats or time.perf_counter() - began < min_seconds:
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - start)
+        rounds += 1
+    return best
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
 def fit_this_machine(dtypes=("fp32", "fp64"), matmul_n: int = 512, copy_bytes: int = 64 * 2 ** 20,
-                     repeats: int = 7, seconds_each: float = 0.5) -> Hardware:
+                     repeats: int = 7, seconds_each: float = 0.5, chunks: int = 16) -> Hardware:
     """This machine as a Hardware, its FLOP/s and bandwidth timed here (`seconds_each` per figure).
 
-    The figures are what pplab's own processes get: torch's CPU matmul with however many threads
-    torch uses (`torch.get_num_threads()`), on a machine others may be loading too.
+    Made to give the same figures on a busy machine (others' processes on every core) as on a quiet
+    one: every try is short enough to run without being descheduled (a 512 x 512 matmul, a copy of
+    one of `chunks` slices of a `copy_bytes` buffer, about a millisecond each), runs on one thread
+    (two threads stall whenever either is descheduled), and the figures are tried in turn, each the
+    fastest of its tries. The slices are swept in turn through a buffer far larger than the caches,
+    so that each comes from memory. Both figures are one core's times the cores this process may use
+    (what `peak_here` gives, what a run's threads or ranks share): the ridge (peak / bandwidth) is
+    one core's, whatever the number of cores. Cores that share a memory bus may together get less
+    than their sum, so the bandwidth is an upper bound and the ridge, if anything, low.
     """
     import torch
 
-    flops = {d: measure_matmul_flops(matmul_n, d, repeats, seconds_each) for d in dtypes}
+    for d in dtypes:
+        if d not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPE_NAMES)}, got {d!r}")
+    operands = {d: [torch.randn(matmul_n, matmul_n, dtype=getattr(torch, DTYPE_NAMES[d])) for _ in range(3)]
+                for d in dtypes}
+    src, chunk = torch.ones(copy_bytes // 4), copy_bytes // 4 // chunks
+    dst, sweep = torch.zeros_like(src), iter(range(10 ** 12))      # zeros: its pages are mapped before timing
+
+    def copy_next_slice():
+        k = next(sweep) % chunks
+        dst[k * chunk:(k + 1) * chunk].copy_(src[k * chunk:(k + 1) * chunk])
+
+    fns = [lambda a=a, b=b, out=out: torch.mm(a, b, out=out) for a, b, out in operands.values()] + [copy_next_slice]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        *matmul_seconds, copy_seconds = _fastest_interleaved(fns, repeats, seconds_each * len(fns))
+    finally:
+        torch.set_num_threads(threads)
+    cores = _cores()
+    flops = {d: cores * 2 * matmul_n ** 3 / t for d, t in zip(dtypes, matmul_seconds)}
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return Hardware("this machine", flops, measure_copy_bandwidth(copy_bytes, repeats, seconds_each), float(memory),
-                    source=f"fitted here: fastest of {seconds_each} s of timed {matmul_n}x{matmul_n} matmuls and of "
-                           f"{copy_bytes / 2 ** 20:.0f} MiB copies, {torch.get_num_threads()} torch thread(s)")
+    return Hardware("this machine", flops, cores * 2 * chunk * 4 / copy_seconds, float(memory),
+                    source=f"fitted here: fastest of {seconds_each} s of timed {matmul_n}x{matmul_n} matmuls "
+                           f"and of copies of {copy_bytes / 2 ** 20:.0f} MiB "
+                           f"in {chunks} slices, one core's times {cores} cores, tried in turn")
+
+
+def core_share(seconds: float = 0.2) -> float:
+    """The share of one core this process gets right now: CPU seconds over wall-clock seconds of a
+    busy loop of `seconds`. About 1 on a quiet machine; about cores / (runnable processes + 1)
+    on a busy one (0.4 beside two spin loops per core of 2 cores). A cell whose claim needs a quiet
+    machine asks this first, and only prints what it measured when the answer is low."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    while time.perf_counter() - wall < seconds:
+        pass
+    return min(1.0, (time.process_time() - cpu) / (time.perf_counter() - wall))
 
 
 @functools.cache
@@ -151,7 +211,7 @@ def peak_here(dtype: str = "fp32") -> float:
     """
     import torch
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = _cores()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -556,6 +556,8 @@ def fit_disk(folder: str | None = None, sizes=(2 ** 16, 2 ** 18, 2 ** 20, 2 ** 2
              drop_cache: bool = True) -> DiskFit:
     """Time writes and reads of one float32 file of each size (bytes) through TensorFile, the moves the
     optimizer makes; take each size's median over `repeats` tries and fit a line per direction.
+    The sizes take turns (one try of each, `repeats` times), so that a burst of load on a shared
+    machine slows every size alike instead of the ones that happened to be timed then.
 
     The copies run on one thread, as in a rank of pplab.launch (a copy of 1 MiB or more would
     otherwise wake torch's other threads, which on a loaded machine wait for a core). Run it on the
@@ -565,28 +567,27 @@ def fit_disk(folder: str | None = None, sizes=(2 ** 16, 2 ** 18, 2 ** 20, 2 ** 2
     if len(sizes) < 2 or repeats < 1:
         raise ValueError(f"fit_disk needs at least 2 sizes and 1 repeat, got sizes={sizes!r}, repeats={repeats!r}")
     folder = checked_folder(folder)
-    reads, writes = [], []
+    r, w = [[] for _ in sizes], [[] for _ in sizes]
+    files = []
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         for n in sizes:
             t = torch.rand(n // 4)
-            f = TensorFile(t.numel(), t.dtype, folder, drop_cache)
-            r, w = [], []
-            try:
-                f.write(t)                                        # the blocks exist before the first timing
-                for _ in range(repeats):
-                    start = time.perf_counter()
-                    f.write(t)
-                    w.append(time.perf_counter() - start)
-                    start = time.perf_counter()
-                    f.read(t)
-                    r.append(time.perf_counter() - start)
-            finally:
-                f.close()
-            reads.append(statistics.median(r))
-            writes.append(statistics.median(w))
+            files.append((TensorFile(t.numel(), t.dtype, folder, drop_cache), t))
+            files[-1][0].write(t)                                 # the blocks exist before the first timing
+        for _ in range(repeats):
+            for i, (f, t) in enumerate(files):
+                start = time.perf_counter()
+                f.write(t)
+                w[i].append(time.perf_counter() - start)
+                start = time.perf_counter()
+                f.read(t)
+                r[i].append(time.perf_counter() - start)
     finally:
         torch.set_num_threads(threads)
+        for f, _ in files:
+            f.close()
+    reads, writes = [statistics.median(x) for x in r], [statistics.median(x) for x in w]
     (ra, rb), (wa, wb) = _line(sizes, reads), _line(sizes, writes)
     return DiskFit(ra, rb, wa, wb, drop_cache)

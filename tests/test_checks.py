@@ -248,6 +248,11 @@ def test_worked_predictions_must_match_under_the_tests(monkeypatch):
     assert not checks.compare_prediction("wait", 1.0, 2.0, timed=True)     # a clock's miss: printed only
     with pytest.raises(AssertionError, match="replace None"):
         checks.compare_prediction("wait", None, 2.0, timed=True)
+    assert not checks.compare_choice("faster", "inside", "across", timed=True)   # a clock decided: printed only
+    with pytest.raises(AssertionError, match="replace None"):
+        checks.compare_choice("faster", None, "across", timed=True)
+    with pytest.raises(AssertionError, match="one of"):
+        checks.compare_choice("faster", "both", "across", choices=("inside", "across"), timed=True)
 
 
 def test_predictions_in_reads_only_prediction_lines():

@@ -34,7 +34,7 @@ def test_this_machine_is_measured():
     assert set(here.flops) == {"fp32"} and here.name == "this machine"
     for value in (here.peak("fp32"), here.memory_bandwidth, here.memory):
         assert math.isfinite(value) and value > 0
-    assert "fastest of 0.05 s of timed 128x128 matmuls and of 4 MiB copies" in here.source
+    assert "fastest of 0.05 s of timed 128x128 matmuls and of copies of 4 MiB in 16 slices" in here.source
     assert 0 < measure_matmul_flops(64, "fp64", repeats=2, min_seconds=0.01) < math.inf
     assert 0 < measure_copy_bandwidth(2 ** 20, repeats=2, min_seconds=0.01) < math.inf
     with pytest.raises(ValueError, match="dtype must be one of"):
@@ -75,3 +75,75 @@ def test_this_machines_peak_is_one_cores_times_the_cores(monkeypatch):
     monkeypatch.setattr(hardware, "measure_matmul_flops",
                         lambda n, dtype, repeats, min_seconds: threads.append(torch.get_num_threads()) or 2e9)
     assert hardware.peak_here.__wrapped__("fp32") == len(os.sched_getaffinity(0)) * 2e9 and threads == [1]
+
+
+def test_this_machine_is_one_cores_tries_times_the_cores(monkeypatch):
+    """The fastest tries replaced by hand values: an fp32 matmul of n = 64 in 1 ms and fp64 in 2 ms,
+    a slice of 1 MiB / 16 copied in 0.1 ms; each figure is one core's times the cores, timed on one
+    thread, and the thread count is restored afterwards."""
+    import os
+
+    import torch
+
+    from pplab import hardware
+    seen = []
+
+    def fake(fns, repeats, min_seconds):
+        seen.append((len(fns), torch.get_num_threads(), min_seconds))
+        for fn in fns:
+            fn()                                   # each really runs (the copy sweeps its slices)
+        return [1e-3, 2e-3, 1e-4]
+    monkeypatch.setattr(hardware, "_fastest_interleaved", fake)
+    before = torch.get_num_threads()
+    here = fit_this_machine(matmul_n=64, copy_bytes=2 ** 20, seconds_each=0.25)
+    cores = len(os.sched_getaffinity(0))
+    assert here.peak("fp32") == pytest.approx(cores * 2 * 64 ** 3 / 1e-3)
+    assert here.peak("fp64") == pytest.approx(cores * 2 * 64 ** 3 / 2e-3)
+    assert here.memory_bandwidth == pytest.approx(cores * 2 * (2 ** 20 // 16) / 1e-4)
+    assert seen == [(3, 1, 0.75)] and torch.get_num_threads() == before
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        fit_this_machine(dtypes=("fp32", "int8"))
+
+
+def test_interleaved_tries_on_a_clock_that_moves_only_when_asked(monkeypatch):
+    """Two functions tried in turn (after one warm-up each): a takes 3, 1, 2 s, b takes 5, 4, 6 s;
+    each keeps its own fastest, and rounds go on until `repeats` and `min_seconds` are both met."""
+    from pplab import hardware
+    clock, order = [0.0], []
+
+    def timed(name, took):
+        took = iter(took)
+
+        def fn():
+            order.append(name)
+            clock[0] += next(took)
+        return fn
+    monkeypatch.setattr(hardware.time, "perf_counter", lambda: clock[0])
+    a, b = timed("a", [100, 3, 1, 2]), timed("b", [100, 5, 4, 6])
+    assert hardware._fastest_interleaved([a, b], repeats=3, min_seconds=0.0) == [1, 4]
+    assert order == ["a", "b"] * 4
+    clock[0], order[:] = 0.0, []
+    a, b = timed("a", [100, 3, 1, 2]), timed("b", [100, 5, 4, 6])
+    # one round is enough by count, but 12 s must pass: 3 + 5 = 8 s, then 1 + 4 = 13 s, two rounds
+    assert hardware._fastest_interleaved([a, b], repeats=1, min_seconds=12.0) == [1, 4]
+    assert order == ["a", "b"] * 3
+
+
+def test_core_share_on_made_up_clocks(monkeypatch):
+    """Wall-clock ticks 0.1 s per reading, CPU time 0.05 s: the process got half a core."""
+    from pplab import hardware
+    wall, cpu = iter(i / 10 for i in range(100)), iter(i / 20 for i in range(100))
+    monkeypatch.setattr(hardware.time, "perf_counter", lambda: next(wall))
+    monkeypatch.setattr(hardware.time, "process_time", lambda: next(cpu))
+    # readings: wall 0 (start), 0.1 (loop test: go on), 0.2 (stop at 0.2 s), 0.3 (end); cpu 0, 0.05
+    assert hardware.core_share(0.2) == pytest.approx(0.05 / 0.3)
+
+
+def test_core_share_falls_beside_two_spin_loops_per_core():
+    """Beside two spinners per core this process can get at most a third of a core on average
+    (every core shared three ways); 0.8 leaves a wide margin for the scheduler's unfairness."""
+    from busy_load import busy
+
+    from pplab.hardware import core_share
+    with busy():
+        assert core_share(0.3) < 0.8

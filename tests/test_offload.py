@@ -571,3 +571,33 @@ def test_a_learner_may_read_offloaded_shards_between_steps(tmp_path):
         assert same, "a shard read between steps differs from its value read back into RAM"
         assert held["params"] == 0 and held["optimizer"] == 0, held
         assert forward_ok, "a forward inside all_in_memory() must use the shards as changed there"
+
+
+def test_fit_disk_times_the_sizes_in_turn_and_fits_by_hand_values(monkeypatch, tmp_path):
+    """A made-up disk and clock: a write of n bytes takes 1 ms + n / 500 MB/s, a read 2 ms +
+    n / 1 GB/s, except that the first size's tries are slowed by a load that comes and goes in the
+    first round only. The sizes take turns, every file is closed, and the medians give the line."""
+    from pplab import offload
+    clock, order, closed = [0.0], [], []
+
+    class FakeFile:
+        def __init__(self, numel, dtype, folder, drop_cache):
+            self.n = 4 * numel
+
+        def write(self, t):
+            order.append(("w", self.n))
+            clock[0] += 1e-3 + self.n / 5e8 + (0.05 if len(order) <= 4 else 0.0)   # a burst: the first round
+
+        def read(self, t):
+            order.append(("r", self.n))
+            clock[0] += 2e-3 + self.n / 1e9
+
+        def close(self):
+            closed.append(self.n)
+    monkeypatch.setattr(offload, "TensorFile", FakeFile)
+    monkeypatch.setattr(offload.time, "perf_counter", lambda: clock[0])
+    fit = fit_disk(str(tmp_path), sizes=(2 ** 16, 2 ** 20), repeats=3)
+    assert order == [("w", 2 ** 16), ("w", 2 ** 20)] + [("w", 2 ** 16), ("r", 2 ** 16), ("w", 2 ** 20), ("r", 2 ** 20)] * 3
+    assert sorted(closed) == [2 ** 16, 2 ** 20]
+    assert fit.write_latency == pytest.approx(1e-3) and fit.write_bandwidth == pytest.approx(5e8)
+    assert fit.read_latency == pytest.approx(2e-3) and fit.read_bandwidth == pytest.approx(1e9)

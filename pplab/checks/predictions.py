@@ -72,11 +72,13 @@ def compare_prediction(what: str, predicted, measured: float, *, rel_tol: float 
     return _report(result, explain, timed)
 
 
-def compare_choice(what: str, predicted, actual, *, choices=None, explain: str = "") -> CheckResult:
+def compare_choice(what: str, predicted, actual, *, choices=None, explain: str = "", timed: bool = False) -> CheckResult:
     """Compare a predicted choice ("which rank idles most?", "which layout wins?") with what happened.
 
         compare_choice("the rank that idles most", my_idlest_rank, idlest, choices=range(4))
         ✔ the rank that idles most: you predicted 3, and it is 3
+
+    timed: as compare_prediction's (what happened was decided by a clock).
     """
     result = _unanswered(what, predicted)
     if result is None and choices is not None and predicted not in list(choices):
@@ -85,4 +87,4 @@ def compare_choice(what: str, predicted, actual, *, choices=None, explain: str =
         ok = predicted == actual
         result = CheckResult(what, ok, f"you predicted {predicted!r}, and it is {actual!r}" if ok
                              else f"you predicted {predicted!r}, but it is {actual!r}", 0)
-    return _report(result, explain)
+    return _report(result, explain, timed)
