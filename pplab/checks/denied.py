@@ -14,12 +14,18 @@ machinery, are served to the ranks.
 """
 from __future__ import annotations
 
+# every schedule generator of pplab.pipeline (its package face keeps Action, Schedule, validate)
+_SCHEDULES = ("pplab.pipeline.schedules", "pplab.pipeline.looped", "pplab.pipeline.bidirectional")
+
 DENIED: dict[str, tuple[str, ...]] = {
     "broadcast": ("pplab.collectives",),
     "reduce_scatter": ("pplab.collectives",),
     "ring_all_reduce": ("pplab.collectives",),
     "moe_dispatch": ("pplab.expert_parallel",),
-    "zero_bubble": ("pplab.pipeline.schedules", "pplab.pipeline.looped", "pplab.pipeline.bidirectional"),
+    "gpipe_order": _SCHEDULES,
+    "1f1b_order": _SCHEDULES,
+    "bubble_fraction": ("pplab.pipeline.simulate",),   # Timeline's busy/bubble come with the answer's input: refused
+    "zero_bubble": _SCHEDULES,
     "ring_attention": ("pplab.sequence_parallel.ring_attention",),
     "sharded_optimizer": ("pplab.zero",),
     "fsdp": ("pplab.zero.fully_sharded", "pplab.zero.flat", "pplab.zero.optimizer", "pplab.zero.plusplus"),
