@@ -27,7 +27,11 @@ DENIED: dict[str, tuple[str, ...]] = {
     "bubble_fraction": ("pplab.pipeline.simulate",),   # Timeline's busy/bubble come with the answer's input: refused
     "zero_bubble": _SCHEDULES,
     "ring_attention": ("pplab.sequence_parallel.ring_attention",),
+    "zero1_step": ("pplab.zero",),
+    "zero_bytes": ("pplab.zero",),
+    "stage3_unit": ("pplab.zero",),
     "sharded_optimizer": ("pplab.zero",),
+    "quantised_gather": ("pplab.zero",),
     "fsdp": ("pplab.zero.fully_sharded", "pplab.zero.flat", "pplab.zero.optimizer", "pplab.zero.plusplus"),
 }
 
