@@ -25,7 +25,11 @@ DENIED: dict[str, tuple[str, ...]] = {
     "gpipe_order": _SCHEDULES,
     "1f1b_order": _SCHEDULES,
     "bubble_fraction": ("pplab.pipeline.simulate",),   # Timeline's busy/bubble come with the answer's input: refused
+    "pipeline_executor": ("pplab.pipeline.executor",),  # the answer may still build its order with make_schedule
     "zero_bubble": _SCHEDULES,
+    "linear_3d": ("pplab.tensor_parallel.tp3d",),
+    "loss_scaler": ("pplab.mixed_precision",),
+    "clip_sharded": ("pplab.grad_clip",),
     "ring_attention": ("pplab.sequence_parallel.ring_attention",),
     "zero1_step": ("pplab.zero",),
     "zero_bytes": ("pplab.zero",),
