@@ -27,6 +27,12 @@ DENIED: dict[str, tuple[str, ...]] = {
     "bubble_fraction": ("pplab.pipeline.simulate",),   # Timeline's busy/bubble come with the answer's input: refused
     "pipeline_executor": ("pplab.pipeline.executor",),  # the answer may still build its order with make_schedule
     "zero_bubble": _SCHEDULES,
+    "f_g": ("pplab.tensor_parallel.layers",),
+    "vocab_parallel_ce": ("pplab.tensor_parallel.transformer",),
+    "online_softmax_merge": ("pplab.sequence_parallel.ring_attention",),   # its merge; torch's SDPA: refused
+    "ulysses_all_to_all": ("pplab.sequence_parallel.ulysses",),
+    "ring_attention_step": ("pplab.sequence_parallel.ring_attention",),
+    "megatron_sp_block": ("pplab.sequence_parallel.megatron", "pplab.tensor_parallel.layers"),
     "linear_3d": ("pplab.tensor_parallel.tp3d",),
     "loss_scaler": ("pplab.mixed_precision",),
     "clip_sharded": ("pplab.grad_clip",),

@@ -1,4 +1,4 @@
-"""What runs in the sealed ranks of grad_clip.py's exercises (the jobs and probes grad_clip.py passes).
+"""The jobs and probes that grad_clip.py runs in its exercises' sealed ranks.
 
 Kept apart from the checker, which holds the references: a graded check's ranks may import
 this module and nothing of the checker (fresh_zygote.py), and there the library modules the

@@ -1,4 +1,4 @@
-"""What runs in the sealed ranks of mixed_precision.py's exercises (the jobs and probes mixed_precision.py passes).
+"""The jobs and probes that mixed_precision.py runs in its exercises' sealed ranks.
 
 Kept apart from the checker, which holds the references: a graded check's ranks may import
 this module and nothing of the checker (fresh_zygote.py), and there the library modules the

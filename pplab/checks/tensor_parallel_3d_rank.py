@@ -1,4 +1,4 @@
-"""What runs in the sealed ranks of tensor_parallel_3d.py's exercises (the jobs and probes tensor_parallel_3d.py passes).
+"""The jobs and probes that tensor_parallel_3d.py runs in its exercises' sealed ranks.
 
 Kept apart from the checker, which holds the references: a graded check's ranks may import
 this module and nothing of the checker (fresh_zygote.py), and there the library modules the
