@@ -21,6 +21,13 @@ DENIED: dict[str, tuple[str, ...]] = {
     "broadcast": ("pplab.collectives",),
     "reduce_scatter": ("pplab.collectives",),
     "ring_all_reduce": ("pplab.collectives",),
+    "predict_time": ("pplab.costfit", "pplab.costmodel"),
+    "mesh_groups": ("pplab.mesh",),
+    "pp_dp_train_step": ("pplab.hybrid", "pplab.pipeline.executor"),   # make_schedule stays: the order is given
+    "pick_layout": ("pplab.planner",),
+    "design_layout": ("pplab.planner",),
+    "place_layout": ("pplab.cluster", "pplab.mesh"),
+    "checkpointed_block": ("pplab.recompute",),
     "moe_dispatch": ("pplab.expert_parallel",),
     "gpipe_order": _SCHEDULES,
     "1f1b_order": _SCHEDULES,
