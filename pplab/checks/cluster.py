@@ -81,8 +81,6 @@ def problems(seed: int, count: int = 12) -> list:
     return out
 
 
-
-
 def _read(got, problem, k):
     """(order, bytes) from what the answer returned, or Fail saying what shape it should have."""
     where = f"problem {k}: "

@@ -402,8 +402,6 @@ def _fit_mistakes(timings):
     ]
 
 
-
-
 def _three_numbers(got, name):
     """(α, β, seconds) as floats, or Fail saying what came back."""
     if isinstance(got, (tuple, list)) and len(got) == 3:

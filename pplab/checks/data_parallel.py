@@ -44,8 +44,6 @@ def _ddp_trials(seed: int, world_size: int) -> list[dict]:
     return trials
 
 
-
-
 def _reference_buckets(model, cap) -> list[list[str]]:
     """Parameters in reverse order; a new bucket when the next one would not fit."""
     buckets, size = [], 0
@@ -57,8 +55,6 @@ def _reference_buckets(model, cap) -> list[list[str]]:
         buckets[-1].append(name)
         size += nbytes
     return buckets
-
-
 
 
 def _check_buckets(name, model, cap, got, problem):
@@ -95,8 +91,6 @@ def _check_buckets(name, model, cap, got, problem):
 def _batch(seed, i, step, p, trial):
     g = torch.Generator().manual_seed(seed * 100 + i * 10 + step)
     return torch.randn(2 * p, trial["widths"][0], generator=g), torch.randn(2 * p, trial["widths"][-1], generator=g)
-
-
 
 
 def _all_reduces(collectives, step) -> list:
@@ -240,8 +234,6 @@ def _check_selection(grad, a, chosen, k, where):
     raise Fail(f"{where}you sent index {small} (grad + memory = {_fmt(a[small].item())}) but not index {big} "
                f"(grad + memory = {_fmt(a[big].item())}), which is larger in magnitude: top-k sends the k entries "
                f"of grad + memory largest in magnitude.{hint}")
-
-
 
 
 @exercise("topk_error_feedback", "Top-k gradient compression with error feedback", answer="topk_ef_step",

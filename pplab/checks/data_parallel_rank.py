@@ -5,9 +5,9 @@ this module and nothing of the checker (fresh_zygote.py), and there the library 
 exercise asks the student to write are not available at all (denied.py)."""
 from __future__ import annotations
 
-from torch import nn
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from . import sealed
 

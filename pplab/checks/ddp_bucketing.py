@@ -50,8 +50,6 @@ def _configs(seed: int, p: int) -> list[dict]:
     return configs
 
 
-
-
 def _group_batch(config, seed, c, step, g):
     """The whole batch of data-parallel group g at this step; member k gets slice k."""
     gen = torch.Generator().manual_seed(seed * 1000 + c * 100 + step * 10 + g)
@@ -59,8 +57,6 @@ def _group_batch(config, seed, c, step, g):
     w = config["widths"]
     return (torch.randn(n, w[0], generator=gen, dtype=torch.float64),
             torch.randn(n, w[-1], generator=gen, dtype=torch.float64))
-
-
 
 
 def _all_reduces(collectives, ready) -> list:
@@ -197,10 +193,6 @@ def _check_ddp(configs, seed):
             _check_grads(seen["grads"], _reference(config, seed, c, step, g, members.index(rank)), rank,
                          len(members), step)
     return check
-
-
-
-
 
 
 @exercise("ddp_bucketing", "DDP from scratch: buckets, hooks, overlap", answer="bucketed_ddp",

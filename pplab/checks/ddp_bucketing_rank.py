@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import importlib
 
-from torch import nn
 import torch
-import torch.nn.functional as F
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
 
 from . import sealed
 from .failures import Fail

@@ -154,7 +154,6 @@ def _check_received(seen, rank, experts, plans, p, where):
 # Exercise "moe_bytes": every rank's bytes under a skewed routing, against the measured layer
 
 
-
 def _traffic_trials(seed, p):
     """Two skewed routings on p ranks, a different number of tokens on each: one with a capacity
     limit that must drop (k = 2; three tokens in four pick the popular expert first), one without."""
@@ -201,8 +200,6 @@ def _describe_traffic(p, t):
     cf = "no capacity limit" if t["capacity_factor"] is None else f"capacity factor {t['capacity_factor']}"
     return (f"p={p}, E={t['E']}, k={t['k']}, {cf}, hidden={t['hidden']}, element_size={t['element_size']}, "
             f"tokens per rank {[len(c) for c in t['choices']]}")
-
-
 
 
 def _kept_rows(t, p, capacity_of=None, no_limit=False):
@@ -304,4 +301,3 @@ def check_moe_bytes(fn, seed: int, timeout: float) -> str:
     return parts.finish(f"on {len(trials)} skewed routings over 2, 3 and 4 ranks (capacity limits that drop tokens, "
                         f"k = 1 and 2, a different number of tokens on every rank; every rank's counts, dispatch and "
                         f"combine equal to the bytes the library's layer really sent)")
-

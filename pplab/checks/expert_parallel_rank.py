@@ -94,4 +94,3 @@ def _refuse_all_to_all_bytes(fn) -> None:
     from ..expert_parallel import all_to_all_bytes            # loaded only when this check runs
     refuse_library(fn, "moe_bytes", "the bytes per rank", {"all_to_all_bytes": all_to_all_bytes},
                    "pplab.expert_parallel.all_to_all_bytes")
-

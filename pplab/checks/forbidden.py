@@ -138,4 +138,3 @@ def _filled(cell) -> bool:
         return True
     except ValueError:
         return False
-

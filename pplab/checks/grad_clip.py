@@ -35,8 +35,6 @@ TRIALS = [(3, 2, 2.0, True), (2, 3, 2.0, False), (3, 2, math.inf, True), (6, 1, 
 _PARTS = {"norm": "norm", "clip": "clipped gradients", "inf": "norm_type=inf"}
 
 
-
-
 def _problem(rng, tp, dp, norm_type, binds):
     """The buckets, every rank's shards (padding filled with garbage) and the reference."""
     buckets = []
@@ -162,8 +160,6 @@ def _judge_clip(prob, observed, parts, part, where):
             parts.note(part, f"rank {rank}'s shard {b} ({kind} bucket) at [{index}] is {a:.10g}, expected {e:.10g} "
                              f"(scaled by {coef:.6g}).{hint}", where)
             return
-
-
 
 
 @exercise("clip_sharded", "Gradient clipping by the global norm across TP and ZeRO shards", answer="clip_sharded",

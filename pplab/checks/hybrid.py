@@ -29,18 +29,10 @@ def _cases(seed: int) -> list[tuple[int, int, int]]:
     return [rng.choice(_SIZES[4]), rng.choice(_SIZES[6]), (2, 2, 2)]
 
 
-
-
-
-
-
-
 def _mesh(rank, pp, dp, tp) -> dict:
     """The reference, here: rank's group along each dimension, from pplab.mesh (no ranks needed)."""
     from ..mesh import groups
     return {d: next(g for g in groups(d, pp=pp, dp=dp, tp=tp) if rank in g) for d in DIMS}
-
-
 
 
 def _diagnose(answers: dict, meshes: dict, sizes) -> str:

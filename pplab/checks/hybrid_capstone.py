@@ -48,8 +48,6 @@ MESHES = ((2, 2), (3, 2))                      # (pp, dp)
 _ATOL, _RTOL = 1e-12, 1e-9
 
 
-
-
 def peak_held(order) -> int:
     """The most micro-batches held at once (forwards run whose backward has not) in an order of "F"/"B"."""
     held = peak = 0
@@ -123,10 +121,6 @@ def _reference(trial):
 
 # ----------------------------------------------------------------------------------
 # In every sealed rank
-
-
-
-
 
 
 # ----------------------------------------------------------------------------------

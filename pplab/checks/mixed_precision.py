@@ -59,8 +59,6 @@ def _inputs(trial, p):
              "interval": trial["interval"]} for r in range(p)]
 
 
-
-
 def _reference(trial, inputs):
     """One process: per step, whether it ran, the scale after it, and every rank's shard after it."""
     scale, good = trial["init"], 0

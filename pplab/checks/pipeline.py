@@ -57,8 +57,6 @@ def _action(a, rank: int, where: str, kinds: str = "FB"):
                f"'{kinds[0]}3', or pplab.pipeline.Action).", seed_matters=False)
 
 
-
-
 def _schedule(fn, out, p: int, m: int, where: str, kinds: str = "FB"):
     """Check what the student's generator returned with pplab.pipeline.validate."""
     from ..pipeline import Action, Schedule, ScheduleError, validate
@@ -138,8 +136,6 @@ def _gpipe_cases(seed: int) -> list[tuple[int, int, int]]:
     return [(q, m, 1) for q, m in _cases(seed)] + \
         [(p[0], p[0] * rng.randint(1, 2), 2), (p[1], p[1] + rng.randint(1, p[1] - 1) if p[1] > 2 else 3, 3),
          (4, rng.randint(2, 3), 2)]
-
-
 
 
 def _chunked_action(a, rank: int, p: int, where: str):
@@ -254,8 +250,6 @@ def check_gpipe_order(fn, seed: int, timeout: float) -> str:
                         f"(v·m + p - 1 + (v-1)·max(0, p-m))·(t_f + t_b)/v")
 
 
-
-
 @exercise("1f1b_order", "1F1B's order of forwards and backwards", answer="one_f_one_b_order",
           notebook="04b_1f1b_order", sealed=True,
           preload=('pplab.pipeline',))
@@ -318,8 +312,6 @@ def _bubble_traces(seed: int) -> list[dict]:
         traces.append({"name": name, "p": p_, "m": m, "v": v or 1, "latency": latency, "events": events,
                        "formula": bubble_fraction(p_, m, v or 1)})
     return traces
-
-
 
 
 def _bubble_truth(trace) -> dict:
@@ -408,8 +400,6 @@ def _judge_bubble(got, trace, parts: Parts, name: str) -> None:
                 parts.note("fill and drain", f"rank {r} idles {g[k]!r:.8} s {names[k]}, the trace says "
                                              f"{w[k]:.6g} s.", where)
                 return
-
-
 
 
 @exercise("bubble_fraction", "Measure the bubble of a pipeline step from its trace", answer="measure_bubble",

@@ -59,8 +59,6 @@ def _microbatches(trial, seed, t):
     return [(x, y) for x, y in zip(xs, ys)]
 
 
-
-
 def _reference(trial, seed, t, p):
     """Single process: each stage's input and output gradient per micro-batch (for a loss
     that is the mean of the m micro-batch losses), and each stage's parameter gradients
@@ -184,8 +182,6 @@ def _check_executor(trials, seed, stuck):
                 raise Fail(f"{where} at {index} is {_fmt(g)}, but the single-process gradient of the whole batch "
                            f"is {_fmt(w)}.{hint}")
     return check
-
-
 
 
 @exercise("pipeline_executor", "The 1F1B executor loop on real ranks", answer="run_actions",

@@ -9,9 +9,9 @@ import importlib
 
 from .library_view import unavailable
 
-from torch import nn
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from . import sealed
 from .forbidden import refuse_library

@@ -104,8 +104,6 @@ def _describe(problem, preds, budget) -> str:
     return "\n".join(rows)
 
 
-
-
 @exercise("pick_layout", "Pick the fastest layout that fits, from α, β, layer times and memory",
           answer="pick_layout", notebook="07b_pick_layout", sealed=True,
           preload=('pplab.planner',))

@@ -59,12 +59,6 @@ def _budget(shape, t, policy="selective"):
 # In every sealed rank
 
 
-
-
-
-
-
-
 # ----------------------------------------------------------------------------------
 # Here: the three parts
 

@@ -114,10 +114,6 @@ def _blockwise_reference(q, k, v, causal, scale=True, keys=None):
     return out, torch.logsumexp(s, -1), s
 
 
-
-
-
-
 def _close(a, b):
     return a.shape == b.shape and torch.allclose(a, b, atol=1e-7, rtol=1e-7, equal_nan=False)
 
@@ -231,8 +227,6 @@ def _labelled(b, heads, seq, d):
     return 1e6 * i + 1000 * h + t + j / 10
 
 
-
-
 def _check_ulysses(trials):
     def check(p, i, observed, traffic):
         b, hp, n, d = trials[i]
@@ -307,8 +301,6 @@ def _ring_trials(seed, p):
     rng = random.Random(seed * 17 + p)
     return [(rng.randint(1, 2), rng.randint(1, 3), rng.randint(1, 5), rng.randint(2, 6), rng.randrange(2**31))
             for _ in range(2)]
-
-
 
 
 def _ring_qkv(shape, p):
@@ -400,4 +392,3 @@ def _check_ring_steps(name, rank, p, shape, steps, sends_in):
         elif total:
             raise Fail(f"{where}the last step sent {total:,} bytes: after p - 1 passes every rank has seen every "
                        f"block; the last step sends nothing (return None for k_next and v_next).")
-

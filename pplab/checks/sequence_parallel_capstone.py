@@ -171,10 +171,6 @@ def _ranges(indices) -> str:
 # In every sealed rank
 
 
-
-
-
-
 # ----------------------------------------------------------------------------------
 # Here: the four parts
 

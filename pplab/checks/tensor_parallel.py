@@ -33,8 +33,6 @@ _SHORT = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "redu
           "all_to_all_single": "all_to_all"}
 
 
-
-
 def _data(seed, *shape):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
@@ -94,8 +92,6 @@ def _comm(calls, phase):
 
 def _fg_shape(seed):
     return (1 + seed % 3, 2 + seed % 5)
-
-
 
 
 @exercise("f_g", "Megatron's f and g: conjugate autograd operators", answer="f_and_g", notebook="03a_f_g", sealed=True)
@@ -171,10 +167,6 @@ def _row_shapes(seed, p):
     return c_in, rng.randint(2, 6), rng.randint(1, 4), p == 2 or rng.random() < 0.75
 
 
-
-
-
-
 @exercise("row_parallel_linear", "A row-parallel Linear layer from a dense one", answer="row_parallel_from_dense",
           notebook="03b_row_parallel", sealed=True,
           preload=('pplab.tensor_parallel',))
@@ -248,10 +240,6 @@ def check_row_parallel(fn, seed: int, timeout: float) -> str:
 def _ce_shapes(seed, big):
     rng = random.Random(seed)
     return rng.randint(2, 9), rng.randint(7, 40), (800.0 if big else 0.0)       # tokens, vocab, logit offset
-
-
-
-
 
 
 @exercise("vocab_parallel_ce", "Vocabulary-parallel cross-entropy that never gathers the logits",

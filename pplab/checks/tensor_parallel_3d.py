@@ -35,8 +35,6 @@ def _data(seed, *shape):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
-
-
 def _piece(t, row_parts, row, col_parts, col):
     r, c = t.shape[0] // row_parts, t.shape[1] // col_parts
     return t[row * r:(row + 1) * r, col * c:(col + 1) * c].clone()
@@ -99,10 +97,6 @@ def _sent(traffic, phase):
 def formula_bytes(B, c_in, c_out, q=Q):
     """3D's bytes per rank in one phase (forward or backward), float64."""
     return (q - 1) * (B * c_in + c_in * c_out + B * c_out) / q ** 3 * 8
-
-
-
-
 
 
 def _judge_values(prob, observed, parts, where):

@@ -46,7 +46,6 @@ TOL = 1e-9
 # Exercise "zero1_step"
 
 
-
 def _zero1_trials(seed, p):
     rng = random.Random(seed * 7 + p)
     return [{"n": p * rng.randint(2, 40), "seed": rng.randrange(2**31)} for _ in range(2)]
@@ -63,8 +62,6 @@ def _grad(trial, step, rank, n):
 def _start(trial):
     g = torch.Generator().manual_seed(trial["seed"])
     return torch.randn(trial["n"], generator=g, dtype=torch.float64)
-
-
 
 
 def _check_zero1(trials, steps):
@@ -161,8 +158,6 @@ def _state_tensors(trial):
     params = [torch.randn(sh, generator=g).to(torch.bfloat16) for sh in trial["shapes"]]
     grads = [torch.randn(sh, generator=g).to(torch.bfloat16) for sh in trial["shapes"]]
     return params, grads
-
-
 
 
 def _expected_state(trial, p, rank):
@@ -295,10 +290,6 @@ def _unit_data(trial, p):
     flat[:numel] = torch.randn(numel, generator=g, dtype=torch.float64)
     xs = [torch.randn(trial["batch"], trial["in"], generator=g, dtype=torch.float64) for _ in range(p)]
     return flat, xs
-
-
-
-
 
 
 @exercise("stage3_unit", "ZeRO stage 3: gather, compute, free one layer; reduce-scatter its gradient",

@@ -66,10 +66,6 @@ def _reference(x, block):
     return (q * scales[:, None]).reshape(-1)[:n], per_number, (rows / safe[:, None]).reshape(-1)[:n]
 
 
-
-
-
-
 def _judge_values(trial, shards, observed, parts, where):
     block, n = trial["block"], trial["n"]
     for rank in sorted(observed):
