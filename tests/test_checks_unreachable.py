@@ -83,3 +83,127 @@ def test_the_hidden_folders_keep_only_a_stub_that_says_why():
     root = os.path.dirname(folder)
     if os.path.exists(os.path.join(root, "solutions")):
         assert hidden[os.path.join(root, "solutions")] == {}
+
+
+# ----------------------------------------------------------------------------------
+# Every exercise: listed in DENIED (or EXEMPT, with why), and its denied modules unreachable
+
+def test_every_exercise_is_denied_its_answer_or_says_why_not():
+    from pplab.checks.denied import DENIED, EXEMPT
+    assert not set(DENIED) & set(EXEMPT), "an exercise is either denied or exempt"
+    missing = sorted(set(checks.EXERCISES) - set(DENIED) - set(EXEMPT))
+    assert set(DENIED) | set(EXEMPT) == set(checks.EXERCISES), missing
+    assert all(len(why) > 40 for why in EXEMPT.values())
+    import importlib.util
+    for exercise_id, modules in DENIED.items():          # a misspelt module would deny nothing
+        assert modules and all(importlib.util.find_spec(m) is not None for m in modules), exercise_id
+
+
+def test_no_checker_of_a_denied_exercise_keeps_a_rank_job_or_probe_in_its_own_module():
+    """What the ranks run (jobs `_..._rank`, probes `_refuse...`) must come from a *_rank module: a
+    graded check's ranks cannot import the checker's (fresh_zygote.py), so a job left there fails
+    every correct answer, and a job that imported the checker would bring its references along."""
+    import sys
+    from pplab.checks.denied import DENIED
+    for exercise_id in DENIED:
+        module = sys.modules[checks.EXERCISES[exercise_id].checker.__module__]
+        for name, obj in vars(module).items():
+            job = name.endswith(("_rank", "_rank_job", "_rank_of_trials")) or name.startswith("_refuse")
+            if callable(obj) and job:
+                assert obj.__module__.endswith("_rank"), (exercise_id, name, obj.__module__)
+
+
+_VIEW_EVERY_EXERCISE = r'''
+import importlib, json, sys
+from pplab.checks import EXERCISES, fresh_zygote, library_view
+from pplab.checks.denied import CHECKS_NOTE, DENIED, note
+plans = {e: (fresh_zygote.served(d), d, fresh_zygote.jobs_of(EXERCISES[e].checker)) for e, d in DENIED.items()}
+found = {}
+for exercise_id, (sources, denies, jobs) in plans.items():
+    library_view.install(sources, {m: note(m) for m in denies}, CHECKS_NOTE)
+    seen = found[exercise_id] = {}
+    for module in denies + (EXERCISES[exercise_id].checker.__module__,):
+        try:                              # a stand-in a library module already holds imports: its names refuse
+            getattr(importlib.import_module(module), "anything")
+        except ImportError as err:
+            seen[module] = str(err)
+        except AttributeError:
+            seen[module] = "imported"
+    for module in jobs + ["pplab.checks.sealed_rank", "pplab"]:    # what the ranks run still loads
+        try:
+            importlib.import_module(module)
+            seen[module] = "imported"
+        except Exception as err:
+            seen[module] = f"{type(err).__name__}: {err}"
+print(json.dumps(found))
+'''
+
+
+def test_every_denied_module_of_every_exercise_is_unavailable_through_the_library_view():
+    """Launch-free, all exercises in one interpreter: with the view a graded check installs,
+    each denied module (and the checker's own) refuses with its note, and the exercise's
+    *_rank jobs still load."""
+    import json
+    import subprocess
+    import sys
+    from pplab.checks.denied import DENIED
+    root = os.path.dirname(os.path.dirname(os.path.abspath(checks.__file__)))
+    out = subprocess.run([sys.executable, "-c", _VIEW_EVERY_EXERCISE], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.path.dirname(root)}, check=True).stdout
+    found = json.loads(out)
+    assert set(found) == set(DENIED)
+    for exercise_id, seen in found.items():
+        for module in DENIED[exercise_id]:
+            assert seen[module].startswith(f"the library's {module} {NOTE}"), (exercise_id, module, seen[module])
+        checker = checks.EXERCISES[exercise_id].checker.__module__
+        assert seen[checker] == f"{checker} {NOTE}: it is the checker's own module (its references and expected " \
+                                "values stay in the checker's process)", (exercise_id, seen[checker])
+        assert all(v == "imported" for m, v in seen.items() if m not in DENIED[exercise_id] and m != checker), \
+            (exercise_id, seen)
+
+
+# one exercise of each chapter whose denial came after the first eight (those: the tests above)
+_SAMPLE = {"predict_time": "n_bytes, world_size", "ddp_bucketing": "model, cap_bytes", "f_g": "x",
+           "gpipe_order": "num_ranks, num_microbatches, chunks", "megatron_sp_block": "x",
+           "zero_bytes": "params", "pp_dp_train_step": "stage", "checkpointed_block": "block",
+           "find_layout": "problem"}
+
+
+def _imports_every_denied_module(exercise_id):
+    """An answer that reaches for each of the exercise's denied modules by three routes and
+    raises what each route met: "REACHED" where one got the module's contents. (A route may
+    return the empty stand-in a library module already holds: then any name looked up on it
+    raises the note.)"""
+    from pplab.checks.denied import DENIED
+    answer = checks.EXERCISES[exercise_id].answer
+    text = (f"import importlib\nMODULES = {DENIED[exercise_id]!r}\n"
+            f"def {answer}(*args, **kwargs):\n"
+            "    met, box = [], {}\n"
+            "    for m in MODULES:\n"
+            "        for route in (lambda: importlib.import_module(m), lambda: __import__(m, fromlist=['_']),\n"
+            "                      lambda: [exec('import ' + m + ' as found', box), box['found']][1]):\n"
+            "            try:\n"
+            "                module = route()\n"
+            "                if not [k for k in vars(module) if not k.startswith('__')]:\n"
+            "                    getattr(module, 'anything')       # a stand-in: every lookup raises the note\n"
+            "                met.append('REACHED ' + m)\n"
+            "            except ImportError as err:\n"
+            "                met.append(str(err).split(':')[0])\n"
+            "    raise RuntimeError(' | '.join(met))\n")
+    return SourceAnswer(answer, (("<cell 1>", 1, text),))
+
+
+@pytest.mark.parametrize("exercise_id", sorted(_SAMPLE))
+def test_an_answer_that_imports_its_denied_modules_earns_nothing(exercise_id):
+    from pplab.checks.denied import DENIED
+    message = _graded(exercise_id, _imports_every_denied_module(exercise_id))
+    assert "REACHED" not in message, message
+    for module in DENIED[exercise_id]:
+        assert f"the library's {module} is not available while your answer is checked" in message, message
+
+
+def test_the_same_imports_reach_the_library_without_the_fresh_zygote(monkeypatch):
+    """The control: forked from the checker (as before), the routes above do reach the modules."""
+    monkeypatch.setattr(core, "DENIED", {})
+    result = checks.run_check("gpipe_order", _imports_every_denied_module("gpipe_order"), timeout=20)
+    assert "REACHED pplab.pipeline.schedules" in result.message and result.score == 0, result.message

@@ -23,7 +23,8 @@ import itertools
 import random
 
 from . import sealed
-from .core import Fail, exercise, refuse_library, require_function
+from .cluster_rank import _refuse_cluster
+from .core import Fail, exercise, require_function
 
 PARTS = ("bytes", "order")
 DIMS = ("pp", "dp", "tp")
@@ -78,14 +79,6 @@ def problems(seed: int, count: int = 12) -> list:
             for k in new:
                 wanted[k] = True
     return out
-
-
-def _refuse_cluster(fn) -> None:
-    """In the sealed rank: Forbidden if the answer asks pplab.cluster or pplab.mesh for the placement."""
-    from .. import cluster, mesh
-    refuse_library(fn, "place_layout", "the placement", {"place": cluster.place, "Placement": cluster.Placement,
-                   "placement_rule": cluster.placement_rule, "groups": mesh.groups, "grid": mesh.grid},
-                   "pplab.cluster or pplab.mesh")
 
 
 def _read(got, problem, k):

@@ -27,8 +27,8 @@ import torch
 
 from .. import costmodel
 from . import sealed
-from .collectives_rank import _all_reduce_rank, _broadcast_rank, _reduce_scatter_rank
-from .core import Fail, Parts, exercise, first_difference, refuse_library, require_function
+from .collectives_rank import _all_reduce_rank, _broadcast_rank, _reduce_scatter_rank, _refuse_costmodel
+from .core import Fail, Parts, exercise, first_difference, require_function
 from .core import _fmt
 
 # ----------------------------------------------------------------------------------
@@ -400,15 +400,6 @@ def _fit_mistakes(timings):
                                "Weigh each size by its relative error (1/t² as weights), or fit the smallest "
                                "sizes for α"),
     ]
-
-
-def _refuse_costmodel(fn) -> None:
-    """In the sealed rank: Forbidden if the answer asks pplab.costmodel or pplab.costfit."""
-    from .. import costfit
-    refuse_library(fn, "predict_time", "the fit and the time",
-                   {"costmodel": costmodel, "predict": costmodel.predict, "cost": costmodel.cost,
-                    "fit_timings": costfit.fit_timings, "_fit_line": costfit._fit_line},
-                   "pplab.costmodel or pplab.costfit")
 
 
 def _three_numbers(got, name):

@@ -4,6 +4,8 @@ Kept apart from the checker, which holds the references: a graded check's ranks 
 this module and nothing of the checker (fresh_zygote.py)."""
 from __future__ import annotations
 
+from .forbidden import refuse_library
+
 import torch
 import torch.distributed as dist
 
@@ -40,3 +42,12 @@ def _all_reduce_rank(fn, inputs):
         sealed.begin(i)
         returned = fn(tensor)
         sealed.observe(i, {"tensor": tensor, "returned": _returned_copy(returned, tensor)})
+
+
+def _refuse_costmodel(fn) -> None:
+    """In the sealed rank: Forbidden if the answer asks pplab.costmodel or pplab.costfit."""
+    from .. import costfit, costmodel
+    refuse_library(fn, "predict_time", "the fit and the time",
+                   {"costmodel": costmodel, "predict": costmodel.predict, "cost": costmodel.cost,
+                    "fit_timings": costfit.fit_timings, "_fit_line": costfit._fit_line},
+                   "pplab.costmodel or pplab.costfit")

@@ -96,12 +96,12 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from torch import nn
 
 from ..runtime import comm  # noqa: F401 - chapters' checkers import comm from here (tensor_parallel)
 from .answers import SourceAnswer, allow_type, decode, encode  # noqa: F401 - what checkers use, in one place
 from .failures import Fail, Forbidden, NotImplementedYet, Scored  # noqa: F401 - Scored: what a graded-on-quality checker returns
 from .forbidden import forbidden_references, refuse_library  # noqa: F401
+from .stage_rank import WatchedStage  # noqa: F401 - run in the ranks, so kept where they may import it
 from .denied import DENIED
 from .fresh_zygote import fresh_zygote, jobs_of   # a graded answer to an exercise in DENIED: ranks from a fresh interpreter
 from .sealed import call_answer, zygote  # noqa: F401 - run_check enters zygote() before the seed exists
@@ -294,26 +294,6 @@ def random_mlp_and_cap(rng, element_bytes: int, small_cap: bool) -> tuple[list[i
     if small_cap:
         return widths, rng.randint(2 * element_bytes, max(weights) - 1)
     return widths, rng.randint(max(layers), sum(layers) - element_bytes)
-
-
-class WatchedStage(nn.Sequential):
-    """The pipeline stage an answer gets (the executor's and the hybrid trainer's checkers): an
-    nn.Sequential that also tells the checker, at its k-th forward with gradients on (k = 0, 1, ...),
-    on_forward(k, input), and when a gradient reaches that forward's output (its backward),
-    on_backward(k, gradient)."""
-
-    def __init__(self, layers, on_forward, on_backward):
-        super().__init__(*layers)
-        self._on_forward, self._on_backward, self._forwards = on_forward, on_backward, 0
-
-    def forward(self, x):
-        out = super().forward(x)
-        if torch.is_grad_enabled():
-            k, self._forwards = self._forwards, self._forwards + 1
-            self._on_forward(k, x)
-            if out.requires_grad:
-                out.register_hook(lambda grad, k=k: self._on_backward(k, grad))
-        return out
 
 
 def first_difference(got: torch.Tensor, expected: torch.Tensor, *, atol=0.0, rtol=0.0):

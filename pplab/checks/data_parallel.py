@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import sealed
+from .data_parallel_rank import _ddp_rank, _mlp, _topk_rank
 from .core import Fail, exercise, first_difference, require_function
 from .core import _fmt, random_mlp_and_cap
 
@@ -43,14 +44,6 @@ def _ddp_trials(seed: int, world_size: int) -> list[dict]:
     return trials
 
 
-def _mlp(widths, seed) -> nn.Module:
-    torch.manual_seed(seed)                              # the same model on every rank
-    layers = []
-    for a, b in zip(widths, widths[1:]):
-        layers += [nn.Linear(a, b), nn.Tanh()]
-    return nn.Sequential(*layers[:-1])
-
-
 def _reference_buckets(model, cap) -> list[list[str]]:
     """Parameters in reverse order; a new bucket when the next one would not fit."""
     buckets, size = [], 0
@@ -62,18 +55,6 @@ def _reference_buckets(model, cap) -> list[list[str]]:
         buckets[-1].append(name)
         size += nbytes
     return buckets
-
-
-def _bucket_names(model, returned):
-    """In a rank: (the buckets as parameter names, None), or (None, what is wrong with their shape)."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    if not (isinstance(returned, tuple) and len(returned) == 2 and callable(returned[1])):
-        return None, f"got {type(returned).__name__}"
-    buckets = returned[0]
-    if not isinstance(buckets, (list, tuple)) or not all(isinstance(b, (list, tuple)) for b in buckets) or \
-            not all(id(p) in names for b in buckets for p in b):
-        return None, "buckets is not a list of lists of model.parameters()"
-    return [[names[id(p)] for p in b] for b in buckets], None
 
 
 def _check_buckets(name, model, cap, got, problem):
@@ -110,36 +91,6 @@ def _check_buckets(name, model, cap, got, problem):
 def _batch(seed, i, step, p, trial):
     g = torch.Generator().manual_seed(seed * 100 + i * 10 + step)
     return torch.randn(2 * p, trial["widths"][0], generator=g), torch.randn(2 * p, trial["widths"][-1], generator=g)
-
-
-def _ddp_rank(fn, trials):
-    """Run on every sealed rank: two training steps per trial with the student's hooks on this
-    rank's part of the batch; record the buckets and every .grad (the router records the
-    all-reduces: size, async or not, in backward or in finish())."""
-    for i, trial in enumerate(trials):
-        sealed.begin(i)
-        model = _mlp(trial["widths"], 0)
-        with torch.no_grad():
-            for q, value in zip(model.parameters(), trial["parameters"]):
-                q.copy_(value)
-        returned = fn(model, trial["cap"])
-        names, problem = _bucket_names(model, returned)
-        seen = {"buckets": names, "problem": problem, "steps": []}
-        if problem is not None or [set(b) for b in names] != [set(b) for b in _reference_buckets(model, trial["cap"])]:
-            sealed.observe(i, seen)                     # the checker says what is wrong; nothing more to run
-            return
-        finish = returned[1]
-        for step, (x, y) in enumerate(trial["batches"]):
-            model.zero_grad()
-            loss = F.mse_loss(model(x), y)
-            sealed.phase(f"step {step} backward")
-            loss.backward()
-            sealed.phase(f"step {step} finish")
-            finish()
-            sealed.phase("")
-            seen["steps"].append({"grads": {n: None if q.grad is None else q.grad.clone()
-                                            for n, q in model.named_parameters()}})
-        sealed.observe(i, seen)
 
 
 def _all_reduces(collectives, step) -> list:
@@ -231,7 +182,8 @@ def check_ddp_buckets(fn, seed: int, timeout: float) -> str:
         for i, t in enumerate(trials[p]):
             parameters = [q.detach().clone() for q in _mlp(t["widths"], t["seed"]).parameters()]
             batches = [_batch(seed, i, step, p, t) for step in range(2)]
-            inputs.append([{"widths": t["widths"], "cap": t["cap"], "parameters": parameters,
+            expected = _reference_buckets(_mlp(t["widths"], 0), t["cap"])   # names only: the checker's rule stays here
+            inputs.append([{"widths": t["widths"], "cap": t["cap"], "parameters": parameters, "expected": expected,
                             "batches": [(X[2 * r:2 * r + 2], Y[2 * r:2 * r + 2]) for X, Y in batches]}
                            for r in range(p)])
         sealed.run_sealed(_ddp_rank, fn, inputs, world_size=p, timeout=timeout, exercise=("ddp_buckets", "DDP"),
@@ -282,18 +234,6 @@ def _check_selection(grad, a, chosen, k, where):
     raise Fail(f"{where}you sent index {small} (grad + memory = {_fmt(a[small].item())}) but not index {big} "
                f"(grad + memory = {_fmt(a[big].item())}), which is larger in magnitude: top-k sends the k entries "
                f"of grad + memory largest in magnitude.{hint}")
-
-
-def _topk_rank(fn, steps):
-    """In the sealed rank: the runs of topk_ef_step, each step's memory the answer's own
-    new_memory of the step before (what error feedback carries), zeros at a run's start."""
-    memory = None
-    for i, (grad, k, first) in enumerate(steps):
-        sealed.begin(i)
-        memory = torch.zeros_like(grad) if first else memory
-        out = fn(grad.clone(), memory.clone(), k)
-        sealed.observe(i, out)
-        memory = out[2].detach().double().float()        # a malformed result: the checker says why, at this step
 
 
 @exercise("topk_error_feedback", "Top-k gradient compression with error feedback", answer="topk_ef_step",

@@ -26,16 +26,15 @@ import copy
 import random
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from . import sealed
-from .core import Fail, exercise, first_difference, refuse_library, require_function
+from .ddp_bucketing_rank import _STEPS, _ddp_rank_of_trials, _mlp, _refuse_library_ddp
+from .core import Fail, exercise, first_difference, require_function
 from .core import _fmt, random_mlp_and_cap
 
 _ATOL, _RTOL = 1e-12, 1e-9
-_STEPS = 2
 
 
 def _configs(seed: int, p: int) -> list[dict]:
@@ -51,14 +50,6 @@ def _configs(seed: int, p: int) -> list[dict]:
     return configs
 
 
-def _mlp(config) -> nn.Module:
-    torch.manual_seed(config["seed"])                    # the same model on every rank
-    layers = []
-    for a, b in zip(config["widths"], config["widths"][1:]):
-        layers += [nn.Linear(a, b, dtype=torch.float64), nn.Tanh()]
-    return nn.Sequential(*layers[:-1])
-
-
 def _group_batch(config, seed, c, step, g):
     """The whole batch of data-parallel group g at this step; member k gets slice k."""
     gen = torch.Generator().manual_seed(seed * 1000 + c * 100 + step * 10 + g)
@@ -66,51 +57,6 @@ def _group_batch(config, seed, c, step, g):
     w = config["widths"]
     return (torch.randn(n, w[0], generator=gen, dtype=torch.float64),
             torch.randn(n, w[-1], generator=gen, dtype=torch.float64))
-
-
-def _ddp_rank(fn, configs):
-    """In every sealed rank: two SGD steps per model with the answer's hooks, on this rank's
-    slice of its group's batch. The router records every all-reduce (size, group, async,
-    in backward or finish, waited for when); the job adds which gradients were in when each
-    started (its own hooks run before the answer's)."""
-    rank = dist.get_rank()
-    made = {tuple(ranks): dist.new_group(ranks) for c in configs for ranks in c["groups"]}   # every rank, in order
-    ready, started = [], []
-
-    def note(kind, into):
-        if kind == "all_reduce":
-            started.append(list(ready))
-    for c, config in enumerate(configs):
-        members = next(ranks for ranks in config["groups"] if rank in ranks)
-        group = made[tuple(members)]
-        sealed.begin(c * _STEPS)
-        model = _mlp(config)
-        with torch.no_grad():
-            for q, value in zip(model.parameters(), config["parameters"]):
-                q.copy_(value)
-        for name, q in model.named_parameters():        # before the answer's hooks: ours run first
-            q.register_post_accumulate_grad_hook(lambda q, name=name: ready.append(name))
-        finish = fn(model, group, config["cap"])
-        if not callable(finish):
-            raise Fail(f"{fn.__name__} must return finish, a function the training loop calls after every "
-                       f"loss.backward(); it returned {type(finish).__name__}.", seed_matters=False)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        for step, (x, y) in enumerate(config["batches"]):
-            sealed.begin(c * _STEPS + step)
-            model.zero_grad()
-            loss = F.mse_loss(model(x), y)
-            del ready[:], started[:]
-            with sealed.watch_collectives(note):
-                sealed.phase("backward")
-                loss.backward()
-                sealed.phase("finish")
-                finish()
-                sealed.phase("")
-            sealed.observe(c * _STEPS + step,
-                           {"ready": list(started),
-                            "grads": {n: None if q.grad is None else q.grad.clone() for n, q in model.named_parameters()}})
-            optimizer.step()
-        dist.barrier()
 
 
 def _all_reduces(collectives, ready) -> list:
@@ -247,19 +193,6 @@ def _check_ddp(configs, seed):
             _check_grads(seen["grads"], _reference(config, seed, c, step, g, members.index(rank)), rank,
                          len(members), step)
     return check
-
-
-def _ddp_rank_of_trials(fn, trials):
-    """run_sealed gives a rank one input per trial; this job's configs all come with trial 0."""
-    _ddp_rank(fn, trials[0])
-
-
-def _refuse_library_ddp(fn) -> None:
-    """In the sealed rank: Forbidden if the answer uses a library DDP."""
-    from ..data_parallel import DDP, reverse_buckets
-    refuse_library(fn, "ddp_bucketing", "the buckets and their all-reduces",
-                   {"DDP": DDP, "reverse_buckets": reverse_buckets,
-                    "DistributedDataParallel": nn.parallel.DistributedDataParallel}, "a library DDP")
 
 
 @exercise("ddp_bucketing", "DDP from scratch: buckets, hooks, overlap", answer="bucketed_ddp",

@@ -26,8 +26,9 @@ import random
 import torch
 
 from . import sealed
-from .expert_parallel_rank import _dispatch_rank, _refuse_dispatch_plan, _rows
-from .core import Fail, Parts, exercise, refuse_library, require_function
+from .expert_parallel_rank import (PHASES, _dispatch_rank, _measure_rank, _refuse_all_to_all_bytes, _refuse_dispatch_plan,
+                                   _rows)
+from .core import Fail, Parts, exercise, require_function
 
 
 # ----------------------------------------------------------------------------------
@@ -152,9 +153,6 @@ def _check_received(seen, rank, experts, plans, p, where):
 # ----------------------------------------------------------------------------------
 # Exercise "moe_bytes": every rank's bytes under a skewed routing, against the measured layer
 
-PHASES = ("counts", "dispatch", "combine")
-_DTYPES = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
-
 
 def _traffic_trials(seed, p):
     """Two skewed routings on p ranks, a different number of tokens on each: one with a capacity
@@ -202,32 +200,6 @@ def _describe_traffic(p, t):
     cf = "no capacity limit" if t["capacity_factor"] is None else f"capacity factor {t['capacity_factor']}"
     return (f"p={p}, E={t['E']}, k={t['k']}, {cf}, hidden={t['hidden']}, element_size={t['element_size']}, "
             f"tokens per rank {[len(c) for c in t['choices']]}")
-
-
-def _measure_rank(fn, trials):
-    """In every sealed rank: the library's MoE layer (not the answer) on this rank's tokens, steered to the
-    trial's routing, one forward; each of its three all-to-alls in a phase of its own, so that the
-    router's record of what was really sent splits into counts, dispatch and combine."""
-    from .. import collectives
-    from ..expert_parallel import MoE, steer
-    original = collectives.all_to_all_single
-    for i, t in enumerate(trials):
-        sealed.begin(i)
-        layer = MoE(t["hidden"], 4, t["E"], t["k"], t["capacity_factor"]).to(_DTYPES[t["element_size"]])
-        x = steer(layer, t["choices"])
-        names = iter(PHASES)
-
-        def in_its_phase(*args, **kwargs):
-            sealed.phase(next(names))
-            return original(*args, **kwargs)
-        collectives.all_to_all_single = in_its_phase
-        try:
-            with torch.no_grad(), collectives.unchecked():
-                layer(x)
-        finally:
-            collectives.all_to_all_single = original
-            sealed.phase("")
-        sealed.observe(i, {"dropped": layer.dropped})
 
 
 def _kept_rows(t, p, capacity_of=None, no_limit=False):
@@ -329,10 +301,3 @@ def check_moe_bytes(fn, seed: int, timeout: float) -> str:
     return parts.finish(f"on {len(trials)} skewed routings over 2, 3 and 4 ranks (capacity limits that drop tokens, "
                         f"k = 1 and 2, a different number of tokens on every rank; every rank's counts, dispatch and "
                         f"combine equal to the bytes the library's layer really sent)")
-
-
-def _refuse_all_to_all_bytes(fn) -> None:
-    """In the sealed rank: Forbidden if the answer asks pplab.expert_parallel for the bytes."""
-    from ..expert_parallel import all_to_all_bytes            # loaded only when this check runs
-    refuse_library(fn, "moe_bytes", "the bytes per rank", {"all_to_all_bytes": all_to_all_bytes},
-                   "pplab.expert_parallel.all_to_all_bytes")

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from ..runtime import comm
 from .answers import SourceAnswer
 from .failures import Forbidden
+from .library_view import unavailable
 
 # What a student may not call when an exercise asks them to build a collective from
 # point-to-point operations. Looked up by name so a missing one (older torch) is skipped.
@@ -98,6 +99,7 @@ def refuse_library(fn, exercise_id: str, what: str, library: dict, shown: str) -
     call_each)."""
     if isinstance(fn, SourceAnswer):
         raise TypeError("refuse_library looks at a function: run it in the sealed rank (probe=)")
+    library = {name: obj for name, obj in library.items() if not unavailable(obj)}   # denied: out of reach already
     home = getattr(fn, "__module__", None)
     todo, seen = [fn], set()
     while todo:
@@ -136,4 +138,3 @@ def _filled(cell) -> bool:
         return True
     except ValueError:
         return False
-

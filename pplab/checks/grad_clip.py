@@ -23,9 +23,9 @@ import math
 import random
 
 import torch
-import torch.distributed as dist
 
 from . import sealed
+from .grad_clip_rank import _rank_job
 from .core import Fail, Parts, exercise, first_difference, require_function
 
 WORLD = 6
@@ -33,11 +33,6 @@ RTOL = 1e-9
 # (tp, dp, norm_type, whether max_norm is below the norm)
 TRIALS = [(3, 2, 2.0, True), (2, 3, 2.0, False), (3, 2, math.inf, True), (6, 1, 2.0, True), (1, 6, math.inf, True)]
 _PARTS = {"norm": "norm", "clip": "clipped gradients", "inf": "norm_type=inf"}
-
-
-def _mesh(tp, dp):
-    """(tp groups, dp groups) of global ranks, tp innermost (pplab.mesh's layout)."""
-    return ([[j * tp + r for r in range(tp)] for j in range(dp)], [[j * tp + r for j in range(dp)] for r in range(tp)])
 
 
 def _problem(rng, tp, dp, norm_type, binds):
@@ -165,24 +160,6 @@ def _judge_clip(prob, observed, parts, part, where):
             parts.note(part, f"rank {rank}'s shard {b} ({kind} bucket) at [{index}] is {a:.10g}, expected {e:.10g} "
                              f"(scaled by {coef:.6g}).{hint}", where)
             return
-
-
-def _rank_job(fn, trials):
-    """In each sealed rank: make every tp and dp group of the trial's mesh, call the answer, record."""
-    rank = dist.get_rank()
-    for i, t in enumerate(trials):
-        sealed.begin(i)
-        tp_groups, dp_groups = _mesh(t["tp"], t["dp"])
-        made_tp = [dist.new_group(g) for g in tp_groups]         # every rank makes every group, in order
-        made_dp = [dist.new_group(g) for g in dp_groups]
-        tp_group = next(g for g, m in zip(made_tp, tp_groups) if rank in m)
-        dp_group = next(g for g, m in zip(made_dp, dp_groups) if rank in m)
-        shards = [dict(s) for s in t["shards"]]
-        norm = fn(shards, t["max_norm"], t["norm_type"], tp_group, dp_group)
-        if torch.is_tensor(norm) and norm.numel() == 1:
-            norm = norm.item()
-        sealed.observe(i, {"norm": float(norm) if isinstance(norm, (int, float)) else repr(norm)[:80],
-                           "grads": [s["grad"] for s in shards]})
 
 
 @exercise("clip_sharded", "Gradient clipping by the global norm across TP and ZeRO shards", answer="clip_sharded",

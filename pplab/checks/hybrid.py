@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import random
 
-import torch.distributed as dist
 
 from . import sealed
-from .core import Fail, Forbidden, exercise, refuse_library, require_function
+from .hybrid_rank import _LIBRARY, _mesh_rank, _refuse_mesh
+from .core import Fail, Forbidden, exercise, require_function
 
 DIMS = ("pp", "dp", "tp")
 _SIZES = {4: [(1, 2, 2), (2, 2, 1), (2, 1, 2), (1, 1, 4), (4, 1, 1)],
@@ -29,56 +29,10 @@ def _cases(seed: int) -> list[tuple[int, int, int]]:
     return [rng.choice(_SIZES[4]), rng.choice(_SIZES[6]), (2, 2, 2)]
 
 
-class _UsedLibrary(Exception):
-    pass
-
-
-_LIBRARY = "<used pplab.mesh>"
-
-
-def _mesh_rank(fn, trials):
-    """In each sealed rank: what the answer says about this rank (pplab.mesh refused meanwhile)."""
-    from .. import mesh as library
-    pp, dp, tp = trials[0]
-    sealed.begin(0)
-    rank = dist.get_rank()
-    saved = {n: getattr(library, n) for n in ("groups", "grid", "describe", "Mesh")}
-
-    def refused(*args, **kwargs):
-        raise _UsedLibrary()
-    for n in saved:                              # an import inside the answer gets these
-        setattr(library, n, refused)
-    try:
-        got = fn(rank, pp, dp, tp)
-    except _UsedLibrary:
-        sealed.observe(0, {"answer": _LIBRARY})
-        return
-    finally:
-        for n, f in saved.items():
-            setattr(library, n, f)
-    if isinstance(got, dict):
-        got = {k: list(v) if isinstance(v, (list, tuple, range)) else v for k, v in got.items()}
-        got = {k: [int(r) if hasattr(r, "__int__") else r for r in v] if isinstance(v, list) else repr(v)
-               for k, v in got.items() if isinstance(k, str)}
-    else:
-        got = repr(got)
-    sealed.observe(0, {"answer": got})
-
-
 def _mesh(rank, pp, dp, tp) -> dict:
     """The reference, here: rank's group along each dimension, from pplab.mesh (no ranks needed)."""
     from ..mesh import groups
     return {d: next(g for g in groups(d, pp=pp, dp=dp, tp=tp) if rank in g) for d in DIMS}
-
-
-def _refuse_mesh(fn) -> None:
-    """In the sealed rank: Forbidden if the answer names pplab.mesh's functions or torch's DeviceMesh."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from .. import mesh
-    refuse_library(fn, "mesh_groups", "the groups of a mesh",
-                   {"groups": mesh.groups, "grid": mesh.grid, "Mesh": mesh.Mesh, "describe": mesh.describe,
-                    "init_device_mesh": init_device_mesh}, "pplab.mesh (or torch's DeviceMesh)")
 
 
 def _diagnose(answers: dict, meshes: dict, sizes) -> str:

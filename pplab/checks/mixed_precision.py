@@ -25,10 +25,11 @@ import random
 import torch
 
 from . import sealed
+from .mixed_precision_rank import LR, _rank_job
 from .core import Fail, Parts, exercise, require_function
 from .core import _fmt
 
-LR, RTOL = 0.1, 1e-6
+RTOL = 1e-6
 PARTS = ("agreement", "update", "scale")
 
 
@@ -56,23 +57,6 @@ def _inputs(trial, p):
         grads[s, rank, torch.randint(n, (1,), generator=g)] = value
     return [{"start": start[r].clone(), "grads": grads[:, r].clone(), "init": trial["init"],
              "interval": trial["interval"]} for r in range(p)]
-
-
-def _rank_job(fn, trials):
-    """In every sealed rank: the student's scaler in front of SGD on this rank's shard."""
-    for i, t in enumerate(trials):
-        sealed.begin(i)
-        scaler = fn(init_scale=t["init"], growth_interval=t["interval"])
-        shard = torch.nn.Parameter(t["start"].clone())
-        optimizer = torch.optim.SGD([shard], lr=LR)
-        stepped, scales, shards = [], [], []
-        for grad in t["grads"]:
-            shard.grad = grad * float(scaler.scale)          # the gradient of the scaled loss
-            stepped.append(bool(scaler.step(optimizer)))
-            scales.append(float(scaler.scale))
-            shards.append(shard.detach().clone())
-            optimizer.zero_grad()
-        sealed.observe(i, {"stepped": stepped, "scales": scales, "shards": shards})
 
 
 def _reference(trial, inputs):

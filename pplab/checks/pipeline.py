@@ -25,8 +25,9 @@ import random
 import re
 
 from . import sealed
-from .pipeline_rank import _refuse_zero_bubble
-from .core import Fail, Forbidden, Parts, Scored, allow_type, exercise, refuse_library, require_function
+from .pipeline_rank import (_actions_come_back, _bubble_rank, _gpipe_rank, _refuse_bubble_fraction, _refuse_gpipe,
+                            _refuse_zero_bubble)
+from .core import Fail, Forbidden, Parts, Scored, allow_type, exercise, require_function
 
 # pplab.pipeline is imported inside the checks: it loads its executor (torch.fx, sympy),
 # which would make every `import pplab.checks` slow and every process it forks bigger.
@@ -54,12 +55,6 @@ def _action(a, rank: int, where: str, kinds: str = "FB"):
     named = " or ".join(f"('{k}', i)" for k in kinds)
     raise Fail(f"{where}{a!r} is not an action: write {named} for micro-batch i (or the string "
                f"'{kinds[0]}3', or pplab.pipeline.Action).", seed_matters=False)
-
-
-def _actions_come_back(fn) -> None:
-    """In the sealed rank, before the answer runs: pplab.pipeline.Action may come back as plain data."""
-    from ..pipeline import Action
-    allow_type(Action)
 
 
 def _schedule(fn, out, p: int, m: int, where: str, kinds: str = "FB"):
@@ -141,21 +136,6 @@ def _gpipe_cases(seed: int) -> list[tuple[int, int, int]]:
     return [(q, m, 1) for q, m in _cases(seed)] + \
         [(p[0], p[0] * rng.randint(1, 2), 2), (p[1], p[1] + rng.randint(1, p[1] - 1) if p[1] > 2 else 3, 3),
          (4, rng.randint(2, 3), 2)]
-
-
-def _gpipe_rank(fn, calls):
-    """In the sealed rank: call the answer; a Schedule it returns comes back as plain data."""
-    from ..pipeline import Action, Schedule
-    allow_type(Action)
-    for i, args in enumerate(calls):
-        sealed.begin(i)
-        out = fn(*args)
-        if isinstance(out, Schedule):
-            out = {"num_ranks": out.num_ranks, "num_microbatches": out.num_microbatches, "chunks": out.chunks,
-                   "stage_to_rank": list(out.stage_to_rank),
-                   "actions": [[(a.kind, a.microbatch, a.stage, a.chunk) if isinstance(a, Action) else a
-                                for a in acts] for acts in out.actions]}
-        sealed.observe(i, out)
 
 
 def _chunked_action(a, rank: int, p: int, where: str):
@@ -270,14 +250,6 @@ def check_gpipe_order(fn, seed: int, timeout: float) -> str:
                         f"(v·m + p - 1 + (v-1)·max(0, p-m))·(t_f + t_b)/v")
 
 
-def _refuse_gpipe(fn) -> None:
-    """In the sealed rank: Forbidden if the answer asks the library for GPipe."""
-    from ..pipeline import Action, make_schedule, schedules
-    allow_type(Action)
-    refuse_library(fn, "gpipe_order", "GPipe's order", {"make_schedule": make_schedule, "gpipe": schedules.gpipe},
-                   "pplab.pipeline's schedules")
-
-
 @exercise("1f1b_order", "1F1B's order of forwards and backwards", answer="one_f_one_b_order",
           notebook="04b_1f1b_order", sealed=True,
           preload=('pplab.pipeline',))
@@ -340,16 +312,6 @@ def _bubble_traces(seed: int) -> list[dict]:
         traces.append({"name": name, "p": p_, "m": m, "v": v or 1, "latency": latency, "events": events,
                        "formula": bubble_fraction(p_, m, v or 1)})
     return traces
-
-
-def _bubble_rank(fn, calls):
-    """In the sealed rank: rebuild each trace as a pplab.trace.Timeline, call the answer on it."""
-    from ..trace import Event, Timeline
-    for i, (events, p) in enumerate(calls):
-        sealed.begin(i)
-        timeline = Timeline([Event(r, k, c, s, e, label, value=v) for r, k, c, s, e, label, v in events],
-                            world_size=p, t0=0.0)
-        sealed.observe(i, fn(timeline))
 
 
 def _bubble_truth(trace) -> dict:
@@ -438,17 +400,6 @@ def _judge_bubble(got, trace, parts: Parts, name: str) -> None:
                 parts.note("fill and drain", f"rank {r} idles {g[k]!r:.8} s {names[k]}, the trace says "
                                              f"{w[k]:.6g} s.", where)
                 return
-
-
-def _refuse_bubble_fraction(fn) -> None:
-    """In the sealed rank: Forbidden if the answer asks the library for the busy or idle time."""
-    from ..pipeline import bubble_fraction
-    from ..trace import Timeline, _union_length
-    refuse_library(fn, "bubble_fraction", "the bubble", {"bubble_fraction": bubble_fraction, "busy": Timeline.busy,
-                                                        "bubble": Timeline.bubble,
-                                                        "utilization": Timeline.utilization,
-                                                        "_union_length": _union_length},
-                   "pplab's own measure (Timeline.busy, bubble or utilization, or bubble_fraction)")
 
 
 @exercise("bubble_fraction", "Measure the bubble of a pipeline step from its trace", answer="measure_bubble",

@@ -29,11 +29,11 @@ from __future__ import annotations
 import random
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from . import sealed
-from .core import Fail, WatchedStage, exercise, first_difference, refuse_library, require_function
+from .pipeline_executor_rank import _executor_rank, _refuse_executor
+from .core import Fail, exercise, first_difference, require_function
 from .core import _fmt
 
 _ATOL, _RTOL = 1e-12, 1e-9
@@ -57,33 +57,6 @@ def _microbatches(trial, seed, t):
     shape = (trial["m"], trial["b"], trial["d"])
     xs, ys = torch.randn(shape, generator=g, dtype=torch.float64), torch.randn(shape, generator=g, dtype=torch.float64)
     return [(x, y) for x, y in zip(xs, ys)]
-
-
-def _executor_rank(fn, trials):
-    """In every sealed rank: the answer runs this rank's actions on its stage; the stage's
-    notes go to the checker after every event (so a hang still tells how far each rank got)."""
-    from ..pipeline import make_schedule
-    rank, p = dist.get_rank(), dist.get_world_size()
-    for t, trial in enumerate(trials):
-        sealed.begin(t)
-
-        def note(event, t=t):
-            note.events.append(event)
-            sealed.observe(t, {"done": False, "events": note.events})
-        note.events = []
-        sealed.observe(t, {"done": False, "events": []})
-        layers = nn.Sequential(nn.Linear(trial["d"], trial["d"], dtype=torch.float64), nn.Tanh())
-        with torch.no_grad():
-            for q, value in zip(layers.parameters(), trial["parameters"]):
-                q.copy_(value)
-        stage = WatchedStage(layers, lambda k, x: note(("F", x.detach().clone())),   # each input, each gradient
-                             lambda k, grad: note(("B", k, grad.detach().clone())))
-        actions = list(make_schedule(trial["schedule"], p, trial["m"]).actions[rank])
-        fn(actions, stage, trial["microbatches"], nn.MSELoss(),
-           rank - 1 if rank > 0 else None, rank + 1 if rank < p - 1 else None)
-        grads = {n: None if q.grad is None else q.grad.clone() for n, q in stage.named_parameters()}
-        sealed.observe(t, {"done": True, "events": note.events, "grads": grads})
-        dist.barrier()                                   # the next trial's messages after this one's
 
 
 def _reference(trial, seed, t, p):
@@ -209,13 +182,6 @@ def _check_executor(trials, seed, stuck):
                 raise Fail(f"{where} at {index} is {_fmt(g)}, but the single-process gradient of the whole batch "
                            f"is {_fmt(w)}.{hint}")
     return check
-
-
-def _refuse_executor(fn) -> None:
-    """In the sealed rank: Forbidden if the answer uses pplab.pipeline's executor."""
-    from ..pipeline import PipelineExecutor, run_pipeline
-    refuse_library(fn, "pipeline_executor", "the executor loop", {"PipelineExecutor": PipelineExecutor,
-                   "run_pipeline": run_pipeline}, "pplab.pipeline's executor")
 
 
 @exercise("pipeline_executor", "The 1F1B executor loop on real ranks", answer="run_actions",

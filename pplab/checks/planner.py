@@ -17,7 +17,8 @@ from __future__ import annotations
 import random
 
 from . import sealed
-from .core import Fail, Scored, exercise, refuse_library, require_function
+from .planner_rank import _refuse_planner
+from .core import Fail, Scored, exercise, require_function
 
 
 def _problem(rng, choices: int | None = 3):
@@ -101,13 +102,6 @@ def _describe(problem, preds, budget) -> str:
                     f"sends {t['pp_send'] * 1e3:.3g}, dp {t['dp'] * 1e3:.3g}), "
                     f"{_mb(p.memory['total'])} MB per rank, {fits}")
     return "\n".join(rows)
-
-
-def _refuse_planner(fn) -> None:
-    """In the sealed rank: Forbidden if the answer asks pplab.planner for the times and memory."""
-    from .. import planner
-    refuse_library(fn, "pick_layout", "the layouts' times and memory",
-                   {"plan": planner.plan, "predict": planner.predict}, "pplab.planner")
 
 
 @exercise("pick_layout", "Pick the fastest layout that fits, from α, β, layer times and memory",

@@ -34,7 +34,8 @@ import random
 import torch
 
 from . import sealed
-from .core import Fail, Parts, exercise, first_difference, refuse_library, require_function
+from .sequence_parallel_rank import _blockwise_rank, _refuse_sdpa, _ring_rank, _ulysses_rank
+from .core import Fail, Parts, exercise, first_difference, require_function
 from .core import _fmt
 
 TOL = 1e-9
@@ -111,23 +112,6 @@ def _blockwise_reference(q, k, v, causal, scale=True, keys=None):
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal,
                                                             scale=None if scale else 1.0)
     return out, torch.logsumexp(s, -1), s
-
-
-def _blockwise_rank(fn, calls):
-    """In the sealed rank: each call under pplab.memory.PeakMemory (the most bytes its tensors held at once)."""
-    from ..memory import PeakMemory
-    for i, args in enumerate(calls):
-        sealed.begin(i)
-        with PeakMemory() as mem:
-            returned = fn(*args)
-        sealed.observe(i, {"returned": returned, "peak": mem.peak})
-
-
-def _refuse_sdpa(fn) -> None:
-    """In the sealed rank: Forbidden if the answer calls torch's own attention."""
-    refuse_library(fn, "online_softmax_merge", "attention block by block",
-                   {"scaled_dot_product_attention": torch.nn.functional.scaled_dot_product_attention},
-                   "torch.nn.functional.scaled_dot_product_attention")
 
 
 def _close(a, b):
@@ -243,18 +227,6 @@ def _labelled(b, heads, seq, d):
     return 1e6 * i + 1000 * h + t + j / 10
 
 
-def _ulysses_rank(fn, trials):
-    """In every sealed rank: both directions on this rank's shards; the router records what each sent."""
-    for i, t in enumerate(trials):
-        sealed.begin(i)
-        sealed.phase("to_heads")
-        y = fn(t["mine"], 1, 2)                           # sequence-sharded -> head-sharded
-        sealed.phase("back")
-        back = fn(t["heads"], 2, 1)                       # head-sharded -> sequence-sharded
-        sealed.phase("")
-        sealed.observe(i, {"to_heads": y, "back": back})
-
-
 def _check_ulysses(trials):
     def check(p, i, observed, traffic):
         b, hp, n, d = trials[i]
@@ -329,29 +301,6 @@ def _ring_trials(seed, p):
     rng = random.Random(seed * 17 + p)
     return [(rng.randint(1, 2), rng.randint(1, 3), rng.randint(1, 5), rng.randint(2, 6), rng.randrange(2**31))
             for _ in range(2)]
-
-
-def _ring_rank(fn, trials):
-    """In every sealed rank: p steps of the answer on this rank's q, k, v; each step a phase of its own."""
-    for i, t in enumerate(trials):
-        sealed.begin(i)
-        q, k, v = t["q"], t["k"], t["v"]
-        out = torch.zeros_like(q)
-        lse = torch.full(q.shape[:-1], -math.inf, dtype=q.dtype)
-        steps = []
-        for step in range(t["p"]):
-            sealed.phase(f"step {step}")
-            returned = fn(q, k, v, out, lse, step)
-            if not (isinstance(returned, (tuple, list)) and len(returned) == 4):
-                steps.append({"bad": type(returned).__name__})
-                break
-            out, lse, k, v = returned
-            steps.append({"out": out.clone() if isinstance(out, torch.Tensor) else out,
-                          "lse": lse.clone() if isinstance(lse, torch.Tensor) else lse,
-                          "k": k.clone() if isinstance(k, torch.Tensor) else k,
-                          "v": v.clone() if isinstance(v, torch.Tensor) else v})
-        sealed.phase("")
-        sealed.observe(i, steps)
 
 
 def _ring_qkv(shape, p):
@@ -443,4 +392,3 @@ def _check_ring_steps(name, rank, p, shape, steps, sends_in):
         elif total:
             raise Fail(f"{where}the last step sent {total:,} bytes: after p - 1 passes every rank has seen every "
                        f"block; the last step sends nothing (return None for k_next and v_next).")
-

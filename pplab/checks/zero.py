@@ -31,22 +31,19 @@ here, after the ranks return.
 """
 from __future__ import annotations
 
-import contextlib
-import gc
 import math
 import random
 
 import torch
 
 from . import sealed
+from .zero_rank import LR, WD, STATE_PARTS, _state_rank, _unit_rank, _zero1_rank
 from .core import Fail, Forbidden, Parts, exercise, first_difference, require_function
 from .core import _fmt
 
 TOL = 1e-9
 # ----------------------------------------------------------------------------------
 # Exercise "zero1_step"
-
-LR, WD = 0.05, 0.1
 
 
 def _zero1_trials(seed, p):
@@ -65,28 +62,6 @@ def _grad(trial, step, rank, n):
 def _start(trial):
     g = torch.Generator().manual_seed(trial["seed"])
     return torch.randn(trial["n"], generator=g, dtype=torch.float64)
-
-
-def _zero1_rank(fn, trials):
-    """In every sealed rank: make_zero1 on the trial's flat parameter, then a step per gradient of this rank."""
-    for i, trial in enumerate(trials):
-        sealed.begin(i)
-        sizes = []
-
-        class AdamWOfThisCheck(torch.optim.AdamW):     # records what each rank asks it to optimize
-            def __init__(self, params, *args, **kwargs):
-                params = list(params)
-                tensors = [q for g in params for q in g["params"]] if params and isinstance(params[0], dict) \
-                    else params
-                sizes.append(sum(t.numel() for t in tensors))
-                super().__init__(params, lr=LR, weight_decay=WD)
-
-        flat, history = trial["flat"], []
-        step = fn(flat, AdamWOfThisCheck)
-        for grad in trial["grads"]:
-            step(grad)
-            history.append(flat.clone())
-        sealed.observe(i, {"history": history, "sizes": sizes})
 
 
 def _check_zero1(trials, steps):
@@ -161,7 +136,6 @@ def check_zero1_step(fn, seed: int, timeout: float) -> str:
 # ----------------------------------------------------------------------------------
 # Exercise "zero_bytes": build what one rank holds at each stage, and count its bytes
 
-STATE_PARTS = ("params", "grads", "optimizer")
 _DTYPE = {"params": torch.bfloat16, "grads": torch.bfloat16, "optimizer": torch.float32}
 _SHARDED_FROM = {"optimizer": 1, "grads": 2, "params": 3}       # the stage that first shards each kind
 
@@ -184,27 +158,6 @@ def _state_tensors(trial):
     params = [torch.randn(sh, generator=g).to(torch.bfloat16) for sh in trial["shapes"]]
     grads = [torch.randn(sh, generator=g).to(torch.bfloat16) for sh in trial["shapes"]]
     return params, grads
-
-
-def _state_rank(fn, trials):
-    """In every sealed rank: the answer on this rank's copy of the model; the bytes of what it returned,
-    each storage counted once (pplab.memory.storage_bytes), and the values, for the checker."""
-    from ..memory import storage_bytes
-    for i, t in enumerate(trials):
-        sealed.begin(i)
-        got = fn(t["params"], t["grads"], t["stage"])
-        seen, record = set(), {}
-        for kind in STATE_PARTS:
-            tensors = got.get(kind) if isinstance(got, dict) else None
-            if not isinstance(tensors, (list, tuple)) or not all(isinstance(x, torch.Tensor) for x in tensors):
-                record[kind] = f"{type(got).__name__}" if not isinstance(got, dict) else \
-                    f"{kind}: {type(tensors).__name__}"
-                continue
-            record[kind] = {"bytes": storage_bytes(tensors, seen), "dtypes": [str(x.dtype) for x in tensors],
-                            "values": torch.cat([x.detach().flatten().double() for x in tensors])
-                            if tensors else torch.zeros(0, dtype=torch.float64),
-                            "views": [x.untyped_storage().nbytes() > x.numel() * x.element_size() for x in tensors]}
-        sealed.observe(i, record)
 
 
 def _expected_state(trial, p, rank):
@@ -337,68 +290,6 @@ def _unit_data(trial, p):
     flat[:numel] = torch.randn(numel, generator=g, dtype=torch.float64)
     xs = [torch.randn(trial["batch"], trial["in"], generator=g, dtype=torch.float64) for _ in range(p)]
     return flat, xs
-
-
-def _saved_by_autograd(y):
-    """Every tensor autograd keeps for y's backward: saved tensors, and tensors a custom
-    Function put on its ctx (lists and tuples too)."""
-    found, seen, todo = [], set(), [y.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        values = []
-        for attr in dir(node):
-            if attr.startswith("_saved_") or attr in ("saved_tensors", "to_save"):
-                with contextlib.suppress(Exception):
-                    values.append(getattr(node, attr))
-        with contextlib.suppress(TypeError):
-            values += list(vars(node).values())
-        while values:
-            v = values.pop()
-            if isinstance(v, torch.Tensor):
-                found.append(v)
-            elif isinstance(v, (list, tuple)):
-                values += list(v)
-            elif isinstance(v, dict):
-                values += list(v.values())
-        todo += [f for f, _ in getattr(node, "next_functions", ())]
-    return found
-
-
-def _unit_rank(fn, trials):
-    """In every sealed rank: sharded_linear on this rank's input and shard, then backward; where the
-    all-gathers wrote, and how much of it autograd keeps after forward."""
-    for i, trial in enumerate(trials):
-        sealed.begin(i)
-        shard = torch.nn.Parameter(trial["shard"])
-        x = trial["x"].requires_grad_(True)
-        gathered = []                                   # (data_ptr, nbytes) of every all-gather's output
-
-        def record(kind, into):
-            if kind in ("all_gather_into_tensor", "all_gather") and into is not None:
-                tensors = into if isinstance(into, list) else [into]
-                gathered.extend((t.data_ptr(), t.numel() * t.element_size()) for t in tensors)
-        with sealed.watch_collectives(record):
-            y = fn(x, shard, trial["out"], trial["in"])
-            gathers_in_forward = len(gathered)
-            gc.collect()
-            kept = 0
-            if isinstance(y, torch.Tensor) and y.grad_fn is not None:
-                for t in _saved_by_autograd(y):
-                    s = t.untyped_storage()
-                    if s.nbytes() and any(ptr <= s.data_ptr() < ptr + n or s.data_ptr() <= ptr < s.data_ptr()
-                                          + s.nbytes() for ptr, n in gathered):
-                        kept = max(kept, s.nbytes())
-            result = {"y": y.detach().clone() if isinstance(y, torch.Tensor) else repr(type(y)),
-                      "requires_grad": isinstance(y, torch.Tensor) and y.requires_grad,
-                      "kept": kept, "gathers_in_forward": gathers_in_forward}
-            if result["requires_grad"]:
-                y.sum().backward()                      # this rank's loss; the shard's gradient = the mean over ranks
-                result["x_grad"] = None if x.grad is None else x.grad.clone()
-                result["shard_grad"] = None if shard.grad is None else shard.grad.clone()
-        sealed.observe(i, result)
 
 
 @exercise("stage3_unit", "ZeRO stage 3: gather, compute, free one layer; reduce-scatter its gradient",

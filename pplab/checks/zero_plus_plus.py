@@ -22,8 +22,9 @@ import random
 
 import torch
 
+from .zero_plus_plus_rank import _rank_job, _refuse_plusplus
 from . import sealed
-from .core import Fail, Parts, exercise, refuse_library, require_function
+from .core import Fail, Parts, exercise, require_function
 
 PARTS = ("values", "traffic")
 
@@ -63,22 +64,6 @@ def _reference(x, block):
     q = torch.round(rows / safe[:, None]).clamp(-127, 127)
     per_number = scales.repeat_interleave(block)[:n]
     return (q * scales[:, None]).reshape(-1)[:n], per_number, (rows / safe[:, None]).reshape(-1)[:n]
-
-
-def _rank_job(fn, trials):
-    for i, t in enumerate(trials):
-        sealed.begin(i)
-        output = torch.full((t["p"] * t["input"].numel(),), float("nan"))
-        fn(output, t["input"].clone(), t["block"])
-        sealed.observe(i, {"output": output})
-
-
-def _refuse_plusplus(fn) -> None:
-    """In the sealed rank: Forbidden if the answer calls pplab.zero.plusplus's own quantiser or gather."""
-    from ..zero import plusplus
-    refuse_library(fn, "quantised_gather", "the quantised all-gather",
-                   {"quantised_all_gather": plusplus.quantised_all_gather, "quantize": plusplus.quantize,
-                    "dequantize": plusplus.dequantize}, "pplab.zero.plusplus")
 
 
 def _judge_values(trial, shards, observed, parts, where):
