@@ -290,5 +290,8 @@ def test_the_library_answer_reached_through_helpers_is_refused(as_source):
         exec(compile(code, "<cell 1>", "exec"), scope)
         answer = scope["measure_bubble"]
     message = checks.run_check("bubble_fraction", answer).message
-    assert "you use pplab's own measure (Timeline.busy, bubble or utilization, or bubble_fraction), the library's " \
-           "answer" in message
+    if as_source:        # graded: the module holding the answer does not exist where the answer runs (denied.py)
+        assert "the library's pplab.pipeline.simulate is not available while your answer is checked" in message
+    else:
+        assert "you use pplab's own measure (Timeline.busy, bubble or utilization, or bubble_fraction), the " \
+               "library's answer" in message
