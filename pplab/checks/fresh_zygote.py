@@ -33,8 +33,7 @@ import importlib.util
 
 from . import library_view
 from .denied import CHECKS_NOTE, note
-from .isolation import _PR_SET_DUMPABLE, prctl
-from .zygote import _ZYGOTES, Zygote, _dumpable
+from .zygote import Zygote, serving
 
 # pplab.checks modules the ranks need (and their jobs, the *_rank modules): none holds a reference
 _MACHINERY = {"answers", "failures", "forbidden", "router", "isolation", "sealed_rank", "zygote", "sealed",
@@ -168,17 +167,7 @@ def jobs_of(checker) -> list:
         if module else []
 
 
-@contextlib.contextmanager
 def fresh_zygote(answer, denies, preload=()):
     """As zygote.zygote(answer), with a fresh interpreter that never loaded `denies`; preload:
     modules it imports before it forks ranks (the checker's jobs, the chapter they run)."""
-    dumpable = _dumpable()
-    prctl(_PR_SET_DUMPABLE, 0)
-    z = FreshZygote(answer, tuple(denies), preload)
-    _ZYGOTES.append(z)
-    try:
-        yield z
-    finally:
-        _ZYGOTES.remove(z)
-        z.close()
-        prctl(_PR_SET_DUMPABLE, dumpable)
+    return serving(lambda: FreshZygote(answer, tuple(denies), preload))

@@ -133,13 +133,19 @@ def _forget_the_seed() -> None:
         frame = frame.f_back
 
 
-@contextlib.contextmanager
 def zygote(answer):
     """Around a check (run_check): the zygote its sealed launches fork their ranks from.
     Enter it before the seed is drawn. The checker is non-dumpable meanwhile."""
+    return serving(lambda: Zygote(answer))
+
+
+@contextlib.contextmanager
+def serving(make):
+    """The zygote `make()` starts (a Zygote, or fresh_zygote.py's FreshZygote), known to the
+    launches of this check while the block runs, with the checker non-dumpable meanwhile."""
     dumpable = _dumpable()
     prctl(_PR_SET_DUMPABLE, 0)
-    z = Zygote(answer)
+    z = make()
     _ZYGOTES.append(z)
     try:
         yield z
