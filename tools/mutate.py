@@ -885,14 +885,15 @@ MUTANTS = [
            CHK("gpipe_order", "gpipe_"), "GPipe check: a forward after a backward accepted"),
 
     # session 9, h6: swimlane, Perfetto export, trace
-    Mutant("pplab/swimlane/perfetto.py", "us = 1e6 * seconds_per_unit", "us = 1e3 * seconds_per_unit",
-           T("test_perfetto"), "Chrome trace: timestamps in milliseconds, not microseconds"),
-    Mutant("pplab/swimlane/perfetto.py", "\"ts\": e.start * us, \"args\": {\"bytes\": e.value}",
-           "\"ts\": e.start, \"args\": {\"bytes\": e.value}", T("test_perfetto"),
-           "Chrome trace: memory counters in seconds, not microseconds"),
-    Mutant("pplab/swimlane/perfetto.py", "\"tid\": COMPUTE_TID if e.category == \"compute\" else COMM_TID,",
-           "\"tid\": COMM_TID if e.category == \"compute\" else COMPUTE_TID,", T("test_perfetto"),
-           "Chrome trace: compute on the comm thread and the other way round"),
+    Mutant("pplab/swimlane/perfetto.py", "ns_per_unit = 1e9 * seconds_per_unit", "ns_per_unit = 1e6 * seconds_per_unit",
+           T("test_perfetto"), "Chrome trace: timestamps a thousand times too small"),
+    Mutant("pplab/swimlane/perfetto.py", "\"ts\": us(start), \"args\": {\"bytes\": e.value}",
+           "\"ts\": start, \"args\": {\"bytes\": e.value}", T("test_perfetto"),
+           "Chrome trace: memory counters in nanoseconds, not microseconds"),
+    Mutant("pplab/swimlane/perfetto.py",
+           "mine = [e for e in boxes if e.rank == r and (e.category == \"compute\") == (category == \"compute\")]",
+           "mine = [e for e in boxes if e.rank == r and (e.category == \"compute\") != (category == \"compute\")]",
+           T("test_perfetto"), "Chrome trace: compute on the comm thread and the other way round"),
     Mutant("pplab/swimlane/perfetto.py", "out.append({\"ph\": \"f\", \"bp\": \"e\", \"name\": \"message\", \"cat\": \"comm\", \"id\": i,",
            "out.append({\"ph\": \"f\", \"bp\": \"e\", \"name\": \"message\", \"cat\": \"comm\", \"id\": i + 1,",
            T("test_perfetto"), "Chrome trace: each send's arrow ends at the next message's receive"),
@@ -945,6 +946,12 @@ MUTANTS = [
            "xs, ys = list(last) + [max(end, t[-1])], list(last.values()) + [v[0] / factor]", T("test_swimlane"),
            "memory panel: the curve drops back to its start at the end"),
 ]
+
+# More mutants live in tools/mutants/*.py, one file per subject (the checkers' loosenings, ...),
+# so that several people can add to them at once. Each file is run with this module's names
+# (Mutant, T, CHK, ...) and appends to MUTANTS; their order is the files' sorted order.
+for _path in sorted((ROOT / "tools" / "mutants").glob("*.py")):
+    exec(compile(_path.read_text(), str(_path), "exec"), dict(globals()))
 
 
 def _line_of(text: str, m: Mutant) -> int:
