@@ -19,7 +19,7 @@ import pplab
 from pplab.pipeline import ScheduleError, make_schedule, run_pipeline, simulate
 from pplab.pipeline.actions import Action, Schedule
 from pplab.pipeline.bidirectional import (chimera_bubble_ratio, dualpipe_table, make_bidirectional)
-from pplab.pipeline.simulate import validate
+from pplab.pipeline.validation import validate
 
 import pipeline_models                # the MLP, its data, one process training it
 

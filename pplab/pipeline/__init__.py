@@ -11,7 +11,9 @@ actions.py:   Action, Schedule: a schedule as data.
 schedules.py: the generators and make_schedule.
 looped.py:    Looped BFS and interleaved zero bubble (v chunks per rank), orders as torch's.
 torch_csv.py: schedules to and from the CSV torch.distributed.pipelining reads; run_with_torch.
-simulate.py:  validate (complete? deadlock-free?), simulate, bubble_fraction.
+dependencies.py: who waits for what (needs), the one rule the others read.
+validation.py: validate: the whole step, on the right ranks, and an order free of deadlock.
+simulate.py:  simulate (when each action starts and ends), bubble_fraction.
 partition.py: partition, layer_times: cutting the model into stages.
 executor.py:  run_pipeline / PipelineExecutor: the same schedule on real ranks.
 bidirectional.py: Chimera, DualPipe, DualPipeV and make_bidirectional.
@@ -23,7 +25,8 @@ from .partition import PipelineError, layer_times, partition
 from .explorer import explore, pipeline_timeline
 from .actions import Action, Schedule, ScheduleError
 from .schedules import SCHEDULES, make_schedule
-from .simulate import SimResult, bubble_fraction, simulate, validate
+from .validation import validate
+from .simulate import SimResult, bubble_fraction, simulate
 from .torch_csv import read_torch_csv, run_with_torch, write_torch_csv
 from .bidirectional import BIDIRECTIONAL, make_bidirectional
 from .asynchronous import AsyncPipeline

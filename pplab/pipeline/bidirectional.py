@@ -30,7 +30,7 @@ deepest stage; m = k*p micro-batches concatenate k units, as the paper's direct 
 from __future__ import annotations
 
 from .actions import Action, Schedule, ScheduleError, gc_paused
-from .simulate import validate
+from .validation import validate
 
 
 def bidirectional_placement(p: int) -> list[int]:

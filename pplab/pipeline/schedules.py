@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from .actions import Action, Schedule, ScheduleError, gc_paused
 from .looped import interleaved_zero_bubble, looped_bfs
-from .simulate import validate
+from .validation import validate
 
 # ----------------------------------------------------------------------------------
 # Generators. Each returns actions[rank]; make_schedule wraps and validates them.
