@@ -9,7 +9,7 @@ from itertools import product
 
 import pytest
 
-from pplab.pipeline import Action, Schedule, ScheduleError, make_schedule, simulate, validate
+from pplab.pipeline import Schedule, ScheduleError, make_schedule, simulate, validate
 from pplab.pipeline.dependencies import messages, needs, waiting_for
 from pplab.pipeline.schedules import SCHEDULES, known_schedules, schedules_for
 
