@@ -7,18 +7,18 @@
     r.makespan, r.utilization, r.peak_activations
     pplab.swimlane.draw(r.timeline())         # drawn like a measured run
 
-actions.py:   Action, Schedule: a schedule as data.
-schedules.py: the one-way generators, and make_schedule: every schedule by name (SCHEDULES).
-looped.py:    Looped BFS and interleaved zero bubble (v chunks per rank), orders as torch's.
-torch_csv.py: schedules to and from the CSV torch.distributed.pipelining reads; run_with_torch.
-dependencies.py: who waits for what (needs), the one rule the others read.
-validation.py: validate: the whole step, on the right ranks, and an order free of deadlock.
-simulate.py:  simulate (when each action starts and ends), bubble_fraction.
-partition.py: partition, layer_times: cutting the model into stages.
-executor.py:  run_pipeline / PipelineExecutor: the same schedule on real ranks.
+actions.py:       Action, Schedule: a schedule as data.
+dependencies.py:  who waits for what (needs): the one rule the modules below read.
+validation.py:    validate: the whole step, on the right ranks, in an order free of deadlock.
+schedules.py:     the one-way generators, and make_schedule: every schedule by name (SCHEDULES).
+looped.py:        Looped BFS and interleaved zero bubble (v chunks per rank), orders as torch's.
 bidirectional.py: Chimera, DualPipe, DualPipeV (two directions, or a V with overlapped F&B).
-asynchronous.py: AsyncPipeline: PipeDream (weight stashing) and PipeDream-2BW, never flushed.
-explorer.py:  explore(), a widget: schedule, p, m, v, t_f, t_b, t_w -> swimlane + memory + bubble.
+simulate.py:      simulate (when each action starts and ends), bubble_fraction.
+torch_csv.py:     schedules to and from the CSV torch.distributed.pipelining reads; run_with_torch.
+partition.py:     partition, layer_times: cutting the model into stages.
+executor.py:      run_pipeline / PipelineExecutor: the same schedule on real ranks.
+asynchronous.py:  AsyncPipeline: PipeDream (weight stashing) and PipeDream-2BW, never flushed.
+explorer.py:      explore(), a widget: schedule, p, m, v, t_f, t_b, t_w -> swimlane + memory + bubble.
 """
 from .executor import PipelineExecutor, run_pipeline
 from .partition import PipelineError, layer_times, partition
