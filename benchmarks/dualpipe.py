@@ -2,7 +2,7 @@
 
 4 ranks (gloo, one thread each) train the same MLP cut into 8 stages placed as a V (rank r holds
 stages r and 7-r), on the same batches in the same micro-batches. pplab runs
-make_bidirectional("dualpipev", 4, m), whose order is torch's action for action (asserted below);
+make_schedule("dualpipev", 4, m), whose order is torch's action for action (asserted below);
 torch runs its own PipelineStage pair + ScheduleDualPipeV. Before timing, one step of each from
 the same weights must give the same gradients. Then rounds alternate: --steps steps of pplab,
 then as many of torch (forward, backward, SGD); we print the median seconds per step over the
@@ -20,7 +20,7 @@ from torch.distributed.pipelining.schedules import _ComputationType as C
 
 import pplab
 from pipeline_race import arguments, batches, build, check_then_race, report_times, training_step
-from pplab.pipeline import PipelineExecutor, make_bidirectional
+from pplab.pipeline import PipelineExecutor, make_schedule
 
 P = 4
 STAGES = 2 * P
@@ -42,7 +42,7 @@ def same_order(ours, theirs):
 def run(width, per_stage, batch, m, steps, warmup, rounds):
     rank = dist.get_rank()
     data = batches(batch, width, 4)
-    schedule = make_bidirectional("dualpipev", P, m)
+    schedule = make_schedule("dualpipev", P, m)
     n = 2 * per_stage                                         # layers per stage
 
     ours_layers = build(width, per_stage, STAGES)

@@ -71,6 +71,7 @@ TEST_FILES = {
     "test_perfetto_in_chromium": ["04", "10"],
     "test_pipeline_asynchronous": ["04"],
     "test_pipeline_bidirectional": ["04"],
+    "test_pipeline_dependencies": ["04"],
     "test_pipeline_executor": ["04"],
     "test_pipeline_explorer": ["04"],
     "test_pipeline_looped": ["04"],

@@ -15,7 +15,7 @@ import pplab
 from pplab import trace
 from pplab.pipeline import (PipelineError, PipelineExecutor, ScheduleError, layer_times, make_schedule,
                             partition, run_pipeline, simulate)
-from pplab.pipeline.executor import _message_order
+from pplab.pipeline.dependencies import messages
 from pplab.pipeline.partition import _balanced_split
 
 from pipeline_models import data, mlp, reference     # the MLP, its data, one process training it
@@ -336,7 +336,7 @@ def test_receives_are_posted_in_the_senders_order():
     s = make_schedule("zb-v", 2, 3)
     sent = [("act", a.stage, a.microbatch) if a.kind == "F" else ("grad", a.stage, a.microbatch)
             for a in s.actions[0] if (a.kind == "F" and a.stage == 0) or (a.kind == "I" and a.stage == 3)]
-    assert list(_message_order(s, 1)[0]) == sent
+    assert list(messages(s, 1)[0]) == sent
     used = [("act", a.stage - 1, a.microbatch) if a.kind == "F" else ("grad", a.stage + 1, a.microbatch)
             for a in s.actions[1] if (a.kind == "F" and a.stage == 1) or (a.kind == "I" and a.stage == 2)]
     assert sorted(used) == sorted(sent) and used != sent

@@ -17,7 +17,6 @@ from torch.distributed.pipelining import schedules as S
 
 import pplab
 from pplab.pipeline import ScheduleError, bubble_fraction, make_schedule, run_pipeline, simulate
-from pplab.pipeline.bidirectional import make_bidirectional
 from pplab.pipeline.torch_csv import (from_torch_rows, read_torch_csv, run_with_torch, torch_rows,
                                       write_torch_csv)
 
@@ -155,12 +154,11 @@ def test_torchs_dualpipev_order_imports_with_its_overlapped_pairs(p, m):
     """torch writes DualPipeV's F&B pairs as one cell, '(0F1;3B0)OVERLAP_F_B': imported, each is an
     F with overlap=True and the B (or I) after it, so the schedule is pplab's DualPipeV, pairs included
     (simulate times a pair as t_fb only if it knows it is one)."""
-    from pplab.pipeline.bidirectional import make_bidirectional
     sched = object.__new__(S.ScheduleDualPipeV)
     sched.pp_group_size, sched._n_microbatches = p, m
     rows = [["" if a is None else str(a) for a in sched._calculate_single_rank_operations(r)] for r in range(p)]
     assert any(cell.endswith(")OVERLAP_F_B") for cell in rows[0])
-    ours = make_bidirectional("dualpipev", p, m)
+    ours = make_schedule("dualpipev", p, m)
     back = from_torch_rows(rows, "dualpipev")
     assert (back.actions, back.stage_to_rank, back.chunks) == (ours.actions, ours.stage_to_rank, ours.chunks)
     assert simulate(back, t_fb=2).makespan == simulate(ours, t_fb=2).makespan < simulate(ours).makespan
@@ -219,7 +217,7 @@ def _both_runtimes(cases, n):
     x, y = data(n)
     out = []
     for name, m, v in cases:
-        s = make_bidirectional(name, 2, m) if name == "dualpipev" else make_schedule(name, 2, m, v)
+        s = make_schedule(name, 2, m, v)
         out.append((run_with_torch(s, mlp(), x, y, nn.MSELoss())["grads"],
                     run_pipeline(s, mlp(), x, y, nn.MSELoss())["grads"]))
     return out

@@ -10,8 +10,7 @@ and given the numbers __init__ would set, as tests/test_pipeline_looped.py does.
 import pytest
 from torch.distributed.pipelining import schedules as S
 
-from pplab.pipeline import simulate
-from pplab.pipeline.bidirectional import make_bidirectional
+from pplab.pipeline import make_schedule, simulate
 from pplab.pipeline.torch_csv import from_torch_rows, read_torch_csv, torch_rows, write_torch_csv
 
 
@@ -36,7 +35,7 @@ def _torchs_dualpipev(p, m):
 @pytest.mark.parametrize("p", [2, 3, 4])
 def test_pplabs_dualpipev_through_torchs_loader_is_torchs_own_program(tmp_path, p):
     m = 2 * p                                         # torch's DualPipeV needs m >= its 2p stages
-    ours = make_bidirectional("dualpipev", p, m)
+    ours = make_schedule("dualpipev", p, m)
     write_torch_csv(ours, tmp_path / "ours.csv")
     rt = _runtime(p, m)
     rt._load_csv(str(tmp_path / "ours.csv"))          # torch validates, then lowers (SEND/RECV added)
@@ -53,7 +52,7 @@ def test_pplabs_dualpipev_through_torchs_loader_is_torchs_own_program(tmp_path, 
 
 
 def test_a_pair_is_one_cell_and_the_rest_are_as_before():
-    rows = torch_rows(make_bidirectional("dualpipev", 2, 4))
+    rows = torch_rows(make_schedule("dualpipev", 2, 4))
     assert rows[0] == ["0F0", "0F1", "0F2", "3F0", "3I0", "3W0", "3F1", "(0F3;3B1)OVERLAP_F_B",
                        "(3F2;0B0)OVERLAP_F_B", "3B2", "(3F3;0B1)OVERLAP_F_B", "3B3", "0I2", "0W2", "0I3", "0W3"]
 
@@ -78,7 +77,7 @@ def test_an_overlapped_forward_and_input_gradient_pair_is_read_and_written_back(
     # _Action with those two sub-actions gives, what its loader accepts and its dumper writes
     pair = S._Action(-1, S.OVERLAP_F_B, None, (S._Action(0, S.FORWARD, 3), S._Action(3, S.BACKWARD_INPUT, 1)))
     assert str(pair) == "(0F3;3I1)OVERLAP_F_B"
-    rows = _split_pairs(torch_rows(make_bidirectional("dualpipev", 2, 4)))
+    rows = _split_pairs(torch_rows(make_schedule("dualpipev", 2, 4)))
     (tmp_path / "fi.csv").write_text("\n".join(",".join(row) for row in rows) + "\n")
     rt = _runtime(2, 4)
     rt._load_csv(str(tmp_path / "fi.csv"))            # torch validates and lowers it

@@ -229,7 +229,7 @@ MUTANTS = [
            "activations freed at I, not at W"),
     Mutant("pplab/pipeline/simulate.py", "return schedule.replicas / schedule.chunks", "return 1 / schedule.chunks",
            T("test_pipeline_schedules", "test_pipeline_bidirectional"), "two replicas: a stage counted as half a share"),
-    Mutant("pplab/pipeline/simulate.py", "if F == once and list(map(add, B, I)) == once and I == W:",
+    Mutant("pplab/pipeline/validation.py", "if F == once and list(map(add, B, I)) == once and I == W:",
            "if F == once and list(map(add, B, I)) == once:", T("test_pipeline_schedules", "test_pipeline_validate_once"),
            "validate: a missing W passes the quick check"),
     Mutant("pplab/pipeline/partition.py", "if cost <= best[j][i]:", "if cost < best[j][i]:",

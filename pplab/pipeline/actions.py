@@ -19,11 +19,8 @@ is stage 2p-1-r, so the last rank holds the two middle stages. `schedule.stage_t
 records the placement; `schedule.neighbour_ranks(stage)` says who to receive from and
 send to. The `chunk` of an action is the index of its stage among its rank's stages.
 
-Dependencies (checked by `validate`, obeyed by the simulator):
-    F of stage s, micro-batch i        needs F of stage s-1, i         (its input)
-    B or I of stage s, micro-batch i   needs F of stage s, i           (its activations)
-                                       and B or I of stage s+1, i      (its output's gradient)
-    W of stage s, micro-batch i        needs I of stage s, i
+Who waits for what (an F for the previous stage's F, a backward for the next stage's) is
+the rule of dependencies.py, which validation, the simulator and the executors read.
 
 Two replicas (bidirectional pipelines: Chimera, DualPipe). `schedule.replicas = 2` says the
 stages are two copies of the model: stages 0..d-1 are replica 0, stages d..2d-1 replica 1

@@ -46,7 +46,8 @@ from torch import nn
 from torch.func import functional_call
 
 from ..memory import storage_bytes
-from .executor import PipelineExecutor, _message_order
+from .dependencies import messages
+from .executor import PipelineExecutor
 from .actions import Action, Schedule
 from .partition import PipelineError
 from .schedules import make_schedule
@@ -227,7 +228,7 @@ class AsyncPipeline(PipelineExecutor):
         self.used, self.grads, self.sum = {}, {}, {s: None for s in mine}
         self.next_forward = {s: 0 for s in mine}
         self.held, self.local, self.posted, self.sends = {}, {}, {}, []
-        self.incoming = _message_order(sched, self.rank)
+        self.incoming = messages(sched, self.rank)
         self.activations, self.losses, self.bytes_held, self.peak_bytes = [], [], 0, 0
         self.active = {}
         for a in sched.actions[self.rank]:

@@ -1,8 +1,11 @@
 """Bidirectional and V-shaped schedules: Chimera, DualPipe, DualPipeV.
 
-    from pplab.pipeline.bidirectional import make_bidirectional
-    s = make_bidirectional("chimera", num_stages=4, num_microbatches=4)
+    from pplab.pipeline import make_schedule
+    s = make_schedule("chimera", num_stages=4, num_microbatches=4)
     simulate(s, t_f=1, t_b=1).makespan      # 2m + p - 2 = 10: p-2 idle slots, 1F1B's 2(p-1) = 6
+
+The generators are here; make_schedule (schedules.py) builds them by name, with the sizes each
+needs (p even for two copies, enough micro-batches to fill both directions).
 
 Two pipelines over the same ranks (Chimera, DualPipe). The model is cut into p pieces and kept
 twice: the "down" copy has piece s on rank s, the "up" copy piece s on rank p-1-s, so every rank
@@ -29,20 +32,12 @@ deepest stage; m = k*p micro-batches concatenate k units, as the paper's direct 
 """
 from __future__ import annotations
 
-from .actions import Action, Schedule, ScheduleError, gc_paused
-from .simulate import validate
+from .actions import Action
 
 
-def bidirectional_placement(p: int) -> list[int]:
+def bidirectional_placement(p: int, v: int = 2) -> list[int]:
     """Stage -> rank for two copies of a p-piece model: down (s on rank s), then up (s on rank p-1-s)."""
     return list(range(p)) + [p - 1 - s for s in range(p)]
-
-
-def _need_even_ranks(name, p):
-    if p % 2:
-        raise ScheduleError(f"{name} runs two pipelines in opposite directions, so that every rank holds two "
-                            f"different pieces of the model: it needs an even number of ranks, got {p} "
-                            f"(use {p + 1} or {p - 1} ranks, or a one-direction schedule such as '1f1b')")
 
 
 # ----------------------------------------------------------------------------------
@@ -197,59 +192,6 @@ def chimera(p, m):
         stages = sorted({s for _, _, s in acts})
         ranks.append([Action(kind, mb, s, stages.index(s)) for kind, mb, s in acts])
     return ranks
-
-
-# ----------------------------------------------------------------------------------
-# make_bidirectional: name -> validated Schedule.
-
-def _v_placement(p):
-    return [s if s < p else 2 * p - 1 - s for s in range(2 * p)]
-
-
-#   name:          (generator, placement, replicas)
-BIDIRECTIONAL = {
-    "chimera":   (chimera, bidirectional_placement, 2),
-    "dualpipe":  (dualpipe, bidirectional_placement, 2),
-    "dualpipev": (dualpipe_v, _v_placement, 1),
-}
-
-
-def _check_sizes(key, p, m):
-    for value, what in ((p, "num_stages (p, the number of pipeline ranks)"), (m, "num_microbatches (m)")):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ScheduleError(f"{what} must be a positive integer, got {value!r}")
-    if p * m > 100_000:
-        raise ScheduleError(f"{key} with p={p}, m={m} is more than pplab builds (p*m <= 100,000)")
-    if key == "chimera":
-        _need_even_ranks(key, p)
-        if m % p:
-            raise ScheduleError(f"chimera runs basic units of p = {p} micro-batches (p/2 each way): m must be "
-                                f"a multiple of {p}, got m={m}")
-    elif key == "dualpipe":
-        _need_even_ranks(key, p)
-        if m % 2 or m < 2 * p:
-            raise ScheduleError(f"dualpipe sends m/2 micro-batches each way and needs at least p of them in "
-                                f"each direction: m must be even and >= 2p = {2 * p}, got m={m}")
-    elif m < 2 * p:
-        raise ScheduleError(f"dualpipev needs at least as many micro-batches as stages (2p = {2 * p}), "
-                            f"as torch's ScheduleDualPipeV does: got m={m}")
-
-
-def make_bidirectional(name: str, num_stages: int, num_microbatches: int) -> Schedule:
-    """Build and validate "chimera", "dualpipe" or "dualpipev" on num_stages = p ranks.
-
-    chimera, dualpipe: p even; the model in p pieces, kept twice (2p stages, 2 per rank,
-    replicas=2); chimera needs m a multiple of p, dualpipe m even and >= 2p.
-    dualpipev: the model in 2p stages as a V (one copy, 2 per rank); m >= 2p.
-    """
-    key = str(name).lower().replace("_", "-")
-    if key not in BIDIRECTIONAL:
-        raise ScheduleError(f"unknown bidirectional schedule {name!r}; known: {', '.join(BIDIRECTIONAL)}")
-    generate, placement, replicas = BIDIRECTIONAL[key]
-    _check_sizes(key, num_stages, num_microbatches)
-    p, m = num_stages, num_microbatches
-    with gc_paused():                                   # many new Actions: see actions.gc_paused
-        return validate(Schedule(key, p, m, 2, generate(p, m), placement(p), replicas=replicas))
 
 
 # ----------------------------------------------------------------------------------

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections import deque
 
 import torch
 import torch.distributed as dist
@@ -54,7 +53,8 @@ from ..memory import saved_activations
 from ..runtime.launcher import device as rank_device
 from .partition import PipelineError, _as_layers, partition
 from .actions import Schedule
-from .simulate import validate
+from .dependencies import messages
+from .validation import validate
 
 
 # The first backward given an output gradient makes torch import sympy, 1 to 4 s. Importing it
@@ -81,26 +81,6 @@ def compute_durations(compute_time, v: int):
     if w > b:
         raise PipelineError(f"compute_time: W is the weight-gradient part of B, so W <= B; got W={w}, B={b}")
     return {"F": f / v, "B": b / v, "I": (b - w) / v, "W": w / v}
-
-
-def _message_order(schedule: Schedule, rank: int) -> dict[int, deque]:
-    """For each peer: the messages it will send to `rank`, in the order it sends them.
-
-    A message is ("act", s, i), the output of stage s for micro-batch i, or ("grad", s, i),
-    the gradient of stage s's input. Two ranks match their messages in the order they
-    post them (NCCL ignores tags altogether), so we post our receives in the sender's
-    order: in ZB-V, rank 0 sends its two streams to rank 1 in another order than rank 1
-    uses them.
-    """
-    order: dict[int, deque] = {}
-    for src, actions in enumerate(schedule.actions):
-        for a in actions:
-            prev, nxt = schedule.neighbour_ranks(a.stage)
-            if a.kind == "F" and nxt == rank and src != rank:
-                order.setdefault(src, deque()).append(("act", a.stage, a.microbatch))
-            if a.kind in "BI" and prev == rank and src != rank:
-                order.setdefault(src, deque()).append(("grad", a.stage, a.microbatch))
-    return order
 
 
 def _fingerprint(layers) -> tuple:
@@ -262,7 +242,7 @@ class PipelineExecutor:
         self.held = {}                                 # (stage, mb) -> what backward needs
         self.local = {}                                # messages from this rank to itself (the V's turn)
         self.posted, self.sends = {}, []
-        self.incoming = _message_order(sched, self.rank)
+        self.incoming = messages(sched, self.rank)
         self.activations, self.losses, self.bytes_held, self.peak_bytes = [], [], 0, 0
         run = {"F": self._forward, "B": self._backward, "I": self._backward_input, "W": self._backward_weight}
         for a in sched.actions[self.rank]:

@@ -15,22 +15,15 @@ and the DualPipe README's (PP/2-1)(F&B+B-3W), F&B taken as t_f + t_b.
 """
 from __future__ import annotations
 
-from .bidirectional import BIDIRECTIONAL, make_bidirectional
 from .schedules import SCHEDULES, make_schedule
 from .simulate import bubble_fraction, simulate
 
-_INTERLEAVED = {"interleaved-1f1b", "looped-bfs", "interleaved-zb"}   # v is a choice here; ZB-V always has 2
-_FIXED_CHUNKS = {"zb-v": 2, **{name: 2 for name in BIDIRECTIONAL}}
-_SPLIT = {name for name in SCHEDULES if make_schedule(name, 2, 2).split_backward} | {"dualpipe", "dualpipev"}
-
-
-def _make(schedule, p, m, chunks):
-    """make_schedule, or make_bidirectional for Chimera, DualPipe and DualPipeV (pipeline/bidirectional.py)."""
-    return make_bidirectional(schedule, p, m) if schedule in BIDIRECTIONAL else make_schedule(schedule, p, m, chunks=chunks)
+_INTERLEAVED = {name for name, recipe in SCHEDULES.items() if recipe.least_chunks}   # v is a choice here
+_SPLIT = {name for name, recipe in SCHEDULES.items() if recipe.backward != "B"}      # t_w applies
 
 
 def _chunks(schedule, v):
-    return _FIXED_CHUNKS.get(schedule, v if schedule in _INTERLEAVED else 1)
+    return v if schedule in _INTERLEAVED else SCHEDULES[schedule].chunks
 
 
 def pipeline_timeline(schedule="1f1b", p=4, m=8, v=2, t_f=1.0, t_b=2.0, t_w=0.0):
@@ -40,7 +33,7 @@ def pipeline_timeline(schedule="1f1b", p=4, m=8, v=2, t_f=1.0, t_b=2.0, t_w=0.0)
     schedules that split backward into I and W (0 = half of t_b).
     """
     chunks = _chunks(schedule, v)
-    sched = _make(schedule, p, m, chunks)
+    sched = make_schedule(schedule, p, m, chunks=chunks)
     result = simulate(sched, t_f=t_f, t_b=t_b, t_w=(t_w or None))
     useful = m * (t_f + t_b)                                    # one rank's work: m forwards and backwards
     bubble = (result.makespan - useful) / useful                # idle time / useful time, from the simulation
@@ -90,7 +83,7 @@ def explore(schedule="1f1b", p=4, m=8, v=2, t_f=1.0, t_b=2.0, t_w=0.0):
 
     box = swimlane.explore(
         make, applies={"v": lambda c: c["schedule"] in _INTERLEAVED, "t_w": lambda c: c["schedule"] in _SPLIT},
-        schedule=sorted(SCHEDULES) + sorted(BIDIRECTIONAL), p=(1, 16), m=(1, 64), v=(2, 4),
+        schedule=list(SCHEDULES), p=(1, 16), m=(1, 64), v=(2, 4),
         t_f=(0.5, 4.0, 0.25), t_b=(0.5, 8.0, 0.25), t_w=(0.0, 4.0, 0.25))
     box.controls["t_w"].description = "t_w (0: t_b/2)"
     box.controls["memory"].value = True

@@ -1,14 +1,26 @@
-"""The schedule generators (GPipe, 1F1B, interleaved, zero-bubble, V) and make_schedule.
+"""The one-way schedule generators (GPipe, 1F1B, interleaved, zero-bubble, V), and make_schedule:
+every schedule pplab has, by name.
 
 Each generator returns actions[rank], the ordered list of what each rank computes (see
-actions.py for what an Action and a Schedule are); make_schedule names them, builds the
-Schedule with its placement of stages on ranks, and validates it (simulate.py).
+actions.py for what an Action and a Schedule are). The generators of looped.py (Looped BFS,
+interleaved zero bubble) and bidirectional.py (Chimera, DualPipe, DualPipeV) are the same kind
+of function. SCHEDULES names them all, one Recipe each: the generator, where it places the
+stages, how many chunks a rank holds, how many copies of the model it runs, what p and m it
+needs. make_schedule checks the sizes against the recipe, builds the Schedule and validates it
+(validation.py).
+
+    make_schedule("1f1b", 4, 8)                   # p = 4 ranks, m = 8 micro-batches
+    make_schedule("interleaved-1f1b", 4, 8, chunks=3)
+    make_schedule("dualpipev", 4, 8)              # 2p stages in a V; m >= 2p
 """
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 from .actions import Action, Schedule, ScheduleError, gc_paused
-from .looped import interleaved_zero_bubble, looped_bfs
-from .simulate import validate
+from .bidirectional import bidirectional_placement, chimera, dualpipe, dualpipe_v
+from .looped import interleaved_zero_bubble, looped_bfs, zero_bubble_rounds
+from .validation import validate
 
 # ----------------------------------------------------------------------------------
 # Generators. Each returns actions[rank]; make_schedule wraps and validates them.
@@ -163,7 +175,7 @@ def zb_v(p, m):
 
 
 # ----------------------------------------------------------------------------------
-# make_schedule: name -> validated Schedule.
+# Where the stages live: stage -> rank, for p ranks holding v stages each.
 
 def one_stage_per_rank(p, v=1):
     return list(range(p))                               # stage r on rank r
@@ -177,21 +189,90 @@ def v_placement(p, v=2):
     return [s if s < p else 2 * p - 1 - s for s in range(2 * p)]   # down the ranks, back up
 
 
-#   name:               (generator, placement, chunks per rank by default)
-SCHEDULES = {
-    "naive":            (naive, one_stage_per_rank, 1),
-    "gpipe":            (gpipe, one_stage_per_rank, 1),
-    "1f1b":             (one_f_one_b, one_stage_per_rank, 1),
-    "interleaved-1f1b": (interleaved_1f1b, interleaved_placement, 2),
-    "zb-h1":            (zb_h1, one_stage_per_rank, 1),
-    "zb-v":             (zb_v, v_placement, 2),
-    "looped-bfs":       (looped_bfs, interleaved_placement, 2),
-    "interleaved-zb":   (interleaved_zero_bubble, interleaved_placement, 2),
-    "pipedream":        (one_f_one_b, one_stage_per_rank, 1),   # 1F1B's order over a stream, no flush:
-    "pipedream-2bw":    (one_f_one_b, one_stage_per_rank, 1),   # the weight versions are in asynchronous.py
-}
-ANY_CHUNKS = {"interleaved-1f1b", "looped-bfs", "interleaved-zb"}   # v is a choice (>= 1 or >= 2)
+# ----------------------------------------------------------------------------------
+# What p and m a schedule needs, when it needs more than p, m >= 1: None, or why not.
 
+def _even_ranks(name, p):
+    if p % 2:
+        return (f"{name} runs two pipelines in opposite directions, so that every rank holds two different "
+                f"pieces of the model: it needs an even number of ranks, got {p} (use {p + 1} or {p - 1} "
+                f"ranks, or a one-direction schedule such as '1f1b')")
+
+
+def _chimera_fits(p, m):
+    return _even_ranks("chimera", p) or (
+        None if m % p == 0 else f"chimera runs basic units of p = {p} micro-batches (p/2 each way): m must be "
+                                f"a multiple of {p}, got m={m}")
+
+
+def _dualpipe_fits(p, m):
+    return _even_ranks("dualpipe", p) or (
+        None if m % 2 == 0 and m >= 2 * p else
+        f"dualpipe sends m/2 micro-batches each way and needs at least p of them in each direction: m must "
+        f"be even and >= 2p = {2 * p}, got m={m}")
+
+
+def _interleaved_zb_fits(p, m):
+    try:
+        zero_bubble_rounds(p, m)
+    except ScheduleError as err:
+        return str(err)
+
+
+def _dualpipev_fits(p, m):
+    if m < 2 * p:
+        return (f"dualpipev needs at least as many micro-batches as stages (2p = {2 * p}), as torch's "
+                f"ScheduleDualPipeV does: got m={m}, p={p}")
+
+
+class Recipe(NamedTuple):
+    """How make_schedule builds one named schedule."""
+    generate: Callable         # (p, m), or (p, m, v) when the chunks are a choice -> actions[rank]
+    place: Callable            # (p, v) -> stage_to_rank
+    chunks: int = 1            # v, stages per rank: the default, or the only value
+    least_chunks: int = 0      # 0: v is always `chunks`; else any v >= least_chunks may be asked
+    backward: str = "B"        # "B", "I+W" (split: zero bubble), or "B or I+W" (some of each)
+    replicas: int = 1          # 2: two copies of the model, one per direction
+    needs: str = "any p, m"    # said when a size does not fit, and by the list of names
+    fits: Callable | None = None   # (p, m) -> None, or why these sizes cannot work
+
+
+ONE_WAY, V = one_stage_per_rank, v_placement
+SCHEDULES = {
+    "naive":            Recipe(naive, ONE_WAY),
+    "gpipe":            Recipe(gpipe, ONE_WAY),
+    "1f1b":             Recipe(one_f_one_b, ONE_WAY),
+    "interleaved-1f1b": Recipe(interleaved_1f1b, interleaved_placement, 2, least_chunks=2, needs="chunks v >= 2"),
+    "zb-h1":            Recipe(zb_h1, ONE_WAY, backward="I+W"),
+    "zb-v":             Recipe(zb_v, V, 2, backward="I+W", needs="any p, m; 2 chunks per rank, in a V"),
+    "looped-bfs":       Recipe(looped_bfs, interleaved_placement, 2, least_chunks=1, needs="chunks v >= 1"),
+    "interleaved-zb":   Recipe(interleaved_zero_bubble, interleaved_placement, 2, least_chunks=1, backward="I+W",
+                               needs="chunks v >= 1; m split into max(1, m // p) equal rounds",
+                               fits=_interleaved_zb_fits),
+    "pipedream":        Recipe(one_f_one_b, ONE_WAY),   # 1F1B's order over a stream, never flushed:
+    "pipedream-2bw":    Recipe(one_f_one_b, ONE_WAY),   # the weight versions are in asynchronous.py
+    "chimera":          Recipe(chimera, bidirectional_placement, 2, replicas=2,
+                               needs="p even, m a multiple of p", fits=_chimera_fits),
+    "dualpipe":         Recipe(dualpipe, bidirectional_placement, 2, backward="B or I+W", replicas=2,
+                               needs="p even, m even and >= 2p", fits=_dualpipe_fits),
+    "dualpipev":        Recipe(dualpipe_v, V, 2, backward="B or I+W", needs="m >= 2p; 2p stages in a V",
+                               fits=_dualpipev_fits),
+}
+
+
+def known_schedules() -> str:
+    """Every name, with what it needs of p, m and chunks: said when a name is unknown."""
+    width = max(map(len, SCHEDULES))
+    return "\n".join(f"  {name:<{width}}  {recipe.needs}" for name, recipe in SCHEDULES.items())
+
+
+def schedules_for(p: int, m: int) -> list[str]:
+    """The names whose needs p ranks and m micro-batches meet (with their default chunks)."""
+    return [name for name, recipe in SCHEDULES.items() if recipe.fits is None or not recipe.fits(p, m)]
+
+
+# ----------------------------------------------------------------------------------
+# make_schedule: name -> validated Schedule.
 
 # A schedule is a list of Action objects that validate, simulate and the executor walk one
 # by one: building, validating and simulating take about 1.5 us and 150 bytes per action
@@ -200,15 +281,16 @@ ANY_CHUNKS = {"interleaved-1f1b", "looped-bfs", "interleaved-zb"}   # v is a cho
 MAX_ACTIONS = 1_000_000
 
 
-def _size_check(key, p, m, v):
-    per_pair = 3 if key in ("zb-h1", "zb-v", "interleaved-zb") else 2                # F B, or F I W
-    actions = p * v * m * per_pair
+def _size_check(key, recipe, p, m, v):
+    per_pair = 2 if recipe.backward == "B" else 3                             # F B, or F I W
+    actions = p * v * (m // recipe.replicas) * per_pair        # each copy runs its half of the m
     built = p * 2 * max(2 * p - 1, m) * 3 if key == "zb-v" else actions   # zb-v orders >= 2p-1 first
     if max(actions, built) > MAX_ACTIONS:
         why = (f" (zb-v builds each rank's order for at least 2p-1 = {2 * p - 1} micro-batches, "
                f"{built:,} actions, before dropping the extra ones)" if built > actions else "")
+        up_to = "up to " if "or" in recipe.backward else ""
         raise ScheduleError(
-            f"{key} with p={p} ranks, m={m} micro-batches, v={v} chunks is {actions:,} actions{why}: more "
+            f"{key} with p={p} ranks, m={m} micro-batches, v={v} chunks is {up_to}{actions:,} actions{why}: more "
             f"than the {MAX_ACTIONS:,} pplab builds. Every action is an object that validate, simulate and "
             f"the executor walk one by one (a million take seconds and ~150 MB). Use fewer ranks or "
             f"micro-batches; bubble_fraction and the memory formulas give the trend for larger ones.")
@@ -220,28 +302,33 @@ def _positive_int(value, what):
 
 
 def make_schedule(name: str, num_stages: int, num_microbatches: int, chunks: int | None = None) -> Schedule:
-    """Build and validate a named schedule (see SCHEDULES for the names).
+    """Build and validate a named schedule: any name of SCHEDULES (known_schedules() lists them).
 
     num_stages: p, the pipeline depth = number of ranks (the lecture's p).
     num_microbatches: m, micro-batches per training step. For "naive" they run one after
         another, never overlapping (gradient accumulation without pipelining).
     chunks: v, stages per rank: 1, except "interleaved-1f1b" (any v >= 2, default 2),
-        "looped-bfs" and "interleaved-zb" (any v >= 1, default 2; looped.py) and "zb-v" (2). The model is then cut into p * v stages (schedule.num_stages).
+        "looped-bfs" and "interleaved-zb" (any v >= 1, default 2; looped.py), and 2 for "zb-v",
+        "dualpipev" (2p stages in a V), "chimera" and "dualpipe" (two copies of a p-piece model,
+        schedule.replicas = 2). The model is then cut into p * v stages (schedule.num_stages).
     """
     key = str(name).lower().replace("_", "-")
     if key not in SCHEDULES:
-        raise ScheduleError(f"unknown schedule {name!r}; known schedules: {', '.join(SCHEDULES)}")
-    generate, placement, default_chunks = SCHEDULES[key]
+        raise ScheduleError(f"unknown schedule {name!r}; known schedules: {', '.join(SCHEDULES)}. "
+                            f"What each needs:\n{known_schedules()}")
+    recipe = SCHEDULES[key]
     _positive_int(num_stages, "num_stages (p, the number of pipeline ranks)")
     _positive_int(num_microbatches, "num_microbatches (m)")
-    p, m, v = num_stages, num_microbatches, default_chunks if chunks is None else chunks
+    p, m, v = num_stages, num_microbatches, recipe.chunks if chunks is None else chunks
     _positive_int(v, "chunks (v, stages per rank)")
     if key == "interleaved-1f1b" and v < 2:
         raise ScheduleError("interleaved-1f1b needs chunks >= 2 (with one chunk per rank, use '1f1b')")
-    if key not in ANY_CHUNKS and v != default_chunks:
-        hint = " (for several chunks per rank use 'interleaved-1f1b' or 'zb-v')" if default_chunks == 1 else ""
-        raise ScheduleError(f"{key} puts {default_chunks} chunk(s) on each rank, got chunks={v}{hint}")
-    _size_check(key, p, m, v)
+    if not recipe.least_chunks and v != recipe.chunks:
+        hint = " (for several chunks per rank use 'interleaved-1f1b' or 'zb-v')" if recipe.chunks == 1 else ""
+        raise ScheduleError(f"{key} puts {recipe.chunks} chunk(s) on each rank, got chunks={v}{hint}")
+    if recipe.fits is not None and (why := recipe.fits(p, m)):
+        raise ScheduleError(f"{why}. With p={p}, m={m} pplab can build: {', '.join(schedules_for(p, m))}")
+    _size_check(key, recipe, p, m, v)
     with gc_paused():                                   # up to a million new Actions: see gc_paused
-        actions = generate(p, m, v) if key in ANY_CHUNKS else generate(p, m)
-        return validate(Schedule(key, p, m, v, actions, placement(p, v)))   # validating = playing it out
+        actions = recipe.generate(p, m, v) if recipe.least_chunks else recipe.generate(p, m)
+        return validate(Schedule(key, p, m, v, actions, recipe.place(p, v), replicas=recipe.replicas))

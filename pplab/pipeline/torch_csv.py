@@ -30,7 +30,7 @@ import tempfile
 
 from .actions import Action, Schedule, ScheduleError
 from .partition import _as_layers, partition
-from .simulate import validate
+from .validation import validate
 
 _CELL = re.compile(r"^(\d+)(F|B|I|W)(\d+)$")
 _NOT_COMPUTE = re.compile(r"^\d+(SEND_F|RECV_F|SEND_B|RECV_B|UNSHARD|RESHARD|REDUCE_GRAD)\d*$")
