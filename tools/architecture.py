@@ -26,7 +26,7 @@ LAYERS = [
     ("observe", ["swimlane"]),
     ("chapters", ["collectives", "costmodel", "costfit", "data_parallel", "tensor_parallel", "pipeline",
                   "sequence_parallel", "zero", "models", "mesh", "hybrid", "planner", "expert_parallel",
-                  "offload", "grad_clip", "rng", "recompute", "mixed_precision", "cluster"]),
+                  "grad_clip", "rng", "recompute", "mixed_precision", "cluster"]),
     ("course", ["isolation", "checks", "course", "__main__"]),
 ]
 

@@ -63,7 +63,7 @@ backward run in 2 bytes; floating-point inputs, buffers and frozen parameters ar
 wire) or torch.float32 (4 bytes, but no rounding between the ranks' additions, and no fp16
 overflow of a sum whose mean would fit). My shard of the mean lands in `.grad` in fp32.
 
-**Shards kept elsewhere** (`shard_store`, None by default: the shards stay in RAM). pplab.offload sets
+**Shards kept elsewhere** (`shard_store`, None by default: the shards stay in RAM). pplab.zero.offload sets
 it to keep the shards on disk between uses (ZeRO-Infinity's parameter offload): `fetch(u, ahead)`
 before a unit's all-gather brings my shard of unit u into RAM and may start bringing `ahead`, the
 unit gathered after it (the next in forward, the one before in backward); `evict(u)` once the
