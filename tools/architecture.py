@@ -21,7 +21,7 @@ START, END = "<!-- import-graph:start -->", "<!-- import-graph:end -->"
 # Layers, bottom to top: a module may import from its own layer and those below, never above.
 # Each entry is a top-level name in pplab (a module or a folder).
 LAYERS = [
-    ("base", ["trace", "split", "data", "memory", "hardware", "flops"]),
+    ("base", ["trace", "split", "data", "memory", "hardware", "flops", "stand_in"]),
     ("runtime", ["runtime"]),
     ("observe", ["swimlane"]),
     ("chapters", ["collectives", "costmodel", "costfit", "data_parallel", "tensor_parallel", "pipeline",
