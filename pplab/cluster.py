@@ -375,8 +375,8 @@ def place(cluster: Cluster, order=None, **sizes) -> Placement:
     if not isinstance(cluster, Cluster):
         raise PlacementError(f"place lays a mesh onto a Cluster(n_nodes, ranks_per_node), got {cluster!r}")
     try:
-        full = mesh._sizes(sizes)
-        order = mesh._order(order, full)
+        full = mesh.full_sizes(sizes)
+        order = mesh.full_order(order, full)
     except ValueError as err:
         raise PlacementError(str(err)) from None
     product = math.prod(full.values())
@@ -400,7 +400,7 @@ def placement_rule(traffic: dict) -> tuple:
 
 def orders(**sizes) -> list[tuple]:
     """Every order (outermost first) of the dimensions larger than one: the placements to compare."""
-    used = [d for d in mesh.DIMS if mesh._sizes(sizes)[d] > 1]
+    used = [d for d in mesh.DIMS if mesh.full_sizes(sizes)[d] > 1]
     return list(itertools.permutations(used))
 
 

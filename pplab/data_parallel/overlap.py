@@ -36,7 +36,7 @@ from torch import nn
 
 from .. import trace
 from ..stand_in import durations
-from ..trace import _union_length, now
+from ..trace import union_length, now
 
 
 @dataclass
@@ -61,8 +61,8 @@ def overlap_per_step(events) -> list[StepOverlap]:
     steps = []
     for b, nxt in zip(backs, backs[1:] + [None]):
         mine = [a for a in ars if a.start >= b.start and (nxt is None or a.start < nxt.start)]
-        flight = _union_length([(a.start, a.end) for a in mine])
-        under = _union_length([(a.start, min(a.end, b.end)) for a in mine if a.start < b.end])
+        flight = union_length([(a.start, a.end) for a in mine])
+        under = union_length([(a.start, min(a.end, b.end)) for a in mine if a.start < b.end])
         steps.append(StepOverlap(b.duration, flight, under / flight if flight else 0.0,
                                  max([0.0] + [a.end - b.end for a in mine]), len(mine),
                                  sum(a.meta.get("payload", 0) for a in mine)))

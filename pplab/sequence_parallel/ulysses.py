@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import trace
-from ..collectives import _pairwise_all_to_all
+from ..collectives import pairwise_all_to_all
 from .ring_attention import _agree
 
 __all__ = ["ulysses_attention", "seq_to_heads", "heads_to_seq"]
@@ -29,7 +29,7 @@ def _seq_to_heads(x, lengths, ranks, me, group):
     h = x.shape[-3] // len(ranks)
     ins = [x[..., j * h:(j + 1) * h, :, :].contiguous() for j in range(len(ranks))]
     outs = [x.new_empty(x.shape[:-3] + (h, n, x.shape[-1])) for n in lengths]
-    _pairwise_all_to_all(outs, ins, ranks, me, group)
+    pairwise_all_to_all(outs, ins, ranks, me, group)
     return torch.cat(outs, -2)
 
 
@@ -37,7 +37,7 @@ def _heads_to_seq(y, lengths, ranks, me, group):
     """(..., H/p, S, d) -> (..., H, n_me, d): the inverse: tokens of rank i go back to rank i."""
     ins = [t.contiguous() for t in y.split(lengths, -2)]
     outs = [y.new_empty(y.shape[:-2] + (lengths[me], y.shape[-1])) for _ in ranks]
-    _pairwise_all_to_all(outs, ins, ranks, me, group)
+    pairwise_all_to_all(outs, ins, ranks, me, group)
     return torch.cat(outs, -3)
 
 

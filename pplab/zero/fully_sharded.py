@@ -82,7 +82,7 @@ from torch import nn
 
 from ..runtime import comm
 from .. import trace
-from ..data_parallel.ddp import _tensors, end_trace_when_done
+from ..data_parallel.ddp import end_trace_when_done, tensors_in
 from ..trace import Event, now
 from .flat import FlatBucket, reduce_scatter
 from .optimizer import root_rank
@@ -318,7 +318,7 @@ class FullyShardedModule(nn.Module):
                            meta={"unit": u.name}))
         self._free(u)
         if torch.is_grad_enabled():
-            for t in _tensors(out):                    # its output's gradient = its backward starting
+            for t in tensors_in(out):                    # its output's gradient = its backward starting
                 if t.requires_grad:
                     t.register_hook(lambda grad, u=u: self._before_backward(u))
 
