@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from .. import trace
 from ..collectives import pairwise_all_to_all
-from .ring_attention import _agree
+from .ring_attention import agree_on_call
 
 __all__ = ["ulysses_attention", "seq_to_heads", "heads_to_seq"]
 
@@ -67,7 +67,7 @@ class _HeadsToSeq(torch.autograd.Function):
 
 def _ulysses_setup(name, group, q, k, v, causal=False):
     """Check the call (every rank raises the same error); return every rank's token count, ranks, my index."""
-    ranks, me, runs = _agree(name, group, q, k, v, "contiguous", causal)
+    ranks, me, runs = agree_on_call(name, group, q, k, v, "contiguous", causal)
     if q.dim() < 3 or v.shape != q.shape:
         raise ValueError(f"{name}: q, k, v must be (..., heads, seq, head_dim) and of one shape, "
                          f"got {list(q.shape)}, {list(k.shape)}, {list(v.shape)}")
@@ -87,7 +87,7 @@ def seq_to_heads(x, group=None):
 
 def heads_to_seq(y, lengths, group=None):
     """The inverse of seq_to_heads; `lengths` = every rank's number of tokens n_r, in rank order."""
-    ranks, me, _ = _agree("heads_to_seq", group, y, y, y, "contiguous", False)
+    ranks, me, _ = agree_on_call("heads_to_seq", group, y, y, y, "contiguous", False)
     return _HeadsToSeq.apply(y, list(lengths), ranks, me, group)
 
 
