@@ -75,12 +75,15 @@ def test_an_import_from_a_later_chapter_is_caught_but_a_face_may_hand_it_on():
              "pplab.pipeline.executor": set(), "pplab.collectives": set(),
              "pplab.planner": {"pplab.planner.at_scale", "pplab.cluster"}, "pplab.planner.at_scale": {"pplab.cluster"},
              "pplab.cluster": set(), "pplab.zero.plusplus": {"pplab.cluster"},
-             "pplab.planner.predict": {"pplab.cluster"}}
+             "pplab.planner.predict": {"pplab.cluster"},
+             "pplab.tensor_parallel.layers": {"pplab.pipeline.actions"}, "pplab.pipeline.actions": set()}
     assert architecture.chapter_problems(edges) == [
         "pplab.data_parallel.overlap (chapter 2) imports pplab.pipeline.executor (chapter 4), a later chapter: "
         "move what both need down to chapter 2 or below",
         "pplab.planner (chapter 7) imports pplab.cluster (chapter 10b), a later chapter: "
-        "move what both need down to chapter 7 or below"]
+        "move what both need down to chapter 7 or below",
+        "pplab.tensor_parallel.layers (chapter 3) imports pplab.pipeline.actions (chapter 4), a later chapter: "
+        "move what both need down to chapter 3 or below"]                 # the very next chapter, too
     assert architecture.chapter_problems({"pplab.newthing": set()}) == []        # not on the chapters' floor
     assert architecture.boxes(edges)["data_parallel"] == {"pipeline", "collectives"}
     assert architecture.cycles(architecture.boxes({"pplab.zero.plusplus": {"pplab.cluster"},
