@@ -2,7 +2,7 @@
 against the slowdown predicted from the bytes moved and this machine's fitted disk.
 
     ram          pplab.zero.ZeroOptimizer(stage=2): the optimizer state in RAM
-    disk         pplab.offload.DiskOffloadedZero(stage=2): on disk, written through (fsync) and
+    disk         pplab.zero.offload.DiskOffloadedZero(stage=2): on disk, written through (fsync) and
                  dropped from the page cache after each move, next shard read ahead on a thread
     no prefetch  the same, each shard read only when its turn comes
     page cache   drop_cache=False: the files' pages stay in the page cache, so "disk" is memory
@@ -16,7 +16,7 @@ Every variant trains a copy of the same fp32 MLP with AdamW on p gloo ranks star
 After warm-up the variants take turns step by step, so drift in the machine's load hits all alike;
 each variant's median step is reported, and the added time is its median minus ram's.
 
-Predicted added time: pplab.offload.fit_disk() (timed writes and reads of one file through the same
+Predicted added time: pplab.zero.offload.fit_disk() (timed writes and reads of one file through the same
 TensorFile moves, 64 KiB to 4 MiB, fitted t = latency + bytes/bandwidth, once written through and once
 in the page cache), run on every rank at the same time before training, so that the fit sees the
 disk shared as the step will; each rank's fit applied to the bytes and files it moves per step
@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 import pplab
-from pplab.offload import DiskOffloadedZero, disk_bytes_per_step, fit_disk, param_offload_bytes_per_step
+from pplab.zero.offload import DiskOffloadedZero, disk_bytes_per_step, fit_disk, param_offload_bytes_per_step
 from pplab.zero import FullyShardedModule, ZeroOptimizer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

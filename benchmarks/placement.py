@@ -4,7 +4,7 @@ Four gloo ranks (pplab.launch) grouped into 2 nodes of 2 (pplab.cluster.Cluster)
 training step (pplab.hybrid.train, float64, DDP over dp) runs on two placements of the mesh:
 order (dp, tp), tp innermost, each tp pair inside a node; and order (tp, dp), dp innermost, each tp
 pair spanning both nodes. Between the nodes pplab.cluster.two_tier holds each message back to
-`--bandwidth` bytes/s and `--latency` s. The placements take turns (pplab.cluster.time_placements):
+`--bandwidth` bytes/s and `--latency` s. The placements take turns (pplab.planner.time_placements):
 a warm-up round, then `--repeats` rounds of `--steps` steps each; a step's time is its slowest
 rank's, a round's the median of its steps after the first. Printed: the median and range over
 rounds, their ratio, the planner's prediction (the unthrottled step, measured the same way, plus
@@ -20,7 +20,8 @@ import statistics
 
 import pplab
 from pplab import costfit, planner
-from pplab.cluster import Cluster, place, time_placements
+from pplab.cluster import Cluster, place
+from pplab.planner import time_placements
 from pplab.hybrid import GPTConfig
 
 ORDERS = {"tp inside": ("dp", "tp"), "tp across": ("tp", "dp")}

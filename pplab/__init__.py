@@ -17,7 +17,7 @@ from .runtime.launcher import LaunchError, LaunchResult, device, launch
 __version__ = "0.1.0"
 _LAZY = ("swimlane", "pipeline", "collectives", "checks", "course", "costmodel", "costfit", "data_parallel",
          "tensor_parallel", "sequence_parallel", "zero", "mesh", "hybrid", "planner", "models", "data",
-         "expert_parallel", "memory", "recompute", "mixed_precision", "grad_clip", "rng", "offload", "cluster", "flops", "hardware")
+         "expert_parallel", "memory", "recompute", "mixed_precision", "grad_clip", "rng", "cluster", "flops", "hardware")
 __all__ = ["launch", "LaunchError", "LaunchResult", "device", "check", "comm", "trace", *_LAZY]
 
 

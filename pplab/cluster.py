@@ -375,8 +375,8 @@ def place(cluster: Cluster, order=None, **sizes) -> Placement:
     if not isinstance(cluster, Cluster):
         raise PlacementError(f"place lays a mesh onto a Cluster(n_nodes, ranks_per_node), got {cluster!r}")
     try:
-        full = mesh._sizes(sizes)
-        order = mesh._order(order, full)
+        full = mesh.full_sizes(sizes)
+        order = mesh.full_order(order, full)
     except ValueError as err:
         raise PlacementError(str(err)) from None
     product = math.prod(full.values())
@@ -400,7 +400,7 @@ def placement_rule(traffic: dict) -> tuple:
 
 def orders(**sizes) -> list[tuple]:
     """Every order (outermost first) of the dimensions larger than one: the placements to compare."""
-    used = [d for d in mesh.DIMS if mesh._sizes(sizes)[d] > 1]
+    used = [d for d in mesh.DIMS if mesh.full_sizes(sizes)[d] > 1]
     return list(itertools.permutations(used))
 
 
@@ -418,23 +418,3 @@ def crossing_time(collective: str, p: int, nbytes: float, inter: tuple) -> float
     if collective not in steps:
         raise ValueError(f"collective must be one of all_reduce, all_gather, reduce_scatter, broadcast; got {collective!r}")
     return steps[collective] * (a + nbytes / p * b) if p > 1 else 0.0
-
-
-def time_placements(cfg, cluster: Cluster, sizes: dict, orders: list, bandwidth: float, latency: float = 0.0,
-                    repeats: int = 3, steps: int = 3, **train_options) -> dict:
-    """On every rank (inside pplab.launch): pplab.hybrid.train of `cfg` on the mesh of `sizes`
-    numbered along each order in `orders`, on the emulated network; {order: [this rank's step
-    times, one list per repeat]}. The orders take turns (the first of each round alternating), so a
-    change in the machine's load hits all alike; a first round warms up and is dropped. Every
-    step's time is its slowest rank's: take the max over ranks."""
-    from .hybrid import train
-    from .mesh import Mesh
-    meshes = {tuple(o): Mesh(order=o, **sizes) for o in orders}      # every rank makes every group
-    out = {o: [] for o in meshes}
-    with collectives.unchecked(), two_tier(cluster, bandwidth, latency), trace.paused():
-        for i in range(repeats + 1):
-            for o in (list(meshes) if i % 2 else list(meshes)[::-1]):
-                took = train(cfg, meshes[o], steps=steps, **train_options)["step_times"]
-                if i:
-                    out[o].append(took)
-    return out

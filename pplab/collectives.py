@@ -43,12 +43,12 @@ OPS = {"sum": torch.add, "product": torch.mul, "max": torch.maximum, "min": torc
 ALL_REDUCE_ALGORITHMS = ("naive", "tree", "ring", "recursive_doubling", "halving_doubling")
 
 
-def _combine(acc, incoming, op):
+def combine(acc, incoming, op):
     """acc <- acc (op) incoming, in place: the one line of arithmetic in every reduction."""
     OPS[op](acc, incoming, out=acc)
 
 
-def _sendrecv(send, dst, recv, src, group):
+def sendrecv(send, dst, recv, src, group):
     """Send to dst while receiving from src: posting both first keeps a ring from deadlocking."""
     handles = ([comm.isend(send, dst, group)] if send.numel() else []) + \
               ([comm.irecv(recv, src, group)] if recv.numel() else [])
@@ -91,7 +91,7 @@ def _tree_reduce(acc, ranks, root, me, group, op):
             return                                  # my part is in; I am done
         if vr + mask < p:
             comm.recv(incoming, ranks[(root + vr + mask) % p], group)
-            _combine(acc, incoming, op)
+            combine(acc, incoming, op)
 
 
 @torch.no_grad()
@@ -162,7 +162,7 @@ def _ring_all_gather(chunks, ranks, me, group):
     p = len(ranks)
     right, left = ranks[(me + 1) % p], ranks[(me - 1) % p]
     for s in range(p - 1):
-        _sendrecv(chunks[(me - s) % p], right, chunks[(me - s - 1) % p], left, group)
+        sendrecv(chunks[(me - s) % p], right, chunks[(me - s - 1) % p], left, group)
 
 
 def _ring_reduce_scatter(chunks, ranks, me, group, op):
@@ -177,8 +177,8 @@ def _ring_reduce_scatter(chunks, ranks, me, group, op):
     for s in range(p - 1):
         out, into = chunks[(me - s - 1) % p], chunks[(me - s - 2) % p]
         incoming = landing[:into.numel()]
-        _sendrecv(out, right, incoming, left, group)
-        _combine(into, incoming, op)
+        sendrecv(out, right, incoming, left, group)
+        combine(into, incoming, op)
 
 
 @torch.no_grad()
@@ -219,7 +219,7 @@ def reduce_scatter_tensor(output, input, op="sum", group=None):
 # All-to-all: every rank has a different piece for every other rank.
 
 
-def _pairwise_all_to_all(outs, ins, ranks, me, group):
+def pairwise_all_to_all(outs, ins, ranks, me, group):
     # p-1 steps; in step s every rank sends the piece meant for the rank s places to its
     # right and receives its own piece from the rank s places to its left.
     #   p=4:  r→r+1  |  r→r+2  |  r→r+3   (mod 4)
@@ -228,7 +228,7 @@ def _pairwise_all_to_all(outs, ins, ranks, me, group):
     outs[me].copy_(ins[me])
     for s in range(1, p):
         to, frm = (me + s) % p, (me - s) % p
-        _sendrecv(ins[to], ranks[to], outs[frm], ranks[frm], group)
+        sendrecv(ins[to], ranks[to], outs[frm], ranks[frm], group)
 
 
 @torch.no_grad()
@@ -257,7 +257,7 @@ def _equal_all_to_all(output, input, group):
     ranks, me = _setup("all_to_all", group, input, problems)
     if input.numel():
         n = input.numel() // p
-        _pairwise_all_to_all(output.view(-1).split(n), input.view(-1).split(n), ranks, me, group)
+        pairwise_all_to_all(output.view(-1).split(n), input.view(-1).split(n), ranks, me, group)
 
 
 def _uneven_all_to_all(output, input, output_split_sizes, input_split_sizes, group):
@@ -276,7 +276,7 @@ def _uneven_all_to_all(output, input, output_split_sizes, input_split_sizes, gro
     row = input[:0] if input.dim() else input                 # every rank must agree on dtype and row shape
     splits = [list(map(int, output_split_sizes or [])), list(map(int, input_split_sizes or []))]
     ranks, me = _setup("all_to_all", group, row.contiguous(), problems, across=(splits, _splits_agree))
-    _pairwise_all_to_all(output.split(splits[0]), input.split(splits[1]), ranks, me, group)
+    pairwise_all_to_all(output.split(splits[0]), input.split(splits[1]), ranks, me, group)
 
 
 def _splits_agree(everyone) -> list[str]:
@@ -306,7 +306,7 @@ def _naive_all_reduce(flat, ranks, me, group, op):
     for h in [comm.irecv(t, w, group) for t, w in zip(parts, workers)]:
         h.wait()
     for t in parts:
-        _combine(flat, t, op)
+        combine(flat, t, op)
     for h in [comm.isend(flat, w, group) for w in workers]:
         h.wait()
 
@@ -337,8 +337,8 @@ def _recursive_doubling(flat, ranks, me, group, op):
     mask = 1
     while mask < len(ranks):
         partner = ranks[me ^ mask]
-        _sendrecv(flat, partner, incoming, partner, group)
-        _combine(flat, incoming, op)
+        sendrecv(flat, partner, incoming, partner, group)
+        combine(flat, incoming, op)
         mask *= 2
 
 
@@ -359,13 +359,13 @@ def _halving_doubling(flat, ranks, me, group, op):
         partner, mid = ranks[me ^ mask], (lo + hi) // 2
         keep, give = ((lo, mid), (mid, hi)) if me & mask == 0 else ((mid, hi), (lo, mid))
         incoming = torch.empty_like(part(*keep))
-        _sendrecv(part(*give), partner, incoming, partner, group)
-        _combine(part(*keep), incoming, op)
+        sendrecv(part(*give), partner, incoming, partner, group)
+        combine(part(*keep), incoming, op)
         (lo, hi), mask = keep, mask // 2
     mask = 1                                        # now chunk `me` is complete; gather the rest
     while mask < p:
         partner, other = ranks[me ^ mask], lo ^ mask
-        _sendrecv(part(lo, hi), partner, part(other, other + mask), partner, group)
+        sendrecv(part(lo, hi), partner, part(other, other + mask), partner, group)
         lo, hi, mask = min(lo, other), max(hi, other + mask), mask * 2
 
 
@@ -381,7 +381,7 @@ def _fold_to_power_of_two(algorithm, flat, ranks, me, group, op):
     if me < 2 * rem:
         incoming = torch.empty_like(flat)
         comm.recv(incoming, ranks[me - 1], group)
-        _combine(flat, incoming, op)
+        combine(flat, incoming, op)
     stay = ranks[1:2 * rem:2] + ranks[2 * rem:]
     algorithm(flat, stay, stay.index(ranks[me]), group, op)
     if me < 2 * rem:

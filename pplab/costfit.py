@@ -359,14 +359,14 @@ def _measure_on_ranks(sizes, repeats, all_reduces=()):
     def swap(n):                                   # 0 → 1 and 1 → 0 at once, one per try: inside a
         # collective the partners reach each step a little apart (each has just sliced or added),
         # which costs more than the 8th of 8 swaps in a row
-        collectives._sendrecv(bufs[n][0], 1 - rank, bufs[n][1], 1 - rank, None)
+        collectives.sendrecv(bufs[n][0], 1 - rank, bufs[n][1], 1 - rank, None)
 
     def two_swaps(n):                              # two exchanges back to back, as a collective's steps
         # come (here with the reduce-scatter's add between): the second is held up more often
         # than a lone one (a third of the tries at 1 MB here, against one in eight), so a
         # collective's delays are drawn a pair of steps at a time
         swap(n)
-        collectives._combine(bufs[n][0].view(torch.float32), bufs[n][1].view(torch.float32), "sum")
+        collectives.combine(bufs[n][0].view(torch.float32), bufs[n][1].view(torch.float32), "sum")
         swap(n)
 
     def lone_call(n):                              # δ: the smallest collective, one swap (all-gather on 2)
@@ -434,11 +434,11 @@ def _tiny_steps(rank, p, repeats):
 
     def swap():                                    # partners r ^ 1, r ^ 2, r ^ 4, ... as in halving-doubling
         for k in range(steps):
-            collectives._sendrecv(tiny, rank ^ masks[k % len(masks)], got, rank ^ masks[k % len(masks)], None)
+            collectives.sendrecv(tiny, rank ^ masks[k % len(masks)], got, rank ^ masks[k % len(masks)], None)
 
     def ring():                                    # every rank sends right while receiving from the left
         for _ in range(steps):
-            collectives._sendrecv(tiny, (rank + 1) % p, got, (rank - 1) % p, None)
+            collectives.sendrecv(tiny, (rank + 1) % p, got, (rank - 1) % p, None)
     kinds = {"one-way": one_way, "swap": swap, "ring": ring}
     for run in kinds.values():                     # a warm-up
         run()

@@ -28,7 +28,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["activation_bytes_formula", "saved_activations", "state_bytes", "storage_bytes", "StateBytes", "PeakMemory"]
+__all__ = ["activation_bytes_formula", "saved_activations", "state_bytes", "count_state", "storage_bytes", "StateBytes", "PeakMemory"]
 
 
 # ----------------------------------------------------------------------------------
@@ -148,11 +148,21 @@ def state_bytes(model, optimizer=None) -> StateBytes:
                         "pass model.parameters() or the module itself")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"state_bytes: optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}")
-    seen = set()
     states = [] if optimizer is None else [v for state in optimizer.state.values() for v in state.values()
                                            if isinstance(v, torch.Tensor)]
-    return StateBytes(storage_bytes(params, seen), storage_bytes((p.grad for p in params), seen),
-                      storage_bytes(states, seen))
+    return count_state(params, (p.grad for p in params), states)
+
+
+def count_state(parameters, gradients, optimizer_state) -> StateBytes:
+    """Bytes of the storages behind three lists of tensors, every storage once: a storage met in
+    an earlier list (a gradient that is a view of a parameter's buffer) counts in that one.
+
+    The one count of model state: state_bytes counts a model and its optimizer with it, and
+    pplab.zero.held_bytes what a ZeRO rank holds besides (master copies, kept gradient shards).
+    """
+    seen: set = set()
+    return StateBytes(storage_bytes(parameters, seen), storage_bytes(gradients, seen),
+                      storage_bytes(optimizer_state, seen))
 
 
 def storage_bytes(tensors, seen: set | None = None) -> int:

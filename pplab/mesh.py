@@ -34,7 +34,8 @@ import torch.distributed as dist
 DIMS = ("pp", "dp", "ep", "cp", "tp")        # outermost first: tp ranks are neighbours
 
 
-def _sizes(sizes: dict) -> dict:
+def full_sizes(sizes: dict) -> dict:
+    """{dim: size} for every one of DIMS, 1 where `sizes` leaves it out; a name or size that is not one says so."""
     unknown = set(sizes) - set(DIMS)
     if unknown:
         raise ValueError(f"unknown mesh dimension(s) {sorted(unknown)}: a mesh has {', '.join(DIMS)}")
@@ -44,7 +45,7 @@ def _sizes(sizes: dict) -> dict:
     return {dim: sizes.get(dim, 1) for dim in DIMS}
 
 
-def _order(order, sizes: dict) -> tuple:
+def full_order(order, sizes: dict) -> tuple:
     """`order` (outermost first) completed to all of DIMS: the dimensions it leaves out have size 1
     and go where DIMS puts them. None: DIMS itself (tp fastest)."""
     if order is None:
@@ -65,8 +66,8 @@ def _order(order, sizes: dict) -> tuple:
 def grid(order=None, **sizes) -> torch.Tensor:
     """The global rank at every coordinate: a tensor of shape (pp, dp, ep, cp, tp).
     Ranks are numbered row-major along `order` (outermost first; default DIMS: tp fastest)."""
-    s = _sizes(sizes)
-    order = _order(order, s)
+    s = full_sizes(sizes)
+    order = full_order(order, s)
     numbered = torch.arange(math.prod(s.values())).view([s[d] for d in order])
     return numbered.permute(*[order.index(d) for d in DIMS])
 
@@ -86,8 +87,8 @@ def groups(*dims: str, order=None, **sizes) -> list[list[int]]:
 
 def describe(order=None, **sizes) -> str:
     """A printed map: each rank's coordinates, then the groups of each dimension used."""
-    s = _sizes(sizes)
-    used = [d for d in _order(order, s) if s[d] > 1] or ["dp"]
+    s = full_sizes(sizes)
+    used = [d for d in full_order(order, s) if s[d] > 1] or ["dp"]
     g = grid(order, **sizes)
     lines = [" × ".join(f"{d}={s[d]}" for d in used) + f"  ({g.numel()} ranks, {used[-1]} innermost)",
              "rank  " + "  ".join(f"{d:>2}" for d in used)]
@@ -106,8 +107,8 @@ class Mesh:
     order: the dimensions, outermost first, that number the ranks (default DIMS: tp fastest)."""
 
     def __init__(self, order=None, **sizes):
-        self.sizes = _sizes(sizes)
-        self.order = _order(order, self.sizes)
+        self.sizes = full_sizes(sizes)
+        self.order = full_order(order, self.sizes)
         if not dist.is_initialized():
             raise RuntimeError("Mesh(...) runs inside a rank: call it in a function started by pplab.launch")
         world = dist.get_world_size()

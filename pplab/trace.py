@@ -72,6 +72,11 @@ def reset(rank: int | None = None) -> None:
     _state["rank"] = rank
 
 
+def recording_rank() -> int:
+    """The rank this process records its events as (set by reset, at the start of every rank)."""
+    return _state["rank"]
+
+
 def _current_rank() -> int:
     import torch.distributed as dist
 
@@ -106,9 +111,14 @@ def next_seq(peer: int, sending: bool) -> int:
     return table[peer]
 
 
-def _label(kind: str, microbatch, chunk) -> str:
+def action_label(kind: str, microbatch, chunk) -> str:
+    """How a piece of work is labelled, in a span's box and in a schedule's action: F3, or F3.1 for chunk 1."""
     text = kind if microbatch is None else f"{kind}{microbatch}"
     return text if chunk is None else f"{text}.{chunk}"
+
+
+# pplab/pipeline still imports it by its old name; it is rewritten this round (issue 39)
+_label = action_label
 
 
 @contextlib.contextmanager
@@ -124,7 +134,7 @@ def span(kind: str, label: str | None = None, *, microbatch=None, chunk=None, **
     if chunk is not None:
         meta["chunk"] = chunk
     event = Event(_state["rank"], kind, "compute", now(), None,
-                  label if label is not None else _label(kind, microbatch, chunk), meta=meta)
+                  label if label is not None else action_label(kind, microbatch, chunk), meta=meta)
     try:
         yield event
     finally:
@@ -205,7 +215,8 @@ def gather(group=None) -> "Timeline":
 # ----------------------------------------------------------------------------------
 # The merged view of all ranks.
 
-def _union_length(intervals) -> float:
+def union_length(intervals) -> float:
+    """Length of the union of (start, end) intervals: time covered by at least one of them."""
     total, cur_s, cur_e = 0.0, None, None
     for s, e in sorted(intervals):
         if cur_e is None or s > cur_e:
@@ -217,6 +228,10 @@ def _union_length(intervals) -> float:
     if cur_e is not None:
         total += cur_e - cur_s
     return total
+
+
+# the grading floors (pplab/checks) still import it by its old name; they move next round (issue 39)
+_union_length = union_length
 
 
 class Timeline:
@@ -273,7 +288,7 @@ class Timeline:
     # -- utilisation --------------------------------------------------------------
     def busy(self, rank: int) -> float:
         """Time `rank` spent computing (overlapping spans counted once)."""
-        return _union_length((e.start, e.end) for e in self.select(rank, "compute"))
+        return union_length((e.start, e.end) for e in self.select(rank, "compute"))
 
     def utilization(self, rank: int | None = None) -> float:
         """Busy / total: for one rank, or overall = sum of busy / (ranks x makespan)."""

@@ -123,7 +123,7 @@ def test_pairwise_all_to_all_takes_each_piece_from_its_sender(monkeypatch, ranks
     def body(me):                                  # my piece for the j-th rank: rows of 100·me + j
         ins = [torch.full((rows[me][j], 2), 100.0 * me + j) for j in range(p)]
         outs = [torch.full((rows[i][me], 2), -1.0) for i in range(p)]
-        C._pairwise_all_to_all(outs, ins, ranks, me, None)
+        C.pairwise_all_to_all(outs, ins, ranks, me, None)
         return outs
 
     for me, outs in enumerate(_run_ranks(monkeypatch, ranks, body)):

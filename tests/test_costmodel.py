@@ -424,14 +424,14 @@ def _heaviest_chain(pairs):
 
 def _every_collective_counting_additions(numel):
     """On every rank: each collective once, in a trace span; returns the bytes this rank
-    combined in each (counted by wrapping collectives._combine, the one line of arithmetic)."""
+    combined in each (counted by wrapping collectives.combine, the one line of arithmetic)."""
     p, rank = dist.get_world_size(), dist.get_rank()
-    combined, real = {}, C._combine
+    combined, real = {}, C.combine
 
     def counting(acc, incoming, op):
         combined[current] = combined.get(current, 0) + incoming.numel() * incoming.element_size()
         real(acc, incoming, op)
-    C._combine = counting
+    C.combine = counting
     x, root = torch.randn(numel), 1 % p
     cases = [("all_reduce", a, lambda a=a: C.all_reduce(x.clone(), algorithm=a)) for a in C.ALL_REDUCE_ALGORITHMS]
     cases += [("broadcast", "tree", lambda: C.broadcast(x.clone(), src=root)),
@@ -447,7 +447,7 @@ def _every_collective_counting_additions(numel):
         current = (current, algorithm)
         with trace.span("case", collective=current[0], algorithm=algorithm):
             run()
-    C._combine = real
+    C.combine = real
     return combined
 
 

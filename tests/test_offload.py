@@ -1,4 +1,4 @@
-"""pplab.offload: ZeRO's optimizer state on disk trains exactly as in RAM, moves K·Ψ/N bytes each way per step.
+"""pplab.zero.offload: ZeRO's optimizer state on disk trains exactly as in RAM, moves K·Ψ/N bytes each way per step.
 
 The references: pplab.zero.ZeroOptimizer without offload (the same arithmetic, so results must be
 *equal*, bit for bit, in float64 and in bf16 with fp32 masters), torch's AdamW on one process for the
@@ -16,7 +16,7 @@ from torch import nn
 import pplab
 from pplab.data_parallel import shard
 from pplab.memory import PeakMemory, storage_bytes
-from pplab.offload import (DiskFit, DiskOffloadedZero, TensorFile, _line, disk_bytes_per_step, fit_disk,
+from pplab.zero.offload import (DiskFit, DiskOffloadedZero, TensorFile, _line, disk_bytes_per_step, fit_disk,
                            param_offload_bytes_per_step)
 from pplab.zero import FullyShardedModule, ZeroOptimizer, held_bytes
 
@@ -577,7 +577,7 @@ def test_fit_disk_times_the_sizes_in_turn_and_fits_by_hand_values(monkeypatch, t
     """A made-up disk and clock: a write of n bytes takes 1 ms + n / 500 MB/s, a read 2 ms +
     n / 1 GB/s, except that the first size's tries are slowed by a load that comes and goes in the
     first round only. The sizes take turns, every file is closed, and the medians give the line."""
-    from pplab import offload
+    from pplab.zero import offload
     clock, order, closed = [0.0], [], []
 
     class FakeFile:

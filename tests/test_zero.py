@@ -248,6 +248,41 @@ def test_memory_held_per_rank_matches_the_formula_within_padding(p, stage):
             assert n_buckets == 6
 
 
+def test_held_bytes_and_memory_state_bytes_count_alike_on_a_case_by_hand():
+    """held_bytes counts with pplab.memory's counter: on an fp32 Linear(4, 3) (Ψ = 15) after one
+    Adam step both give 60 B of parameters and 60 of gradients; Adam's two moments are 120 B, and
+    state_bytes adds the two float32 step counters (8 B) that ZeRO's table (and held_bytes) leaves out.
+    With a bf16 model and fp32 master copies stepped by SGD with momentum (as MasterWeights and
+    ZeroOptimizer keep them): 30 B of parameters, 30 + 60 of gradients (the masters' own), and
+    60 of momentum + 60 of masters as optimizer state."""
+    from pplab.memory import state_bytes
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 3)
+    adam = torch.optim.Adam(lin.parameters())
+    lin(torch.randn(2, 4)).sum().backward()
+    adam.step()
+    held, counted = held_bytes(lin, adam), state_bytes(lin, adam)
+    assert held == {"params": 60, "grads": 60, "optimizer": 120, "total": 240}
+    assert (counted.parameters, counted.gradients, counted.optimizer) == (60, 60, 120 + 2 * 4)
+
+    model = nn.Linear(4, 3).to(torch.bfloat16)
+    model(torch.randn(2, 4, dtype=torch.bfloat16)).sum().backward()
+    masters = [p.detach().float().requires_grad_() for p in model.parameters()]
+    for m, p in zip(masters, model.parameters()):
+        m.grad = p.grad.float()
+    inner = torch.optim.SGD(masters, lr=0.1, momentum=0.9)
+    inner.step()
+
+    class Masters:                                  # the two attributes held_bytes reads
+        pass
+    opt = Masters()
+    opt.masters, opt.inner = masters, inner
+    assert held_bytes(model, opt) == {"params": 30, "grads": 30 + 60, "optimizer": 60 + 60, "total": 240}
+    outer, kept = state_bytes(model), state_bytes(masters, inner)
+    assert (outer.parameters, outer.gradients) == (30, 30)
+    assert (kept.gradients, kept.parameters + kept.optimizer) == (60, 60 + 60)
+
+
 def traffic(stage, steps):
     model = make_model()
     fwd, opt = wrap(model, stage, cap=ONE_BUCKET)

@@ -168,15 +168,15 @@ def all_reduce_gradients(params, group=None, bucket_cap_mb: float = 25) -> None:
         _mean_into_grads(flat, bucket, comm.world_size(group))
 
 
-def _tensors(x):
+def tensors_in(x):
     if isinstance(x, torch.Tensor):
         yield x
     elif isinstance(x, (list, tuple)):
         for v in x:
-            yield from _tensors(v)
+            yield from tensors_in(v)
     elif isinstance(x, dict):
         for v in x.values():
-            yield from _tensors(v)
+            yield from tensors_in(v)
 
 
 class DDP(nn.Module):
@@ -288,7 +288,7 @@ class DDP(nn.Module):
             out = self.module(*args, **kwargs)
         # as torch: the next forward broadcasts again only after a forward that will sync gradients
         self._sync_buffers = torch.is_grad_enabled() and self._sync
-        for t in _tensors(out):         # backward reaching the output = backward starting
+        for t in tensors_in(out):         # backward reaching the output = backward starting
             if t.requires_grad:
                 t.register_hook(lambda grad: self._start_backward())
         return out

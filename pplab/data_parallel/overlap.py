@@ -35,7 +35,8 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import trace
-from ..trace import _union_length, now
+from ..stand_in import durations
+from ..trace import union_length, now
 
 
 @dataclass
@@ -60,8 +61,8 @@ def overlap_per_step(events) -> list[StepOverlap]:
     steps = []
     for b, nxt in zip(backs, backs[1:] + [None]):
         mine = [a for a in ars if a.start >= b.start and (nxt is None or a.start < nxt.start)]
-        flight = _union_length([(a.start, a.end) for a in mine])
-        under = _union_length([(a.start, min(a.end, b.end)) for a in mine if a.start < b.end])
+        flight = union_length([(a.start, a.end) for a in mine])
+        under = union_length([(a.start, min(a.end, b.end)) for a in mine if a.start < b.end])
         steps.append(StepOverlap(b.duration, flight, under / flight if flight else 0.0,
                                  max([0.0] + [a.end - b.end for a in mine]), len(mine),
                                  sum(a.meta.get("payload", 0) for a in mine)))
@@ -136,11 +137,10 @@ def stand_in_compute(model: nn.Module, compute_time) -> _Hooks:
     layer's gradients are stored, so DDP sees each gradient when its layer is done.
     The numbers computed are unchanged. Returns an object whose .remove() takes the waits off.
     """
-    from ..pipeline.executor import compute_durations  # the one parser of compute_time (chapter 4)
     if isinstance(compute_time, bool) or not isinstance(compute_time, (int, float, dict)):
         raise ValueError(f"stand_in_compute: compute_time must be seconds >= 0 per layer forward (e.g. 0.005), "
                          f"or a dict {{'F': t_f, 'B': t_b}}, got {compute_time!r}")
-    pad = compute_durations(compute_time, 1)
+    pad = durations(compute_time)
     layers = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
     if not layers:
         raise ValueError(f"stand_in_compute: {type(model).__name__} has no parameters, so no layer to pad")

@@ -28,6 +28,9 @@ Measuring (times.py, calibrate.py): `measure`, `estimate`, `contention`, `calibr
 how much slower compute gets and how long a message waits for its partner's time slice (added
 to α). `compare(plan, measured)` puts predicted next to measured; `widget()` draws it all.
 
+Placements (chapter 10d, placement.py): `time_placements` trains one layout under several
+numberings of its mesh on the throttled two-tier network, to set beside what predict.py prices.
+
 At scale (chapter 10, at_scale.py): the same questions for GPU clusters by closed forms, every layout of
 16,384 GPUs at once; published.py holds the published runs it is checked against.
 """
@@ -35,6 +38,7 @@ At scale (chapter 10, at_scale.py): the same questions for GPU clusters by close
 from . import at_scale, published
 from .at_scale import GPUCluster, Transformer
 from .calibrate import calibrate
+from .placement import time_placements
 from .predict import Layout, Plan, PlanError, Prediction, compare, enumerate_layouts, plan, predict, stages, step_traffic
 from .times import LayerTimes, contention, estimate, layer_params, measure, parallel_saved
 from .widget import draw, widget
@@ -42,4 +46,4 @@ from .widget import draw, widget
 __all__ = ["Layout", "Plan", "PlanError", "Prediction", "LayerTimes", "plan", "predict", "compare",
            "enumerate_layouts", "stages", "measure", "estimate", "contention", "calibrate", "layer_params",
            "parallel_saved", "draw", "widget", "step_traffic", "at_scale", "published", "Transformer",
-           "GPUCluster"]
+           "GPUCluster", "time_placements"]

@@ -221,7 +221,7 @@ def _divisors(n: int) -> list:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _why_not(cfg: GPTConfig, L: Layout, batch: int):
+def why_not(cfg: GPTConfig, L: Layout, batch: int):
     """Why this layout cannot run this model and batch, or None: pplab.hybrid.check_layout's
     answer first (so every layout listed as valid is one pplab.hybrid.train runs), then the
     planner's own (equal micro-batches)."""
@@ -254,7 +254,7 @@ def enumerate_layouts(cfg: GPTConfig, batch: int, world_size: int, zero_stages=(
                 for z in (zero_stages if dp > 1 else [0]):
                     for rc in recompute:
                         L = Layout(dp, tp, pp, m, z, schedule, recompute=rc)
-                        why = _why_not(cfg, L, batch)
+                        why = why_not(cfg, L, batch)
                         (rejected.append((L, why)) if why else valid.append(L))
     return valid, rejected
 

@@ -7,7 +7,7 @@ The figure is shown as a PNG <img> in an HTML widget, not in an Output widget: a
 from __future__ import annotations
 
 from ..models.gpt import GPTConfig
-from .predict import Layout, Prediction, _why_not, predict
+from .predict import Layout, Prediction, predict, why_not
 from .times import LayerTimes, estimate
 
 
@@ -85,7 +85,7 @@ def widget(fit=None, times: LayerTimes | None = None, flops_per_s: float = 2e10,
         cfg = GPTConfig(vocab=shape["vocab"], seq=c["seq"], hidden=shape["hidden"], heads=shape["heads"],
                         ffn=(2 if shape["hidden"] == 32 else 4) * shape["hidden"], layers=shape["layers"])
         L = Layout(c["dp"], c["tp"], c["pp"], c["m"] if c["pp"] > 1 else 1, c["zero"] if c["dp"] > 1 else 0)
-        why = _why_not(cfg, L, c["batch"])
+        why = why_not(cfg, L, c["batch"])
         if why:
             box.error, message.value = why, f"<pre style='color:#b00'>cannot run: {html.escape(why)}</pre>"
             return

@@ -77,7 +77,7 @@ def _p2p_event(kind, tensor, peer, start, end=None) -> Event:
     n = _nbytes(tensor)
     arrow = f"→{peer}" if sending else f"←{peer}"
     return trace.record(Event(
-        trace._state["rank"], "send" if sending else "recv", "comm", start, end, arrow,
+        trace.recording_rank(), "send" if sending else "recv", "comm", start, end, arrow,
         bytes_sent=n if sending else 0, bytes_recv=0 if sending else n, peer=peer,
         seq=trace.next_seq(peer, sending) if trace.enabled() else None,
         meta={"shape": tuple(tensor.shape), "dtype": str(tensor.dtype).replace("torch.", "")}))
@@ -175,7 +175,7 @@ def _collective(kind, tensor, group, fn, async_op=False, **call):
         work = fn()
     finally:
         callboard.leave()
-    event = trace.record(Event(trace._state["rank"], kind, "comm", start, None, _SHORT.get(kind, kind),
+    event = trace.record(Event(trace.recording_rank(), kind, "comm", start, None, _SHORT.get(kind, kind),
                                group=group_ranks(group), meta={"payload": 0 if tensor is None else _nbytes(tensor)}))
     handle = Handle(work if async_op else None, event)
     if not async_op:

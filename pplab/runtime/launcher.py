@@ -57,7 +57,7 @@ import torch.distributed as dist
 from . import callboard
 from .. import trace
 from .rank_main import rank_main as _rank_main
-from .rank_main import _to_cpu, check_result, this_rank
+from .rank_main import check_result, this_rank, to_cpu
 from .watch import EVENT, EXITED, NOT_STARTED, STARTED  # what the host tells the caller
 from .watch import LaunchError, Rank, collect  # noqa: F401 - LaunchError is public here
 
@@ -614,7 +614,7 @@ def _run_in_place(fn, args, kwargs, backend) -> LaunchResult:
     out = fn(*args, **kwargs)
     timeline = trace.gather()
     results = [None] * dist.get_world_size()
-    out = _to_cpu(out)
+    out = to_cpu(out)
     check_result(out)
     dist.all_gather_object(results, out)
     result = LaunchResult(results)

@@ -66,14 +66,14 @@ def _redirect_output(out_conn, err_conn) -> None:
     sys.stderr = open(2, "w", buffering=1, closefd=False)
 
 
-def _to_cpu(x):
+def to_cpu(x):
     """Results cross a pipe to a caller that may not (and should not) touch CUDA."""
     if isinstance(x, torch.Tensor):
         return x.detach().cpu()
     if isinstance(x, (list, tuple)) and type(x) in (list, tuple):
-        return type(x)(_to_cpu(v) for v in x)
+        return type(x)(to_cpu(v) for v in x)
     if isinstance(x, dict) and type(x) is dict:
-        return {k: _to_cpu(v) for k, v in x.items()}
+        return {k: to_cpu(v) for k, v in x.items()}
     return x
 
 
@@ -149,7 +149,7 @@ def rank_main(rank, world_size, folder, backend, threads, group_timeout, parent_
         phase = "run"
         result = fn(*args, **kwargs)
         phase = "return"
-        result = _to_cpu(result)
+        result = to_cpu(result)
         check_result(result)
         message = cloudpickle.dumps(("ok", result, trace.events()))
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the caller

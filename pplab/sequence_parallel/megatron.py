@@ -21,7 +21,7 @@ from torch import nn
 
 from ..runtime import comm
 from .. import trace
-from ..tensor_parallel.layers import _all_gather, _reduce_scatter, copy_to_parallel
+from ..tensor_parallel.layers import all_gather_along, copy_to_parallel, reduce_scatter_along
 from ..tensor_parallel.transformer import ParallelMLP, ParallelSelfAttention, TransformerBlock
 
 __all__ = ["MegatronBlock", "sequence_parallel_layer_norm", "ring_collectives"]
@@ -40,15 +40,15 @@ class _ColumnKeepingShard(torch.autograd.Function):
     def forward(ctx, x, weight, bias, group):
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.has_bias = group, bias is not None
-        return F.linear(_all_gather(x, 0, group), weight, bias)
+        return F.linear(all_gather_along(x, 0, group), weight, bias)
 
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        x_full = _all_gather(x, 0, ctx.group)              # again: forward did not keep it
+        x_full = all_gather_along(x, 0, ctx.group)              # again: forward did not keep it
         dw = dy.flatten(0, -2).T @ x_full.flatten(0, -2)
         db = dy.flatten(0, -2).sum(0) if ctx.has_bias else None
-        dx = _reduce_scatter(dy @ weight, 0, ctx.group)    # every rank's part of dL/dx, summed; my tokens
+        dx = reduce_scatter_along(dy @ weight, 0, ctx.group)    # every rank's part of dL/dx, summed; my tokens
         return dx, dw, db, None
 
 

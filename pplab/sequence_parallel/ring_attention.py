@@ -91,7 +91,7 @@ def unshard_sequence(shards: list, layout: str = "contiguous", dim: int = -2) ->
     return torch.cat([t for _, t in sorted(placed, key=lambda x: x[0])], dim)
 
 
-def _agree(name, group, q, k, v, layout, causal):
+def agree_on_call(name, group, q, k, v, layout, causal):
     """Check the call on every rank; return (global ranks, my index, every rank's runs).
 
     Every rank hands the others a description of its call (untraced bookkeeping: it is not
@@ -208,7 +208,7 @@ def _wait(handles):
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, causal, layout, scale):
-        ranks, me, runs = _agree("ring_attention", group, q, k, v, layout, causal)
+        ranks, me, runs = agree_on_call("ring_attention", group, q, k, v, layout, causal)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         p, acc = len(ranks), _acc_dtype(q.dtype)
         right, left = ranks[(me + 1) % p], ranks[(me - 1) % p]
@@ -323,7 +323,7 @@ class _GatheredKV(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, group, causal, layout, scale, will_backward):
-        ranks, me, runs = _agree("gathered_kv_attention", group, q, k, v, layout, causal)
+        ranks, me, runs = agree_on_call("gathered_kv_attention", group, q, k, v, layout, causal)
         p = len(ranks)
         if len({_length(r) for r in runs}) > 1:
             raise ValueError(f"gathered_kv_attention: all-gather needs equal shards; the ranks hold "

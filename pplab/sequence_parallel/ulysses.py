@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import trace
-from ..collectives import _pairwise_all_to_all
-from .ring_attention import _agree
+from ..collectives import pairwise_all_to_all
+from .ring_attention import agree_on_call
 
 __all__ = ["ulysses_attention", "seq_to_heads", "heads_to_seq"]
 
@@ -29,7 +29,7 @@ def _seq_to_heads(x, lengths, ranks, me, group):
     h = x.shape[-3] // len(ranks)
     ins = [x[..., j * h:(j + 1) * h, :, :].contiguous() for j in range(len(ranks))]
     outs = [x.new_empty(x.shape[:-3] + (h, n, x.shape[-1])) for n in lengths]
-    _pairwise_all_to_all(outs, ins, ranks, me, group)
+    pairwise_all_to_all(outs, ins, ranks, me, group)
     return torch.cat(outs, -2)
 
 
@@ -37,7 +37,7 @@ def _heads_to_seq(y, lengths, ranks, me, group):
     """(..., H/p, S, d) -> (..., H, n_me, d): the inverse: tokens of rank i go back to rank i."""
     ins = [t.contiguous() for t in y.split(lengths, -2)]
     outs = [y.new_empty(y.shape[:-2] + (lengths[me], y.shape[-1])) for _ in ranks]
-    _pairwise_all_to_all(outs, ins, ranks, me, group)
+    pairwise_all_to_all(outs, ins, ranks, me, group)
     return torch.cat(outs, -3)
 
 
@@ -67,7 +67,7 @@ class _HeadsToSeq(torch.autograd.Function):
 
 def _ulysses_setup(name, group, q, k, v, causal=False):
     """Check the call (every rank raises the same error); return every rank's token count, ranks, my index."""
-    ranks, me, runs = _agree(name, group, q, k, v, "contiguous", causal)
+    ranks, me, runs = agree_on_call(name, group, q, k, v, "contiguous", causal)
     if q.dim() < 3 or v.shape != q.shape:
         raise ValueError(f"{name}: q, k, v must be (..., heads, seq, head_dim) and of one shape, "
                          f"got {list(q.shape)}, {list(k.shape)}, {list(v.shape)}")
@@ -87,7 +87,7 @@ def seq_to_heads(x, group=None):
 
 def heads_to_seq(y, lengths, group=None):
     """The inverse of seq_to_heads; `lengths` = every rank's number of tokens n_r, in rank order."""
-    ranks, me, _ = _agree("heads_to_seq", group, y, y, y, "contiguous", False)
+    ranks, me, _ = agree_on_call("heads_to_seq", group, y, y, y, "contiguous", False)
     return _HeadsToSeq.apply(y, list(lengths), ranks, me, group)
 
 

@@ -53,7 +53,7 @@ def _split(x, dim, group):
     return x.narrow(dim, start, end - start).contiguous()
 
 
-def _all_gather(x, dim, group, full=None):
+def all_gather_along(x, dim, group, full=None):
     """Concatenate every rank's slice along dim. Uneven slices (given `full`) are padded to the
     largest, gathered in one collective, and the padding dropped."""
     p = comm.world_size(group)
@@ -69,7 +69,7 @@ def _all_gather(x, dim, group, full=None):
     return out.movedim(0, dim)
 
 
-def _reduce_scatter(x, dim, group):
+def reduce_scatter_along(x, dim, group):
     """Sum over ranks, and keep this rank's 1/p slice along dim."""
     p = comm.world_size(group)
     if p == 1:
@@ -81,6 +81,10 @@ def _reduce_scatter(x, dim, group):
     out = x.new_empty(x.shape[0] // p, *x.shape[1:])
     comm.reduce_scatter_tensor(out, x, group=group)
     return out.movedim(0, dim)
+
+
+# the grading floors (pplab/checks) still import it by its old name; they move next round (issue 39)
+_all_gather, _reduce_scatter = all_gather_along, reduce_scatter_along
 
 
 def _all_reduce(x, group):
@@ -131,7 +135,7 @@ class SplitToParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, ctx.dim, ctx.group, ctx.full), None, None
+        return all_gather_along(grad, ctx.dim, ctx.group, ctx.full), None, None
 
 
 class GatherFromParallel(torch.autograd.Function):
@@ -141,7 +145,7 @@ class GatherFromParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group, full=None):
         ctx.dim, ctx.group = dim, group
-        return _all_gather(x, dim, group, full)
+        return all_gather_along(x, dim, group, full)
 
     @staticmethod
     def backward(ctx, grad):
@@ -157,11 +161,11 @@ class GatherFromSequenceParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group):
         ctx.dim, ctx.group = dim, group
-        return _all_gather(x, dim, group)
+        return all_gather_along(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
+        return reduce_scatter_along(grad, ctx.dim, ctx.group), None, None
 
 
 class ReduceScatterToSequenceParallel(torch.autograd.Function):
@@ -171,11 +175,11 @@ class ReduceScatterToSequenceParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group):
         ctx.dim, ctx.group = dim, group
-        return _reduce_scatter(x, dim, group)
+        return reduce_scatter_along(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, ctx.dim, ctx.group), None, None
+        return all_gather_along(grad, ctx.dim, ctx.group), None, None
 
 
 def copy_to_parallel(x, group=None):

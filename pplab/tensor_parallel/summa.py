@@ -112,7 +112,9 @@ def split_2d(x, grid: Grid2D):
     return x[grid.i * r:(grid.i + 1) * r, grid.j * c:(grid.j + 1) * c].contiguous()
 
 
-class _Summa(torch.autograd.Function):
+class SummaMatmul(torch.autograd.Function):
+    """x @ w with both cut in blocks over the 2D grid, forward and backward by SUMMA (2.5D runs it in each of its d layers)."""
+
     @staticmethod
     def forward(ctx, x, w, grid):
         ctx.save_for_backward(x, w)
@@ -176,6 +178,6 @@ class Linear2D(nn.Module):
             raise ValueError(f"Linear2D takes this rank's block of x, [B/{q}, {self.in_features}/{q}]; "
                              f"got shape {tuple(x.shape)} (use split_2d(x, grid))")
         _check(x.shape[0] * q, q, "a batch of")
-        y = _Summa.apply(x, self.weight, self.grid)
+        y = SummaMatmul.apply(x, self.weight, self.grid)
         return y if self.bias is None else y + copy_to_parallel(self.bias, self.grid.col_group)
 

@@ -50,7 +50,7 @@ from torch import nn
 
 from ..runtime import comm
 from .layers import copy_to_parallel
-from .summa import Grid2D, _Summa
+from .summa import Grid2D, SummaMatmul
 
 
 class Grid2p5D:
@@ -119,7 +119,7 @@ class Linear2p5D(nn.Module):
             raise ValueError(f"Linear2p5D takes this rank's block of X, [B/(d·q), in/q] = [B/{g.d * g.q}, "
                              f"{self.in_features}/{g.q}]; got shape {tuple(x.shape)} (use split_2p5d(x, grid))")
         w = copy_to_parallel(self.weight, g.depth_group)            # backward: dW summed over the layers
-        return _Summa.apply(x, w, g.grid2d)
+        return SummaMatmul.apply(x, w, g.grid2d)
 
 
 def bytes_per_rank(B, c_in, c_out, q, d=1, element_size=8) -> dict:

@@ -63,7 +63,7 @@ backward run in 2 bytes; floating-point inputs, buffers and frozen parameters ar
 wire) or torch.float32 (4 bytes, but no rounding between the ranks' additions, and no fp16
 overflow of a sum whose mean would fit). My shard of the mean lands in `.grad` in fp32.
 
-**Shards kept elsewhere** (`shard_store`, None by default: the shards stay in RAM). pplab.offload sets
+**Shards kept elsewhere** (`shard_store`, None by default: the shards stay in RAM). pplab.zero.offload sets
 it to keep the shards on disk between uses (ZeRO-Infinity's parameter offload): `fetch(u, ahead)`
 before a unit's all-gather brings my shard of unit u into RAM and may start bringing `ahead`, the
 unit gathered after it (the next in forward, the one before in backward); `evict(u)` once the
@@ -82,7 +82,7 @@ from torch import nn
 
 from ..runtime import comm
 from .. import trace
-from ..data_parallel.ddp import _tensors, end_trace_when_done
+from ..data_parallel.ddp import end_trace_when_done, tensors_in
 from ..trace import Event, now
 from .flat import FlatBucket, reduce_scatter
 from .optimizer import root_rank
@@ -318,7 +318,7 @@ class FullyShardedModule(nn.Module):
                            meta={"unit": u.name}))
         self._free(u)
         if torch.is_grad_enabled():
-            for t in _tensors(out):                    # its output's gradient = its backward starting
+            for t in tensors_in(out):                    # its output's gradient = its backward starting
                 if t.requires_grad:
                     t.register_hook(lambda grad, u=u: self._before_backward(u))
 

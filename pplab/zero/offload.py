@@ -70,10 +70,11 @@ from dataclasses import dataclass
 
 import torch
 
-from . import trace
-from .runtime import comm
-from .trace import Event, now
-from .zero import FullyShardedModule, ZeroOptimizer
+from .. import trace
+from ..runtime import comm
+from ..trace import Event, now
+from .fully_sharded import FullyShardedModule
+from .optimizer import ZeroOptimizer
 
 __all__ = ["DiskOffloadedZero", "DiskOptimizer", "ShardsOnDisk", "TensorFile", "disk_bytes_per_step",
            "param_offload_bytes_per_step", "DiskFit", "fit_disk"]
