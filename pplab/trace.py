@@ -117,9 +117,6 @@ def action_label(kind: str, microbatch, chunk) -> str:
     return text if chunk is None else f"{text}.{chunk}"
 
 
-# pplab/pipeline still imports it by its old name; it is rewritten this round (issue 39)
-_label = action_label
-
 
 @contextlib.contextmanager
 def span(kind: str, label: str | None = None, *, microbatch=None, chunk=None, **meta):

@@ -16,7 +16,7 @@ from pplab import trace
 from pplab.pipeline import (PipelineError, PipelineExecutor, ScheduleError, layer_times, make_schedule,
                             partition, run_pipeline, simulate)
 from pplab.pipeline.dependencies import messages
-from pplab.pipeline.partition import _balanced_split
+from pplab.pipeline.partition import balanced_split
 
 from pipeline_models import data, mlp, reference     # the MLP, its data, one process training it
 
@@ -188,12 +188,12 @@ def test_partition_by_params_keeps_free_layers_with_their_linear():
     assert partition(big, 2) == [(0, 1), (1, 4)]
 
 
-def test_balanced_split_minimises_the_slowest_stage():
-    assert _balanced_split([1, 1, 1, 1, 4], 2) == [4, 1]
-    assert _balanced_split([5, 1, 1, 1, 1, 1], 2) == [1, 5]
-    assert _balanced_split([3, 3, 3], 3) == [1, 1, 1]
-    assert _balanced_split([2] * 7, 3) == [3, 3, 1]            # ties: the later cut
-    assert _balanced_split([1, 0, 1, 0], 2) == [2, 2]          # a free layer stays with the one before
+def testbalanced_split_minimises_the_slowest_stage():
+    assert balanced_split([1, 1, 1, 1, 4], 2) == [4, 1]
+    assert balanced_split([5, 1, 1, 1, 1, 1], 2) == [1, 5]
+    assert balanced_split([3, 3, 3], 3) == [1, 1, 1]
+    assert balanced_split([2] * 7, 3) == [3, 3, 1]            # ties: the later cut
+    assert balanced_split([1, 0, 1, 0], 2) == [2, 2]          # a free layer stays with the one before
 
 
 def test_partition_by_time_gives_a_valid_split():

@@ -65,10 +65,6 @@ ALLOWED_PRIVATE = {
     "pplab.checks.sequence_parallel_capstone_rank imports pplab.tensor_parallel.layers._all_gather",
     "pplab.checks.sequence_parallel_capstone_rank imports pplab.tensor_parallel.layers._reduce_scatter",
     "pplab.course.sandbox imports pplab.isolation._size",
-    # pplab/pipeline is rewritten this round (issue 39's dependency rule): trace.action_label is public
-    # now; partition._balanced_split is to become public there
-    "pplab.pipeline.actions imports pplab.trace._label",
-    "pplab.planner.predict imports pplab.pipeline.partition._balanced_split",
 }
 
 

@@ -40,7 +40,7 @@ import gc
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ..trace import _label
+from ..trace import action_label
 
 KINDS = ("F", "B", "I", "W")
 
@@ -81,7 +81,7 @@ class Action(NamedTuple):
 
     def label(self, chunked: bool = False) -> str:
         """Its name in grids and swimlanes: F3, or F3.1 (chunk 1) when ranks hold several chunks."""
-        return _label(self.kind, self.microbatch, self.chunk if chunked else None)
+        return action_label(self.kind, self.microbatch, self.chunk if chunked else None)
 
 
 @dataclass

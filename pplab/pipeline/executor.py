@@ -48,7 +48,7 @@ import torch.fx.experimental.symbolic_shapes  # noqa: F401 - see below
 from torch import nn
 
 from ..runtime import comm
-from .. import trace
+from .. import stand_in, trace
 from ..memory import saved_activations
 from ..runtime.launcher import device as rank_device
 from .partition import PipelineError, _as_layers, partition
@@ -62,25 +62,6 @@ from .validation import validate
 
 # ----------------------------------------------------------------------------------
 # 2. The executor
-
-
-def compute_durations(compute_time, v: int):
-    """compute_time -> seconds each action pads to, like simulate(t_f, t_b, t_w):
-    a number is t_f (then t_b = 2 t_f, t_w = t_b / 2), a dict gives {"F", "B", "W"};
-    each is one rank's whole share, so one of v chunks takes 1/v of it; I = B - W."""
-    if compute_time is None:
-        return None
-    given = {"F": compute_time} if isinstance(compute_time, (int, float)) else dict(compute_time)
-    if set(given) - {"F", "B", "W"} or "F" not in given or \
-            not all(isinstance(t, (int, float)) and t >= 0 for t in given.values()):
-        raise PipelineError(f"compute_time must be seconds >= 0 per forward, or a dict with 'F' and "
-                            f"optionally 'B' and 'W' (like simulate's t_f, t_b, t_w), got {compute_time!r}")
-    f = given["F"]
-    b = given.get("B", 2 * f)
-    w = given.get("W", b / 2)
-    if w > b:
-        raise PipelineError(f"compute_time: W is the weight-gradient part of B, so W <= B; got W={w}, B={b}")
-    return {"F": f / v, "B": b / v, "I": (b - w) / v, "W": w / v}
 
 
 def _fingerprint(layers) -> tuple:
@@ -97,7 +78,7 @@ class PipelineExecutor:
     so the accumulated gradients are those of the mean loss over the whole batch.
     optimizer: optional, stepped after the flush; it may hold every layer's parameters,
     since only this rank's have gradients (torch optimizers skip the others).
-    compute_time: None, or seconds to pad each action to (see `compute_durations`), so that on a
+    compute_time: None, or seconds to pad each action to (see `pplab.stand_in.durations`), so that on a
     laptop with fewer cores than ranks the measured timeline still shows the schedule's shape.
     group: the ranks of the pipeline (None: every rank), e.g. a mesh's pp group; stage ranks in
     the schedule are ranks within it, and messages go to their global ranks.
@@ -117,7 +98,7 @@ class PipelineExecutor:
                    if group is not None else f"launch with world_size={schedule.num_ranks}")
             raise PipelineError(f"the schedule has {schedule.num_ranks} ranks but {world} are running"
                                 f"{' in the pipeline group' if group is not None else ''}: {fix}")
-        self.pad = compute_durations(compute_time, schedule.chunks // schedule.replicas)   # as simulate scales t_f
+        self.pad = stand_in.durations(compute_time, schedule.chunks // schedule.replicas, error=PipelineError)   # as simulate scales t_f
         self.device = rank_device()
         layers = _as_layers(layers)
         self.model_bounds = self._agree(layers, balance, sample)      # one (start, end) per piece of the model

@@ -4,7 +4,7 @@
     partition(layers, schedule, "time", sample)   # one per stage of the schedule, time balanced
     partition(layers, schedule, [3, 5])           # layer counts per rank (split over its chunks)
 
-`_balanced_split` is the classic "linear partition": the cut that minimises the largest
+`balanced_split` is the classic "linear partition": the cut that minimises the largest
 stage, since a pipeline runs at the pace of its slowest stage.
 """
 from __future__ import annotations
@@ -71,7 +71,7 @@ def layer_times(layers, sample, repeats: int = 3) -> list[float]:
     return best
 
 
-def _balanced_split(costs: list[float], k: int) -> list[int]:
+def balanced_split(costs: list[float], k: int) -> list[int]:
     """Layer counts of k contiguous stages that make the costliest stage as cheap as possible.
 
     A pipeline runs at the pace of its slowest stage, so we minimise the maximum, not
@@ -142,12 +142,12 @@ def partition(layers, stages, balance="params", sample=None) -> list[tuple[int, 
             raise PipelineError(f"balance={list(balance)} adds up to {sum(balance)} layers, but the model "
                                 f"has {n}: make the counts add up to {n}")
     elif balance == "params":
-        counts = _balanced_split([sum(p.numel() for p in layer.parameters()) for layer in layers], k)
+        counts = balanced_split([sum(p.numel() for p in layer.parameters()) for layer in layers], k)
     elif balance == "time":
         if sample is None:
             raise PipelineError("balance='time' measures each layer on a sample input: pass "
                                 "sample=<one micro-batch of inputs>")
-        counts = _balanced_split(layer_times(layers, sample), k)
+        counts = balanced_split(layer_times(layers, sample), k)
     else:
         raise PipelineError(f"balance must be 'params', 'time' or a list of layer counts, got {balance!r}")
     ends = list(accumulate(counts))

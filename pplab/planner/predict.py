@@ -15,7 +15,7 @@ from ..cluster import crossing_time, orders, place
 from ..hybrid import check_layout, describe_layout
 from ..models.gpt import GPTConfig
 from ..pipeline import make_schedule, simulate
-from ..pipeline.partition import _balanced_split
+from ..pipeline.partition import balanced_split
 from ..zero import model_state_bytes
 from .times import LayerTimes, layer_params, parallel_saved
 
@@ -52,7 +52,7 @@ class Layout:
 
 def stages(cfg: GPTConfig, pp: int) -> list:
     """(start, end) pipeline layers of each stage: cut by the dense parameter counts, as pplab.hybrid does."""
-    counts = _balanced_split(layer_params(cfg, 1), pp)
+    counts = balanced_split(layer_params(cfg, 1), pp)
     ends = [sum(counts[:i + 1]) for i in range(pp)]
     return [(e - c, e) for c, e in zip(counts, ends)]
 
