@@ -53,7 +53,7 @@ def test_the_template_ends_with_the_process_that_started_it():
     finally:
         checker.kill()
         checker.wait()
-    for _ in range(100):
+    for _ in range(300):                            # at once; a loaded machine may take seconds
         if not alive(pid):
             break
         time.sleep(0.1)

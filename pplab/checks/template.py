@@ -18,8 +18,6 @@ socket does. The zygotes it forks die with it in turn.
 
 This file runs before pplab can be imported: the standard library and torch only.
 """
-from __future__ import annotations
-
 import atexit
 import ctypes
 import json
@@ -111,13 +109,17 @@ def become_zygote(control: int, payload: int) -> None:
 # ----------------------------------------------------------------------------------
 # In the checker
 
+_DIES_WITH_ITS_PARENT = ("import ctypes, os, sys\n"
+                         "ctypes.CDLL(None).prctl(1, 9, 0, 0, 0)\n"          # PR_SET_PDEATHSIG, SIGKILL
+                         "if os.getppid() != int(sys.argv[2]):\n    os._exit(0)\n")
+
 
 class Template:
     """The checker's handle on its template: `fork(control, payload)` -> the new zygote's pid."""
 
     running = None                                       # this process's template, once one is started
 
-    def __init__(self, requests: socket.socket, pid: int, proc: subprocess.Popen | None = None):
+    def __init__(self, requests: socket.socket, pid: int, proc=None):
         self.requests, self.pid, self.proc, self.lock = requests, pid, proc, threading.Lock()
 
     @classmethod
@@ -126,7 +128,8 @@ class Template:
         with open(__file__, encoding="utf-8") as f:
             text = f.read()
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        code = text + "\nserve(socket.socket(fileno=int(sys.argv[1])), int(sys.argv[2]))\n"
+        code = (_DIES_WITH_ITS_PARENT + text +          # the former before torch is imported (seconds)
+                "\nserve(socket.socket(fileno=int(sys.argv[1])), int(sys.argv[2]))\n")
         proc = subprocess.Popen([sys.executable, "-I", "-c", code, str(theirs.fileno()), str(os.getpid())],
                                 stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),), close_fds=True)
         theirs.close()
