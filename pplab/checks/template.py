@@ -67,7 +67,10 @@ def serve(requests: socket.socket, parent: int) -> None:
             become_zygote(*fds)
         for fd in fds:
             os.close(fd)
-        requests.send(json.dumps({"pid": pid}).encode())
+        try:
+            requests.send(json.dumps({"pid": pid}).encode())
+        except OSError:
+            os._exit(0)
 
 
 def _reap(*_) -> None:
@@ -138,8 +141,12 @@ class Template:
     def fork(self, control: int, payload: int) -> int:
         """A zygote forked for one check, holding `control` and reading its payload from `payload`."""
         with self.lock:
-            socket.send_fds(self.requests, [b"fork"], [control, payload])
-            reply = self.requests.recv(256)
+            try:
+                socket.send_fds(self.requests, [b"fork"], [control, payload])
+                reply = self.requests.recv(256)
+            except BaseException:                        # interrupted: a reply may be left unread
+                self.requests.close()                    # so this template is done (fork_zygote starts another)
+                raise
         if not reply:
             raise OSError("the template has ended")
         return json.loads(reply)["pid"]
