@@ -30,6 +30,7 @@ TEST_FILES = {
     "test_checks_hard": ["02", "04"],
     "test_checks_sealed": ["course"],
     "test_checks_sequence_parallel": ["05"],
+    "test_checks_template": ["course"],
     "test_checks_tensor_parallel": ["03"],
     "test_checks_unreachable": ["course"],
     "test_checks_zero": ["06"],

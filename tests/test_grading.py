@@ -302,18 +302,8 @@ def test_attacks_on_the_grader_get_no_marks_and_a_note(tmp_path):
             in notes["attack_files"]
 
 
-@pytest.mark.parametrize("exercise_id", sorted(checks.EXERCISES))
-def test_every_solution_passes_when_graded_from_its_source(exercise_id):
-    """As the grader sees it: the definitions taken from the solution notebook's source,
-    run only in the ranks and children of the check (here, in this process's check)."""
-    from notebook_answers import solution_notebook
-
-    ex = checks.get_exercise(exercise_id)
-    cells = [(n, c.source) for n, c in enumerate(solution_notebook(exercise_id).cells, 1) if c.cell_type == "code"]
-    found = submission.definitions(cells, {ex.answer})
-    assert found.notes == []
-    result = checks.run_check(exercise_id, found.answers[ex.answer])
-    assert result, result.message
+# Every solution graded from its source, as the grader takes it (nothing ignored): in
+# tests/test_checks_sealed.py::test_every_solution_passes_as_a_function_and_as_source.
 
 
 def test_the_predictions_a_student_filled_in_go_with_the_written_answers():

@@ -8,8 +8,9 @@ a failure is worded), `answers` (the student's answer and the plain data that ma
 back from it), `forbidden` (what an answer may not call), `router` and `isolation`, then
 `sealed_rank` (a rank's life), `zygote` (what ranks are forked from) and `sealed` (a
 launch, seen from the checker); `denied` (what each graded exercise's answer runs without),
-`library_view` and `fresh_zygote` (a graded check's ranks come from a fresh interpreter where
-those modules and the checkers do not exist; a checker's rank-side jobs live in `*_rank`
+`library_view`, `template` and `fresh_zygote` (a graded check's ranks come from an interpreter,
+forked from one that imported torch and nothing of pplab, where those modules and the
+checkers do not exist; a checker's rank-side jobs live in `*_rank`
 modules, which hold no reference), and `core`: the registry (`@exercise`), `check`/
 `run_check` and the helpers every checker uses (core's docstring has the contract);
 `predictions` compares a chapter's 'predict, then run' answers with what was measured

@@ -5,11 +5,12 @@ A zygote forked from the checker (zygote.py) carries all the checker ever import
 checker module with its references, and through it the library modules, whose function
 objects a rank finds with gc.get_objects() or sys.modules however imports are refused. So
 when `pplab grade` checks an exercise listed in denied.py (the answer is a SourceAnswer),
-run_check starts this zygote instead: `python -I` (no current folder, no PYTHONPATH),
-which imports torch and, from source text the checker sends on its stdin, only what the
-ranks may reach (library_view.py): the library minus the denied modules, the sealed
-machinery and the `*_rank` modules holding the checkers' jobs (none holds a reference).
-Then it serves launches exactly as the forked zygote does (`_zygote_main`).
+run_check starts this zygote instead: a child of the template (template.py), an
+interpreter that imported torch and nothing of pplab, which imports, from source text the
+checker sends through a pipe, only what the ranks may reach (library_view.py): the library
+minus the denied modules, the sealed machinery and the `*_rank` modules holding the
+checkers' jobs (none holds a reference). Then it serves launches exactly as the forked
+zygote does (`_zygote_main`).
 
 Each rank also hides the files (isolation.py's `hide`, in its mount namespace): every
 folder pplab is found in, and beside it the course's .git and solutions/. Where the system
@@ -26,12 +27,13 @@ import contextlib
 import json
 import os
 import pkgutil
+import select
+import signal
 import socket
-import subprocess
 import sys
 import importlib.util
 
-from . import library_view
+from . import library_view, template
 from .denied import CHECKS_NOTE, note
 from .zygote import Zygote, serving
 
@@ -39,59 +41,44 @@ from .zygote import Zygote, serving
 _MACHINERY = {"answers", "failures", "forbidden", "router", "isolation", "sealed_rank", "zygote", "sealed",
               "library_view"}
 
-_BOOT = r'''
-import json, socket, sys, types
-payload = json.loads(sys.stdin.buffer.read())
-sys.stdin.close()
-view = types.ModuleType("pplab.checks.library_view")
-exec(compile(payload["view"][1], payload["view"][0], "exec"), view.__dict__)
-view.install(payload.pop("sources"), payload["denied"], payload["checks_note"])
-sys.modules["pplab.checks.library_view"] = view
-from pplab.checks import sealed_rank, zygote
-from pplab.checks.answers import SourceAnswer
-name, statements, params = payload["answer"]
-answer = SourceAnswer(name, tuple(tuple(s) for s in statements), None if params is None else tuple(map(tuple, params)))
-sealed_rank._STATE["hide"] = payload["hide"]
-for module in payload["preload"]:                  # once here, not compiled again in every rank
-    try:
-        __import__(module)
-    except ImportError:
-        pass
-control = socket.socket(fileno=payload["fd"])
-del payload, view
-try:
-    zygote._zygote_main(control, answer)
-finally:
-    import os
-    os._exit(0)                                    # no interpreter teardown: the check waits for this exit
-'''
-
 
 class FreshZygote(Zygote):
-    """A Zygote (same launch/end protocol) that is a fresh `python -I` serving only what is allowed."""
+    """A Zygote (same launch/end protocol) forked from the template (template.py), which never
+    imported pplab, and serving only what is allowed: the payload it reads says what."""
 
     def __init__(self, answer, denies, preload=()):
         self.control, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         payload = {"view": [library_view.__file__, _source("pplab.checks.library_view")],
                    "sources": served(denies), "denied": {m: note(m) for m in denies}, "checks_note": CHECKS_NOTE,
-                   "hide": hidden_paths(denies), "fd": theirs.fileno(), "preload": list(preload),
+                   "hide": hidden_paths(denies), "preload": list(preload),
                    "answer": [answer.name, [list(s) for s in answer.statements],
                               None if answer.params is None else [list(p) for p in answer.params]]}
-        self.proc = subprocess.Popen([sys.executable, "-I", "-c", _BOOT], stdin=subprocess.PIPE,
-                                     pass_fds=(theirs.fileno(),), close_fds=True)
-        theirs.close()
-        self.pid = self.proc.pid
-        with contextlib.suppress(OSError):
-            self.proc.stdin.write(json.dumps(payload).encode())
-            self.proc.stdin.close()
+        read, write = os.pipe()
+        try:
+            self.pid = template.fork_zygote(theirs.fileno(), read)
+            self.exited = os.pidfd_open(self.pid)       # readable once it has exited (it is not our child)
+        except BaseException:
+            os.close(write)
+            self.control.close()
+            raise
+        finally:
+            theirs.close()
+            os.close(read)
+        try:
+            with open(write, "wb") as pipe:
+                pipe.write(json.dumps(payload).encode())
+        except OSError:
+            pass                                         # it died reading: the first launch says so
 
     def close(self) -> None:
-        self.control.close()                             # the zygote kills its ranks and exits
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        """End the zygote (it kills its ranks and exits) and wait until it has."""
+        with contextlib.suppress(OSError):
+            self.control.shutdown(socket.SHUT_WR)        # what it reads as the end of the check
+        if not select.select([self.exited], [], [], 10)[0]:
+            signal.pidfd_send_signal(self.exited, signal.SIGKILL)   # its ranks die with it (PR_SET_PDEATHSIG)
+            select.select([self.exited], [], [], 10)
+        os.close(self.exited)
+        self.control.close()
 
 
 def _source(name: str) -> str:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from . import sandbox
+from ..checks import template
 from .runner import _become_subreaper, _kill_children, _kill_tree, _not_dumpable
 
 OUTPUT_LINES, LINE_CHARS = 100, 500          # what the grader keeps of a check's output
@@ -90,8 +91,10 @@ def copy_pplab(sources: dict, folder: str | Path) -> dict:
 
 
 # Runs first in a check process (python -I: no current folder, no PYTHONPATH, no user site
-# on sys.path): serve pplab from the copy sent on stdin, then run one check.
-_BOOT = r'''
+# on sys.path): fork the template of graded checks' zygotes (checks/template.py: torch, no
+# pplab) before the job is read, serve pplab from the copy sent on stdin, then run one check.
+_BOOT = Path(template.__file__).read_text() + r'''
+_TEMPLATE = fork_template()
 import importlib.abc, importlib.machinery, importlib.util, json, sys
 job = json.loads(sys.stdin.buffer.read())
 sources, MARK = job.pop("sources"), "<pplab copy>/"
@@ -129,7 +132,7 @@ sys.meta_path.insert(0, Copy())
 sys.path_hooks.insert(0, Copy)
 sys.path_importer_cache.clear()
 from pplab.course.check_process import _check_main
-_check_main(job)
+_check_main(job, _TEMPLATE)
 '''
 
 
@@ -267,11 +270,15 @@ def _is_the_check(pid: int, started: int, sandboxed: bool, psutil) -> bool:
         return False
 
 
-def _check_main(job: dict) -> None:
-    """In the check process: check the answer, kill every process below this one, then
-    send the verdict to the grader's socket."""
+def _check_main(job: dict, forked_template: tuple) -> None:
+    """In the check process: check the answer (a graded check's zygote forked from
+    `forked_template`: its socket and pid), kill every process below this one, then send the
+    verdict to the grader's socket."""
     import socket
 
+    from ..checks.template import Template
+
+    Template.running = Template(*forked_template)
     _not_dumpable()
     _become_subreaper()
     devnull = os.open(os.devnull, os.O_RDONLY)
