@@ -367,7 +367,7 @@ def _judge(t, members, shape, state, refs, results, traffic):
     """{part: first message or None} for one trial (each rank checked, in rank order)."""
     found = dict.fromkeys(PARTS)
     world = len(results)
-    for rank in range(world):
+    for rank in range(world):                           # every rank's parts
         ranks = list(range(world)) if members is None else next(m for m in members if rank in m)
         r, group_id = ranks.index(rank), 0 if members is None else members.index(ranks)
         ref, lo, hi = refs[group_id], r * shape["s"] // t, (r + 1) * shape["s"] // t

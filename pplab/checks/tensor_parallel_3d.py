@@ -101,7 +101,7 @@ def formula_bytes(B, c_in, c_out, q=Q):
 
 def _judge_values(prob, observed, parts, where):
     for part, names in (("forward", ("y",)), ("backward", ("x.grad", "w.grad"))):
-        for rank in sorted(observed):
+        for rank in sorted(observed):                   # every rank's values
             want, own = _expected(prob, rank), _own_terms(prob, rank)
             problem = None
             for name in names:
@@ -139,7 +139,7 @@ def _judge_traffic(prob, observed, traffic, parts, where):
     for phase in ("forward", "backward"):
         if not right[phase]:
             continue
-        for rank in sorted(observed):
+        for rank in sorted(observed):                   # every rank's bytes
             got = _sent(traffic[rank], phase)
             if got > limit * (1 + 1e-9):
                 kinds = sorted({c["kind"] for c in traffic[rank]["collectives"] if c["phase"] == phase})
