@@ -66,6 +66,9 @@ MUTANTS += [
            "for t, members in ((2, None), (2, [[0, 2], [1, 3]])):", _MSP, "Megatron-SP check: t = 3 never tried"),
     Mutant(_SPC, "for rank in range(world):                           # every rank's parts",
            "for rank in range(1):", _MSP, "Megatron-SP check: rank 0 only"),
+    Mutant(_SPC, "ffn = t * rng.randint(2, 3) + (1 if t > 2 else rng.randint(0, 1))",
+           "ffn = t * rng.randint(2, 3) + (2 if t > 2 else rng.randint(0, 1))", _MSP,
+           "Megatron-SP check: ffn = 2 (mod 3) on 3 ranks, where chunks of ceil(ffn/t) split as tensor_split does"),
     Mutant(_SPC, "RTOL, ATOL = 1e-4, 1e-4", "RTOL, ATOL = 1e-2, 1e-2", _MSP,
            "Megatron-SP check: float32 tolerance widened 100x"),
     # the ring-attention capstone
