@@ -45,6 +45,11 @@ def recomputes_nothing_on_rank_1(block):
     return _selective(block) if dist.get_rank() == 0 else block
 
 
+def ckpt_recomputes_on_two_ranks_only(block):
+    """`if dist.get_rank() < 2`, two ranks in mind: right with t = 2; with t = 3 rank 2 keeps everything."""
+    return _selective(block) if dist.get_rank() < 2 else block
+
+
 def forgets_the_dropout_mask(block):
     """Recomputes attention in backward, but dropout draws new masks there."""
     return _selective(block, replay=False)
@@ -94,6 +99,9 @@ WRONG = {
          [WHERE + r"rank 1: autograd kept [\d,]+ bytes for backward; the budget is",
           r"exactly what the block keeps without recomputation: nothing was dropped",
           r"Parts: exact ✔ · within budget ✘ · recompute cost ✔ \(2 of 3\)"], None),
+        (ckpt_recomputes_on_two_ranks_only,
+         [r"^t=3, s=\d+, b=\d, h=\d+, \d heads, dropout 0\.\d, rank 2: autograd kept [\d,]+ bytes for backward",
+          r"nothing was dropped", r"Parts: exact ✔ · within budget ✘ · recompute cost ✔ \(2 of 3\)"], None),
         (forgets_the_dropout_mask,
          [WHERE + r"rank 0: the output is exact but x\.grad differs", r"Dropout drew a new mask",
           r"preserve_rng_state=True", r"\(2 of 3\)"], None),

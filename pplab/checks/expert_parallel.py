@@ -172,7 +172,8 @@ def _traffic_trials(seed, p):
                 second = (first + torch.randint(1, E, (n,), generator=g)) % E          # another expert
                 choices.append(torch.stack([first, second], 1)[:, :k])
             t = {"choices": choices, "E": E, "k": k, "capacity_factor": capacity_factor,
-                 "hidden": E + rng.randint(0, 3), "element_size": rng.choice([2, 4, 8])}
+                 "hidden": E + rng.randint(0, 3),           # with a capacity, never 4 bytes: float32 assumed
+                 "element_size": rng.choice([2, 8] if capacity_factor else [2, 4, 8])}    # is wrong on every seed
             if _telling(t, p):
                 break
         trials.append(t)
