@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from pplab import checks, comm
 from wrong_solutions_tensor_parallel import WRONG, f_g_within_tolerance, row_within_tolerance
+from wrong_solutions_tp3d import l3d_within_tolerance
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
@@ -103,7 +104,8 @@ def vocab_ce_as_one_autograd_function(logits_shard, targets, vocab_start, group=
                                              ("vocab_parallel_ce", vocab_ce_as_one_autograd_function),
                                              # off by 1e-12, inside the tolerance 1e-10: a near miss must not be
                                              ("f_g", f_g_within_tolerance),              # caught by a check
-                                             ("row_parallel_linear", row_within_tolerance)])    # too strict
+                                             ("row_parallel_linear", row_within_tolerance),     # too strict
+                                             ("linear_3d", l3d_within_tolerance)])
 def test_other_correct_answers_pass(exercise_id, fn):
     result = checks.run_check(exercise_id, fn)
     assert result, result.message

@@ -114,6 +114,11 @@ def l3d_off_by_5e_10(x, w, cube):
     return _make(scale=1 + 5e-10).apply(x, w, cube)
 
 
+def l3d_within_tolerance(x, w, cube):
+    """Right, y scaled by 1 + 1e-13: inside the tolerance, must pass (test_checks_tensor_parallel.py)."""
+    return _make(scale=1 + 1e-13).apply(x, w, cube)
+
+
 class _SumGrads(torch.autograd.Function):
     """Backward of the gather-everything answer: the whole dY gathered, dX and dW summed everywhere."""
 
