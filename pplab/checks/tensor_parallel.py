@@ -239,7 +239,7 @@ def check_row_parallel(fn, seed: int, timeout: float) -> str:
 
 def _ce_shapes(seed, big):
     rng = random.Random(seed)
-    return rng.randint(2, 9), rng.randint(7, 40), (800.0 if big else 0.0)       # tokens, vocab, logit offset
+    return rng.randint(3, 9), rng.randint(7, 40), (800.0 if big else 0.0)       # tokens, vocab, logit offset
 
 
 @exercise("vocab_parallel_ce", "Vocabulary-parallel cross-entropy that never gathers the logits",
@@ -254,6 +254,9 @@ def check_vocab_parallel_ce(fn, seed: int, timeout: float) -> str:
         n, vocab, offset = _ce_shapes(t[2], t[3])
         logits = (_data(t[2], n, vocab) * 3 + offset).requires_grad_()
         targets = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(t[2] + 1))
+        for r in range(t[0]):                   # token r's target in rank r's slice: every rank's mask is tried
+            a, e = _split(vocab, t[0], r)
+            targets[r] = a + t[2] % (e - a)
         inputs = [{"shard": logits.detach()[:, a:e].clone(), "targets": targets, "start": a}
                   for a, e in (_split(vocab, t[0], r) for r in range(t[0]))]
         results = _launch(_ce_rank, fn, t, inputs, timeout, "vocab_parallel_ce", probe=_refuse_vocab_parallel_ce)
