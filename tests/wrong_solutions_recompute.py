@@ -50,6 +50,13 @@ def ckpt_recomputes_on_two_ranks_only(block):
     return _selective(block) if dist.get_rank() < 2 else block
 
 
+def ckpt_wrapped_twice(block):
+    """The checkpointing cell run twice in the notebook: block.attention wrapped, and the wrapper
+    wrapped again. Exact and within budget, but attention's core runs three times (twice in
+    backward): twice the recomputation selective needs."""
+    return _selective(_selective(block))
+
+
 def forgets_the_dropout_mask(block):
     """Recomputes attention in backward, but dropout draws new masks there."""
     return _selective(block, replay=False)
@@ -102,6 +109,9 @@ WRONG = {
         (ckpt_recomputes_on_two_ranks_only,
          [r"^t=3, s=\d+, b=\d, h=\d+, \d heads, dropout 0\.\d, rank 2: autograd kept [\d,]+ bytes for backward",
           r"nothing was dropped", r"Parts: exact ✔ · within budget ✘ · recompute cost ✔ \(2 of 3\)"], None),
+        (ckpt_wrapped_twice,
+         [WHERE + r"rank 0: backward recomputed [\d,]+ FLOPs", r"more than attention's core ran again",
+          r"exact ✔ · within budget ✔ · recompute cost ✘ \(2 of 3\)"], None),
         (forgets_the_dropout_mask,
          [WHERE + r"rank 0: the output is exact but x\.grad differs", r"Dropout drew a new mask",
           r"preserve_rng_state=True", r"\(2 of 3\)"], None),
