@@ -143,6 +143,15 @@ def traffic_one_peer(choices, num_experts, capacity_factor, hidden, element_size
             for r in range(p)]
 
 
+def traffic_combine_skips_rank_0(choices, num_experts, capacity_factor, hidden, element_size):
+    """The combine summed over source ranks range(1, p), as if rank 0's rows never left it: right
+    on rank 0 (whose sources are 1..p-1 anyway), short on every other rank."""
+    p, row = len(choices), hidden * element_size
+    rows = _rows(choices, num_experts, capacity_factor)
+    return [((p - 1) * (num_experts // p) * 8, sum(rows[r][j] for j in range(p) if j != r) * row,
+             sum(rows[i][r] for i in range(1, p) if i != r) * row) for r in range(p)]
+
+
 def traffic_rows_of_float32(choices, num_experts, capacity_factor, hidden, element_size):
     """Every row counted as hidden float32 numbers, 4 bytes each, whatever element_size says."""
     return _bytes(_rows(choices, num_experts, capacity_factor), num_experts, hidden * 4)
@@ -184,6 +193,8 @@ WRONG = {
                                           r"counts ✘ · dispatch ✔ · combine ✔ \(2 of 3\)"], None),
         (traffic_one_peer, [r"^p=[34], E=\d+, .*rank \d sends [\d,.]+ bytes in the (dispatch|combine), measured",
                              r"counts ✔ · dispatch ✘ · combine ✘"], None),
+        (traffic_combine_skips_rank_0, [TRAFFIC + r"rank [1-3] sends [\d,.]+ bytes in the combine, measured",
+                                         r"counts ✔ · dispatch ✔ · combine ✘"], None),
         (traffic_rows_of_float32, [r"element_size=[28], .*rank \d sends [\d,.]+ bytes in the (dispatch|combine), "
                                    r"measured", r"counts ✔ · dispatch ✘ · combine ✘"], None),
         (traffic_from_the_library, [r"pplab\.expert_parallel\.all_to_all_bytes, the library's answer"], None),
