@@ -84,7 +84,7 @@ MUTANTS += [
     Mutant(_EP, "for rank in sorted(observed):                   # every rank's answer",
            "for rank in sorted(observed)[:1]:  # every rank's answer", _DISP, "MoE dispatch check: answers of rank 0 only"),
     # the MoE bytes (exact integers: the 1e-6 only absorbs a float's rounding)
-    Mutant(_EP, "sizes = (2, 3, 4)                               # moe_bytes", "sizes = (2,)", _MB,
+    Mutant(_EP, "sizes = (2, 3, 4)                               # moe_bytes", "sizes = (2,)  # moe_bytes", _MB,
            "MoE bytes check: two ranks only"),
     Mutant(_EP, "for r in range(p):                      # every rank's three numbers", "for r in range(1):", _MB,
            "MoE bytes check: rank 0 only"),
