@@ -40,6 +40,14 @@ def test_another_correct_answer_passes_with_every_part():
     assert "Parts: forward ✔ · backward dQ ✔ · backward dK/dV ✔ · traffic ✔ (4 of 4)" in result.message
 
 
+def test_an_answer_within_the_tolerance_passes():
+    """The merge normalised with an epsilon of 1e-12 (wrong_solutions_capstone_ring's near miss has
+    1e-8): far inside the tolerance 1e-9, so it passes with every part."""
+    from wrong_solutions_capstone_ring import _ring
+    result = checks.run_check("ring_attention", _ring(eps=1e-12))
+    assert result, result.message
+
+
 # -- each traffic mistake gets its own words (the record made by hand: no ranks needed) ----------
 
 N = 96                                                      # bytes of one rank's K block

@@ -144,6 +144,15 @@ def test_another_correct_answer_passes_with_every_part():
     assert "Parts: forward ✔ · input grad ✔ · parameter grads ✔ · traffic ✔ (4 of 4)" in result.message
 
 
+def test_attention_in_float64_passes_within_the_float32_tolerance():
+    """Attention's core in float64 and cast back: about 1e-7 from the float32 reference, inside the
+    tolerance 1e-4 (the near miss in bfloat16, about 1e-3, fails: wrong_solutions_capstone_sp.py)."""
+    from wrong_solutions_capstone_sp import _Block
+    result = checks.run_check("megatron_sp_block", lambda block, group=None: _Block(block, group,
+                                                                                    attention_dtype=torch.float64))
+    assert result, result.message
+
+
 # -- each traffic mistake gets its own words (the record made by hand: no ranks needed) ----------
 
 def _record(forward, backward):

@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 
 from pplab import checks, comm
-from wrong_solutions_tensor_parallel import WRONG
+from wrong_solutions_tensor_parallel import WRONG, f_g_within_tolerance, row_within_tolerance
+from wrong_solutions_tp3d import l3d_within_tolerance
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
@@ -100,7 +101,11 @@ def vocab_ce_as_one_autograd_function(logits_shard, targets, vocab_start, group=
 
 @pytest.mark.parametrize("exercise_id, fn", [("f_g", f_and_g_with_torch_distributed),
                                              ("row_parallel_linear", row_parallel_with_tensor_split_and_nn_linear),
-                                             ("vocab_parallel_ce", vocab_ce_as_one_autograd_function)])
+                                             ("vocab_parallel_ce", vocab_ce_as_one_autograd_function),
+                                             # off by 1e-12, inside the tolerance 1e-10: a near miss must not be
+                                             ("f_g", f_g_within_tolerance),              # caught by a check
+                                             ("row_parallel_linear", row_within_tolerance),     # too strict
+                                             ("linear_3d", l3d_within_tolerance)])
 def test_other_correct_answers_pass(exercise_id, fn):
     result = checks.run_check(exercise_id, fn)
     assert result, result.message

@@ -84,7 +84,7 @@ class _Block(nn.Module):
     """A Megatron-SP block; each keyword turns on one mistake."""
 
     def __init__(self, block, group, heads_contiguous=False, ln_grads_summed=True, gather=g, scatter=g_bar,
-                 bias="after", residual_whole=False, use_group=True):
+                 bias="after", residual_whole=False, use_group=True, ffn_split="tensor_split", attention_dtype=None):
         super().__init__()
         group = group if use_group else None
         t, r = comm.world_size(group), comm.rank(group)
@@ -93,14 +93,15 @@ class _Block(nn.Module):
         mine = torch.arange(r * n * d, (r + 1) * n * d)
         rows = torch.arange(r * 3 * n * d, (r + 1) * 3 * n * d) if heads_contiguous else \
             torch.cat([mine, mine + h, mine + 2 * h])
-        ffn = torch.arange(block.mlp.fc1.out_features).tensor_split(t)[r]
+        ffn = torch.arange(block.mlp.fc1.out_features)
+        ffn = ffn.tensor_split(t)[r] if ffn_split == "tensor_split" else ffn.chunk(t)[r]     # chunk: ceil(n/t) each
         self.ln1, self.ln2 = copy.deepcopy(block.ln1), copy.deepcopy(block.ln2)
         self.attn, self.mlp = nn.Module(), nn.Module()
         self.attn.qkv, self.attn.proj = _linear(block.attn.qkv, rows=rows), _linear(block.attn.proj, cols=mine)
         self.mlp.fc1, self.mlp.fc2 = _linear(block.mlp.fc1, rows=ffn), _linear(block.mlp.fc2, cols=ffn)
         self.group, self.heads, self.rank = group, n, r
         self.ln_grads_summed, self.gather, self.scatter, self.bias = ln_grads_summed, gather, scatter, bias
-        self.residual_whole = residual_whole
+        self.residual_whole, self.attention_dtype = residual_whole, attention_dtype
 
     def _norm(self, ln, x):
         w, b = (f(p, self.group) for p in (ln.weight, ln.bias)) if self.ln_grads_summed else (ln.weight, ln.bias)
@@ -116,7 +117,9 @@ class _Block(nn.Module):
     def forward(self, x):
         if self.residual_whole:                     # chapter 3's block on the gathered sequence
             return self._whole(x)
-        a = _attend(self.attn.qkv(self.gather(self._norm(self.ln1, x), self.group)), self.heads)
+        qkv = self.attn.qkv(self.gather(self._norm(self.ln1, x), self.group))
+        a = _attend(qkv, self.heads) if self.attention_dtype is None else \
+            _attend(qkv.to(self.attention_dtype), self.heads).to(qkv.dtype)
         x = x + self._row(self.attn.proj, a)
         m = F.gelu(self.mlp.fc1(self.gather(self._norm(self.ln2, x), self.group)))
         return x + self._row(self.mlp.fc2, m)
@@ -183,6 +186,19 @@ def sp_returns_the_whole_sequence(block, group=None):
     return Whole()
 
 
+def sp_ffn_in_chunks(block, group=None):
+    """The ffn split with torch.chunk (ceil(ffn/t) rows each): tensor_split's on 2 ranks, and on 3
+    ranks with ffn = 3k + 1, k+1, k+1, k-1 rows where tensor_split gives k+1, k, k. Still a partition
+    of the ffn, so the values are right: the layout gives it away."""
+    return _Block(block, group, ffn_split="chunk")
+
+
+def sp_attention_in_bfloat16(block, group=None):
+    """Attention's core run in bfloat16 "for speed" (q, k, v cast down, the output cast back): off by
+    about 1e-3, ten times the float32 tolerance 1e-4, far inside 1e-2."""
+    return _Block(block, group, attention_dtype=torch.bfloat16)
+
+
 def sp_from_library(block, group=None):
     return MegatronBlock.from_dense(block, keep_input_shard=False, group=group)
 
@@ -231,6 +247,12 @@ WRONG = {
         (sp_returns_the_whole_sequence,
          [WHERE + r": the block returned \[\d+, \d, \d+\], not a tensor of this rank's shape",
           r"Parts: forward ✘ · input grad ✘ · parameter grads ✘"], None),
+        (sp_ffn_in_chunks,
+         [r"^t=3, .*, rank [12]: the parameters are not this rank's share: mlp\.fc1\.weight is not this rank's share",
+          r"Parts: forward ✔ · input grad ✔ · parameter grads ✘ · traffic ✔",
+          r"the first ffn % t ranks get one more"], None),
+        (sp_attention_in_bfloat16, [WHERE + r": the output differs from the single-process block's",
+                                    r"Parts: forward ✘ · input grad ✘"], None),
         (sp_from_library,
          [r"^exercise 'megatron_sp_block' asks you to work out the block's sharding and its g, ḡ and f operators "
           r"yourself; you use pplab's own tensor- or sequence-parallel layers"], None),

@@ -64,6 +64,14 @@ def dispatch_drops_last_choice_on_rank_2(expert, num_experts, world_size):
     return torch.bincount(expert[order] // (num_experts // world_size), minlength=world_size).tolist(), order
 
 
+def dispatch_owner_by_comparison(expert, num_experts, world_size):
+    """The owner of expert e as `e >= E/p` (the first half or the second, two ranks in mind): right
+    on 2 ranks; on 3, rank 2's experts go to rank 1. The order (sorted by expert) stays right."""
+    order = _kept_sorted(expert)
+    owner = (expert[order] >= num_experts // world_size).long()
+    return torch.bincount(owner, minlength=world_size).tolist(), order
+
+
 def dispatch_from_the_library(expert, num_experts, world_size):
     from pplab import expert_parallel
     return expert_parallel.dispatch_plan(expert, num_experts, world_size)
@@ -126,6 +134,29 @@ def traffic_all_counts_to_everyone(choices, num_experts, capacity_factor, hidden
                   counts=(len(choices) - 1) * num_experts * 8)
 
 
+def traffic_one_peer(choices, num_experts, capacity_factor, hidden, element_size):
+    """The dispatch counted to the next rank only and the combine from it (the one other rank there
+    is on 2 ranks): right on 2 ranks, short on 3 and 4."""
+    p, row = len(choices), hidden * element_size
+    rows = _rows(choices, num_experts, capacity_factor)
+    return [((p - 1) * (num_experts // p) * 8, rows[r][(r + 1) % p] * row, rows[(r + 1) % p][r] * row)
+            for r in range(p)]
+
+
+def traffic_combine_skips_rank_0(choices, num_experts, capacity_factor, hidden, element_size):
+    """The combine summed over source ranks range(1, p), as if rank 0's rows never left it: right
+    on rank 0 (whose sources are 1..p-1 anyway), short on every other rank."""
+    p, row = len(choices), hidden * element_size
+    rows = _rows(choices, num_experts, capacity_factor)
+    return [((p - 1) * (num_experts // p) * 8, sum(rows[r][j] for j in range(p) if j != r) * row,
+             sum(rows[i][r] for i in range(1, p) if i != r) * row) for r in range(p)]
+
+
+def traffic_rows_of_float32(choices, num_experts, capacity_factor, hidden, element_size):
+    """Every row counted as hidden float32 numbers, 4 bytes each, whatever element_size says."""
+    return _bytes(_rows(choices, num_experts, capacity_factor), num_experts, hidden * 4)
+
+
 def traffic_from_the_library(choices, num_experts, capacity_factor, hidden, element_size):
     from pplab import expert_parallel
     b = expert_parallel.all_to_all_bytes(len(choices[0]), choices[0].shape[1], num_experts, len(choices), hidden,
@@ -143,6 +174,8 @@ WRONG = {
         (dispatch_my_experts_first, [r"^world_size=\d, .*: rank [1-3]'s order is", r"whatever rank you are"], None),
         (dispatch_unstable, [WHERE + r"'s order is", r"sort stably"], None),
         (dispatch_drops_last_choice_on_rank_2, [r"^world_size=3, .*: rank 2's send_counts is"], None),
+        (dispatch_owner_by_comparison, [r"^world_size=[34], .*: rank \d's send_counts is \[[\d, ]+\], expected"],
+         None),
         (dispatch_from_the_library, [r"pplab\.expert_parallel\.dispatch_plan, the library's answer"], None),
     ],
     "moe_bytes": [
@@ -158,6 +191,12 @@ WRONG = {
         (traffic_all_counts_to_everyone, [TRAFFIC + r"rank \d sends [\d,]+ bytes in the counts",
                                           r"only the counts for that rank's E/p experts",
                                           r"counts ✘ · dispatch ✔ · combine ✔ \(2 of 3\)"], None),
+        (traffic_one_peer, [r"^p=[34], E=\d+, .*rank \d sends [\d,.]+ bytes in the (dispatch|combine), measured",
+                             r"counts ✔ · dispatch ✘ · combine ✘"], None),
+        (traffic_combine_skips_rank_0, [TRAFFIC + r"rank [1-3] sends [\d,.]+ bytes in the combine, measured",
+                                         r"counts ✔ · dispatch ✔ · combine ✘"], None),
+        (traffic_rows_of_float32, [r"element_size=[28], .*rank \d sends [\d,.]+ bytes in the (dispatch|combine), "
+                                   r"measured", r"counts ✔ · dispatch ✘ · combine ✘"], None),
         (traffic_from_the_library, [r"pplab\.expert_parallel\.all_to_all_bytes, the library's answer"], None),
     ],
 }

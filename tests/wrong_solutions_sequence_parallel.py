@@ -21,7 +21,7 @@ def _scores(q, kb, j, causal):
     return s
 
 
-def _online(q, k, v, block, causal, blocks=None, rescale=True, lse_of=None):
+def _online(q, k, v, block, causal, blocks=None, rescale=True, lse_of=None, eps=0.0, scale=1.0):
     """The right loop, with the knobs the mistakes below turn."""
     m = torch.full(q.shape[:-1], -math.inf, dtype=q.dtype)
     total = torch.zeros(q.shape[:-1], dtype=q.dtype)
@@ -31,8 +31,10 @@ def _online(q, k, v, block, causal, blocks=None, rescale=True, lse_of=None):
         m_new = torch.maximum(m, s.amax(-1))
         shrink = torch.exp(m - m_new) if rescale else torch.ones_like(m)
         e = torch.exp(s - m_new[..., None])
-        total, acc, m = shrink * total + e.sum(-1), shrink[..., None] * acc + e @ v[..., j:j + block, :], m_new
-    return acc / total[..., None], (lse_of or (lambda m, total: m + torch.log(total)))(m, total)
+        total, m = shrink * total + e.sum(-1), m_new
+        acc = shrink[..., None] * acc + e @ v[..., j:j + block, :]
+    out = acc / (total[..., None] + eps) * scale
+    return out, (lse_of or (lambda m, total: m + torch.log(total)))(m, total)
 
 
 def attention_all_at_once(q, k, v, block, causal=False):
@@ -84,6 +86,17 @@ def blockwise_lse_is_the_max(q, k, v, block, causal=False):
     return _online(q, k, v, block, causal, lse_of=lambda m, total: m)
 
 
+def blockwise_divides_with_an_epsilon(q, k, v, block, causal=False):
+    """out = acc / (sum + 1e-7), an epsilon "against a division by zero": the sum is at least 1 (the
+    running max's own exp), so out is off by up to 1e-7 relative, just outside the tolerance 1e-9 x (1 + |out|)."""
+    return _online(q, k, v, block, causal, eps=1e-7)
+
+
+def blockwise_within_tolerance(q, k, v, block, causal=False):
+    """Right, out scaled by 1 + 1e-11: inside the tolerance, must pass (test_checks_sequence_parallel.py)."""
+    return _online(q, k, v, block, causal, scale=1 + 1e-11)
+
+
 def blockwise_with_torch(q, k, v, block, causal=False):
     """torch's own attention for the output."""
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
@@ -101,6 +114,22 @@ def _exchange_all(pieces, received, rank, p):
         handles += [comm.isend(pieces[to], to), comm.irecv(received[frm], frm)]
     for h in handles:
         h.wait()
+
+
+def a2a_xor_partners(x, scatter_dim, gather_dim):
+    """Pairwise exchanges with partner rank ^ s (the hypercube's pattern), a partner >= p skipped:
+    right on 2 and 4 ranks, on 3 ranks ranks 1 and 2 never meet (their pieces stay zero)."""
+    rank, p = comm.rank(), comm.world_size()
+    pieces = [t.contiguous() for t in x.chunk(p, dim=scatter_dim)]
+    received = [pieces[rank] if i == rank else torch.zeros_like(pieces[rank]) for i in range(p)]
+    handles = []
+    for s in range(1, p):
+        peer = rank ^ s
+        if peer < p:
+            handles += [comm.isend(pieces[peer], peer), comm.irecv(received[peer], peer)]
+    for h in handles:
+        h.wait()
+    return torch.cat(received, dim=gather_dim)
 
 
 def a2a_relative_places(x, scatter_dim, gather_dim):
@@ -153,11 +182,12 @@ def _post(k, v, step):
             k_next, v_next)
 
 
-def _merge(out, lse, s, v):
+def _merge(out, lse, s, v, eps=0.0):
     block_lse = torch.logsumexp(s, -1)
     block_out = torch.exp(s - block_lse[..., None]) @ v
     new = torch.logaddexp(lse, block_lse)
-    return torch.exp(lse - new)[..., None] * out + torch.exp(block_lse - new)[..., None] * block_out, new
+    w_old, w_new = torch.exp(lse - new)[..., None], torch.exp(block_lse - new)[..., None]
+    return (w_old * out + w_new * block_out) / (w_old + w_new + eps), new
 
 
 def _finish(handles, out, lse, k_next, v_next):
@@ -178,6 +208,37 @@ def ring_step_queries_from_zero(q, k, v, out, lse, step):
         s = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(hidden, -math.inf)
         out, lse = _merge(out, lse, s, v)
     return _finish(handles, out, lse, k_next, v_next)
+
+
+def _step(q, k, v, out, lse, step, src_of=lambda rank, step, p: (rank - step) % p, eps=0.0):
+    """A right step (masks by global positions, skips blocks hidden entirely), with two knobs."""
+    rank, p = comm.rank(), comm.world_size()
+    n = q.shape[-2]
+    handles, k_next, v_next = _post(k, v, step)
+    src = src_of(rank, step, p)
+    hidden = (rank * n + torch.arange(n))[:, None] < (src * n + torch.arange(n))[None, :]
+    if not hidden.all():
+        s = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(hidden, -math.inf)
+        out, lse = _merge(out, lse, s, v, eps)
+    return _finish(handles, out, lse, k_next, v_next)
+
+
+def ring_step_block_from_the_right(q, k, v, out, lse, step):
+    """Takes the visiting block to be rank (rank + step) % p's, though K and V travel to the right:
+    on 2 ranks the left and right neighbour are one rank, so right; from 3 ranks on, a past block is
+    taken for a future one and skipped."""
+    return _step(q, k, v, out, lse, step, src_of=lambda rank, step, p: (rank + step) % p)
+
+
+def ring_step_merge_with_an_epsilon(q, k, v, out, lse, step):
+    """Normalises the merge by (w_old + w_new + 1e-8), an epsilon "for safety": out off by 1e-8
+    relative, ten times the tolerance."""
+    return _step(q, k, v, out, lse, step, eps=1e-8)
+
+
+def ring_step_within_tolerance(q, k, v, out, lse, step):
+    """Right, with an epsilon of 1e-12 in the merge: inside the tolerance, must pass."""
+    return _step(q, k, v, out, lse, step, eps=1e-12)
 
 
 def ring_step_no_mask(q, k, v, out, lse, step):
@@ -269,11 +330,14 @@ WRONG = {
         (blockwise_forgets_the_rescale, [r"^trial [0-3] .*out differs", r"exp\(m_old - m_new\)"], None),
         (blockwise_lse_is_the_max, [r"^trial 0 .*lse differs", r"It is the row's max score",
                                     r"output ✔ · log-sum-exp ✘ · memory ✔ \(2 of 3\)"], None),
+        (blockwise_divides_with_an_epsilon, [r"^trial [0-2] .*out differs at index", r"output ✘ · log-sum-exp ✔"], None),
         (blockwise_with_torch, [r"you use torch\.nn\.functional\.scaled_dot_product_attention"], None),
     ],
     "ulysses_all_to_all": [
         (a2a_relative_places, [A2A.replace(r"rank \d's", r"rank [1-3]'s"), r"differs at index .*got head \d+, token",
                                r"goes at place i"], None),
+        (a2a_xor_partners, [r"^world_size=3, x of .*: rank [12]'s result of ulysses_all_to_all\(x, 1, 2\) differs at "
+                             r"index .*got head 0, token 0", r"goes at place i"], None),
         (a2a_sends_everything, [A2A, r"sent \{.*\} \(bytes per destination rank\)", r"never the whole tensor"],
          None),
         (a2a_joins_along_scatter_dim, [A2A, r"result of ulysses_all_to_all\(x, 1, 2\) is \(.*\), expected shape",
@@ -289,6 +353,9 @@ WRONG = {
         (ring_step_nan_on_hidden_blocks, [STEP, r"contains nan", r"entirely in this rank's future"], None),
         (ring_step_gathers_everything, [STEP, r"sent to ranks? [\d, ]+: in a ring each rank passes K and V only "
                                               r"to its right neighbour|out differs|k_next is not the block"], None),
+        (ring_step_block_from_the_right, [r"^world_size=[34], .*: rank [1-3], step [1-3]: out differs",
+                                          r"over the K/V blocks of ranks"], None),
+        (ring_step_merge_with_an_epsilon, [STEP, r"out differs at index"], None),
         (ring_step_all_gather, [r"^exercise 'ring_attention_step' asks you to build",
                                 r"torch\.distributed\.all_gather"], None),
         (ring_step_sends_left, [STEP, r"sent to rank|differs|not the block of rank"], None),

@@ -295,6 +295,103 @@ def traffic_as_text(strategy, B, c_in, c_out):
     return "2*B*C"
 
 
+
+# ----------------------------------------------------------------------------------
+# Near misses (issue 38): right at p = 2 and wrong at p = 3, just outside the tolerance, a float32 wire
+
+
+def f_g_mean_times_two():
+    """f's backward averages, then doubles ("the mean, times the two ranks"): the sum at p = 2 and on
+    the sub-groups of 2, two thirds of it at p = 3."""
+    class Fn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            grad = grad.clone()
+            comm.all_reduce(grad, group=ctx.group)
+            return grad / comm.world_size(ctx.group) * 2, None
+    return Fn.apply, _fg()[1]
+
+
+def f_g_backward_off_by_1e_9():
+    """f's backward sum scaled by 1 + 1e-9: ten times the check's tolerance (1e-10), a hundred
+    times under a tolerance of 1e-8."""
+    return _fg(scale=1 + 1e-9)
+
+
+def f_g_backward_all_reduces_in_float32():
+    """f's backward all-reduces a float32 copy of the float64 gradient (half the bytes on the wire):
+    each gradient rounded to 24 bits."""
+    class Fn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            low = grad.float()
+            comm.all_reduce(low, group=ctx.group)
+            return low.to(grad.dtype), None
+    return Fn.apply, _fg()[1]
+
+
+def f_g_within_tolerance():
+    """Right, but f's backward scaled by 1 + 1e-12: well inside the tolerance, so it must pass
+    (tests/test_checks_tensor_parallel.py)."""
+    return _fg(scale=1 + 1e-12)
+
+
+class _Scaled(nn.Module):
+    def __init__(self, inner, scale):
+        super().__init__()
+        self.inner, self.scale = inner, scale
+        self.weight, self.bias = inner.weight, inner.bias
+
+    def forward(self, x):
+        return self.inner(x) * self.scale
+
+
+def row_output_off_by_1e_9(dense, group=None):
+    """The output scaled by 1 + 1e-9: ten times the tolerance."""
+    return _Scaled(_row(dense, group), 1 + 1e-9)
+
+
+def row_within_tolerance(dense, group=None):
+    """Right, the output scaled by 1 + 1e-12: inside the tolerance, must pass."""
+    return _Scaled(_row(dense, group), 1 + 1e-12)
+
+
+def _ce_two_ranks(logits_shard, targets, vocab_start, group=None, eps=0.0):
+    """The target's owner found as "the first rank owns the targets below its end, the other one
+    those from its start": right on two ranks; on three, rank 1 also claims rank 2's targets."""
+    m = logits_shard.detach().max(dim=-1).values
+    comm.all_reduce(m, op="max", group=group)
+    shifted = logits_shard - m.unsqueeze(-1)
+    sum_exp = reduce_from_parallel(shifted.exp().sum(dim=-1), group)
+    width = logits_shard.shape[-1]
+    mine = (targets < vocab_start + width) if vocab_start == 0 else (targets >= vocab_start)
+    if eps:                                                        # the right mask: only the epsilon is wrong
+        mine = (targets >= vocab_start) & (targets < vocab_start + width)
+    idx = ((targets - vocab_start).clamp(0, width - 1) * mine).unsqueeze(-1)
+    target = reduce_from_parallel(shifted.gather(-1, idx).squeeze(-1) * mine, group)
+    return ((sum_exp + eps).log() - target).mean()
+
+
+def ce_target_owner_for_two_ranks(logits_shard, targets, vocab_start, group=None):
+    return _ce_two_ranks(logits_shard, targets, vocab_start, group)
+
+
+def ce_log_with_an_epsilon(logits_shard, targets, vocab_start, group=None):
+    """log(sum of exps + 1e-8), an epsilon "for safety": the sum is at least 1 (the max's own exp),
+    so the loss is off by up to 1e-8, a hundred times the tolerance."""
+    return _ce_two_ranks(logits_shard, targets, vocab_start, group, eps=1e-8)
+
+
 WHERE_FG = r"^world_size=[234](, sub-groups \[\[0, 2\], \[1, 3\]\])?, rank \d: "
 WHERE_ROW = r"^world_size=[234](, sub-groups \[\[0, 2\], \[1, 3\]\])?, in_features=\d+, out_features=\d, rank \d: "
 WHERE_CE = r"^world_size=[23], \d tokens, vocabulary \d+( \(logits around 800\))?, rank \d: "
@@ -313,6 +410,9 @@ WRONG = {
         (f_backward_right_on_rank_zero_only, [r"^world_size=2, rank 1: x\.grad after f's backward differs",
                                               r"It is this rank's own gradient"], None),
         (f_g_not_a_pair, [r"f_and_g\(\) must return \(f, g\)"], None),
+        (f_g_mean_times_two, [r"^world_size=3, rank \d: x\.grad after f's backward differs"], None),
+        (f_g_backward_off_by_1e_9, [WHERE_FG, r"x\.grad after f's backward differs"], None),
+        (f_g_backward_all_reduces_in_float32, [WHERE_FG, r"x\.grad after f's backward differs"], None),
     ],
     "row_parallel_linear": [
         (row_bias_added_on_every_rank, [WHERE_ROW, r"the output differs", r"every rank added the bias before "
@@ -330,6 +430,7 @@ WRONG = {
         (row_from_library, [r"^exercise 'row_parallel_linear' asks you to work out the row-parallel layer "
                             r"yourself; you use pplab\.tensor_parallel\.RowParallelLinear"], None),
         (row_returns_a_function, [WHERE_ROW, r"must return an nn\.Module"], None),
+        (row_output_off_by_1e_9, [WHERE_ROW, r"the output differs from the single-process value"], None),
     ],
     "linear_traffic": [
         (traffic_counts_tensor_sizes, [r"^B=\d+, C_in=\d+, C_out=\d+, strategy 'data parallel': linear_traffic is \d+, "
@@ -353,6 +454,9 @@ WRONG = {
         (ce_gradient_forgets_vocab_start, [r"^world_size=2, \d tokens, vocabulary \d+, rank 1: the gradient of "
                                            r"logits_shard differs", r"target - vocab_start on the rank that owns"],
          None),
+        (ce_target_owner_for_two_ranks, [r"^world_size=3, \d tokens, vocabulary \d+( \(logits around 800\))?, "
+                                         r"rank \d: the loss differs", r"only the rank whose slice holds it"], None),
+        (ce_log_with_an_epsilon, [WHERE_CE, r"the loss differs from the single-process value"], None),
         (ce_from_library, [r"^exercise 'vocab_parallel_ce' asks you to work out the vocabulary-parallel loss "
                            r"yourself; you use pplab\.tensor_parallel\.transformer\.vocab_parallel_cross_entropy"],
          None),

@@ -24,14 +24,25 @@ def _scatter(whole, group, q, reduce=True):
     return out
 
 
-def _make(sum_y=True, sum_dw=True, y_group="l", bump_rank=None):
+def _all_reduce_piece(whole, group, q):
+    """The line's sum by an all-reduce, then my piece: right values, twice a reduce-scatter's bytes."""
+    whole = whole.contiguous().clone()
+    comm.all_reduce(whole, group=group)
+    return whole.chunk(q)[comm.rank(group)].clone()
+
+
+def _make(sum_y=True, sum_dw=True, y_group="l", bump_rank=None, scale=1.0, all_reduce_on=()):
     class Matmul3D(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x, w, c):
             x_il, w_lj = _gather(x, c.group_j, c.q), _gather(w, c.group_i, c.q)
             ctx.save_for_backward(x_il, w_lj)
             ctx.c = c
-            y = _scatter(x_il @ w_lj, c.group_l if y_group == "l" else c.group_j, c.q, sum_y)
+            if (c.i, c.j) in all_reduce_on:
+                y = _all_reduce_piece(x_il @ w_lj, c.group_l, c.q)
+            else:
+                y = _scatter(x_il @ w_lj, c.group_l if y_group == "l" else c.group_j, c.q, sum_y)
+            y = y * scale
             if bump_rank is not None and torch.distributed.get_rank() == bump_rank:
                 y = y + 1e-3
             return y
@@ -90,6 +101,24 @@ def gathers_everything(x, w, cube):
     return _SumGrads.apply(y, X, W, x, w, cube)
 
 
+def l3d_last_line_all_reduces(x, w, cube):
+    """Right values everywhere; but the line through the cube's last corner (i = j = 1: ranks 6
+    and 7) sums Y's terms by an all-reduce and slices its piece: the all-reduce sends twice a
+    reduce-scatter's bytes, on ranks 6 and 7 only."""
+    return _make(all_reduce_on={(1, 1)}).apply(x, w, cube)
+
+
+def l3d_off_by_5e_10(x, w, cube):
+    """y (and so both gradients) scaled by 1 + 5e-10: five times the tolerance on a y of 1, and
+    inside a tolerance of 1e-8 for every |y| < 20."""
+    return _make(scale=1 + 5e-10).apply(x, w, cube)
+
+
+def l3d_within_tolerance(x, w, cube):
+    """Right, y scaled by 1 + 1e-13: inside the tolerance, must pass (test_checks_tensor_parallel.py)."""
+    return _make(scale=1 + 1e-13).apply(x, w, cube)
+
+
 class _SumGrads(torch.autograd.Function):
     """Backward of the gather-everything answer: the whole dY gathered, dX and dW summed everywhere."""
 
@@ -124,6 +153,10 @@ WRONG = {
                                          r"forward ✔ · backward ✘ · traffic ✔"], None),
         (reduce_scatter_along_j, [r"y differs", r"forward ✘"], None),
         (off_on_rank_5, [r"rank 5 \(i=1, j=0, l=1\): y differs", r"forward ✘ · backward ✔"], None),
+        (l3d_last_line_all_reduces, [r"rank [67] put \d+ bytes on the wire in the forward \(all_gather_into_tensor, all_reduce\)",
+                                     r"an all-reduce sends twice a reduce-scatter's bytes",
+                                     r"forward ✔ · backward ✔ · traffic ✘"], None),
+        (l3d_off_by_5e_10, [r"y differs from the single-process value", r"forward ✘"], None),
         (gathers_everything, [r"bytes on the wire in the forward", r"forward ✔ · backward ✔ · traffic ✘",
                               r"\[2 of 3 points\]"], None),
     ],

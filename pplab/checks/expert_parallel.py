@@ -96,7 +96,7 @@ def check_moe_dispatch(fn, seed: int, timeout: float) -> str:
     require_function(fn, "moe_dispatch", "expert, num_experts, world_size", torch.zeros(2, dtype=torch.long), 2, 1)
     from ..expert_parallel import dispatch_plan             # loaded only when this check runs
     count = 0
-    for p in (2, 3, 4):
+    for p in (2, 3, 4):                             # dispatch: 3 ranks, E/p experts not a power of 2
         trials = _dispatch_trials(seed, p)
 
         def describe(world_size, i, trials=trials):
@@ -107,7 +107,7 @@ def check_moe_dispatch(fn, seed: int, timeout: float) -> str:
             E, plans = trial["E"], [dispatch_plan(e, trial["E"], p) for e in trial["expert"]]
             for rank in sorted(observed):                   # every rank's answer, then what arrived
                 _check_answer(observed[rank], rank, trial["expert"], plans, E, p, f"rank {rank}")
-            for rank in sorted(observed):
+            for rank in sorted(observed):                   # what arrived, every rank
                 _check_received(observed[rank], rank, trial["expert"], plans, p, f"rank {rank}")
         inputs = [[{"expert": e, "E": t["E"]} for e in t["expert"]] for t in trials]
         sealed.run_sealed(_dispatch_rank, fn, inputs, world_size=p, timeout=timeout,
@@ -172,7 +172,8 @@ def _traffic_trials(seed, p):
                 second = (first + torch.randint(1, E, (n,), generator=g)) % E          # another expert
                 choices.append(torch.stack([first, second], 1)[:, :k])
             t = {"choices": choices, "E": E, "k": k, "capacity_factor": capacity_factor,
-                 "hidden": E + rng.randint(0, 3), "element_size": rng.choice([2, 4, 8])}
+                 "hidden": E + rng.randint(0, 3),           # with a capacity, never 4 bytes: float32 assumed
+                 "element_size": rng.choice([2, 8] if capacity_factor else [2, 4, 8])}    # is wrong on every seed
             if _telling(t, p):
                 break
         trials.append(t)
@@ -269,12 +270,13 @@ def check_moe_bytes(fn, seed: int, timeout: float) -> str:
     bytes rank r sends in one forward, for each rank r]."""
     one = [torch.zeros(1, 1, dtype=torch.long)]
     require_function(fn, "moe_bytes", "choices, num_experts, capacity_factor, hidden, element_size", one, 1, None, 1, 4)
-    trials = [(p, t) for p in (2, 3, 4) for t in _traffic_trials(seed, p)]
+    sizes = (2, 3, 4)                               # moe_bytes' world sizes
+    trials = [(p, t) for p in sizes for t in _traffic_trials(seed, p)]
     cases = [(t["choices"], t["E"], t["capacity_factor"], t["hidden"], t["element_size"]) for _, t in trials]
     answers = list(sealed.call_each(fn, cases, where=lambda i: _describe_traffic(*trials[i]) + ": ", timeout=timeout,
                                     probe=_refuse_all_to_all_bytes))
     parts = Parts(PHASES)
-    for p in (2, 3, 4):
+    for p in sizes:
         mine = [(i, t) for i, (q, t) in enumerate(trials) if q == p]
 
         def check(world_size, j, observed, traffic, mine=mine):
@@ -287,7 +289,7 @@ def check_moe_bytes(fn, seed: int, timeout: float) -> str:
                     for x in got)):
                 raise Fail(f"moe_bytes must return one (counts, dispatch, combine) triple of numbers per rank, "
                            f"{p} of them, got {got!r:.200}.")
-            for r in range(p):
+            for r in range(p):                      # every rank's three numbers
                 for part, value in zip(PHASES, got[r]):
                     measured = sum(n for _, n in traffic[r]["sends_in"].get(part, []))
                     if abs(value - measured) > 1e-6:

@@ -274,7 +274,7 @@ def check_ulysses_all_to_all(fn, seed: int, timeout: float) -> str:
     rank j; concatenate the pieces received, in rank order, along gather_dim. Point-to-point only."""
     require_function(fn, "ulysses_all_to_all", "x, scatter_dim, gather_dim", torch.zeros(1, 1, 1, 1), 1, 2)
     count = 0
-    for p in (2, 3, 4):
+    for p in (2, 3, 4):                             # Ulysses: 3 heads' pieces do not halve
         trials = _ulysses_trials(seed, p)
 
         def describe(world_size, i, trials=trials):
@@ -317,7 +317,7 @@ def check_ring_attention_step(fn, seed: int, timeout: float) -> str:
     z = torch.zeros(1, 1, 1, 1, dtype=torch.float64)
     require_function(fn, "ring_attention_step", "q, k, v, out, lse, step", z, z, z, z, z[..., 0], 0)
     count = 0
-    for p in (2, 3, 4):
+    for p in (2, 3, 4):                             # rings of 2, 3 and 4
         trials = _ring_trials(seed, p)
 
         def describe(world_size, i, trials=trials):

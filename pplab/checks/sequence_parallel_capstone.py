@@ -66,13 +66,14 @@ def _ring_sent(kind: str, nbytes: int, t: int) -> Fraction:
 
 
 def _trials(seed):
-    """(t, sub-groups or None, shape, seed): t = 2, t = 3 (ffn not a multiple of 3), two groups of 2."""
+    """(t, sub-groups or None, shape, seed): t = 2, t = 3 (ffn = 1 mod 3), two groups of 2."""
     rng = random.Random(seed)
     trials = []
     for t, members in ((2, None), (3, None), (2, [[0, 2], [1, 3]])):
         heads = t * (2 if members else rng.randint(1, 2))     # 4 heads: a split over all 4 ranks still runs
         h = heads * rng.randint(2, 3)
-        ffn = t * rng.randint(2, 3) + (rng.randint(1, t - 1) if t > 2 else rng.randint(0, 1))
+        # on 3 ranks ffn = 1 (mod 3): tensor_split gives k+1, k, k rows, chunks of ceil(ffn/t) k+1, k+1, k-1
+        ffn = t * rng.randint(2, 3) + (1 if t > 2 else rng.randint(0, 1))
         # s·b > 6: a whole activation (s·b·h) outnumbers the 6h replicated gradients, so the record tells
         # an all-reduce of the sequence from one of the gradients by its size
         shape = {"s": t * rng.randint(4, 5), "b": rng.randint(1, 2), "h": h, "heads": heads, "ffn": ffn}
@@ -367,7 +368,7 @@ def _judge(t, members, shape, state, refs, results, traffic):
     """{part: first message or None} for one trial (each rank checked, in rank order)."""
     found = dict.fromkeys(PARTS)
     world = len(results)
-    for rank in range(world):
+    for rank in range(world):                           # every rank's parts
         ranks = list(range(world)) if members is None else next(m for m in members if rank in m)
         r, group_id = ranks.index(rank), 0 if members is None else members.index(ranks)
         ref, lo, hi = refs[group_id], r * shape["s"] // t, (r + 1) * shape["s"] // t

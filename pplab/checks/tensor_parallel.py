@@ -97,13 +97,13 @@ def _fg_shape(seed):
 @exercise("f_g", "Megatron's f and g: conjugate autograd operators", answer="f_and_g", notebook="03a_f_g", sealed=True)
 def check_f_g(fn, seed: int, timeout: float) -> str:
     require_function(fn, "f_g", "")
-    trials = _trials(seed, (2, 3))
+    trials = _trials(seed, (2, 3))                  # f and g: 2 and 3 ranks, two sub-groups of 4
     for t in trials:
         seed_t, shape = t[2], _fg_shape(t[2])
         inputs = [{"members": t[1], "x": _data(seed_t, *shape), "w": _data(seed_t + 1 + r, *shape),
                    "xg": _data(seed_t + 100 + r, *shape)} for r in range(t[0])]   # each rank's own gradient, part
         results = _launch(_fg_rank, fn, t, inputs, timeout, "f_g")
-        for r, res in enumerate(results):
+        for r, res in enumerate(results):           # every rank of f and g
             if "error" in res:
                 raise Fail(res["error"] + ".", seed_matters=False)
             where = f"{_where(t)}, rank {r}"
@@ -172,7 +172,7 @@ def _row_shapes(seed, p):
           preload=('pplab.tensor_parallel',))
 def check_row_parallel(fn, seed: int, timeout: float) -> str:
     require_function(fn, "row_parallel_linear", "dense, group", nn.Linear(1, 1), None)
-    trials = _trials(seed, (2, 3))
+    trials = _trials(seed, (2, 3))                  # the row layer: 2 and 3 ranks, two sub-groups of 4
     for t in trials:
         c_in, c_out, batch, bias = _row_shapes(t[2], t[0])
         torch.manual_seed(t[2])
@@ -203,7 +203,7 @@ def check_row_parallel(fn, seed: int, timeout: float) -> str:
                 raise Fail(f"{where(g_rank)}: the module has {got}; rank {r} of {q} should hold columns {a}..{e - 1}"
                            f" of dense.weight, shape [{c_out}, {e - a}] (split in_features as torch.tensor_split "
                            f"does: the first in_features % p ranks get one more).")
-        for g_rank, res in enumerate(results):
+        for g_rank, res in enumerate(results):  # then the values, on every rank
             r, q = res["r"], len(res["ranks"])
             a, e = _split(c_in, q, r)
             where_ = where(g_rank)
@@ -239,7 +239,7 @@ def check_row_parallel(fn, seed: int, timeout: float) -> str:
 
 def _ce_shapes(seed, big):
     rng = random.Random(seed)
-    return rng.randint(2, 9), rng.randint(7, 40), (800.0 if big else 0.0)       # tokens, vocab, logit offset
+    return rng.randint(3, 9), rng.randint(7, 40), (800.0 if big else 0.0)       # tokens, vocab, logit offset
 
 
 @exercise("vocab_parallel_ce", "Vocabulary-parallel cross-entropy that never gathers the logits",
@@ -249,18 +249,20 @@ def check_vocab_parallel_ce(fn, seed: int, timeout: float) -> str:
     require_function(fn, "vocab_parallel_ce", "logits_shard, targets, vocab_start, group",
                      torch.zeros(1, 1), torch.zeros(1, dtype=torch.long), 0, None)
     rng = random.Random(seed)
-    trials = [(2, None, rng.randrange(2**31), False), (3, None, rng.randrange(2**31), False),
-              (3, None, rng.randrange(2**31), True)]
+    trials = [(p, None, rng.randrange(2**31), big) for p, big in ((2, False), (3, False), (3, True))]
     for t in trials:
         n, vocab, offset = _ce_shapes(t[2], t[3])
         logits = (_data(t[2], n, vocab) * 3 + offset).requires_grad_()
         targets = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(t[2] + 1))
+        for r in range(t[0]):                   # token r's target in rank r's slice: every rank's mask is tried
+            a, e = _split(vocab, t[0], r)
+            targets[r] = a + t[2] % (e - a)
         inputs = [{"shard": logits.detach()[:, a:e].clone(), "targets": targets, "start": a}
                   for a, e in (_split(vocab, t[0], r) for r in range(t[0]))]
         results = _launch(_ce_rank, fn, t, inputs, timeout, "vocab_parallel_ce", probe=_refuse_vocab_parallel_ce)
         loss = F.cross_entropy(logits, targets)
         loss.backward()
-        for r, res in enumerate(results):
+        for r, res in enumerate(results):           # every rank of the vocabulary split
             where = (f"world_size={t[0]}, {n} tokens, vocabulary {vocab}" + (f" (logits around {offset:g})"
                      if offset else "") + f", rank {r}")
             if "error" in res:

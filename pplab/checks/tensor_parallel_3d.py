@@ -101,7 +101,7 @@ def formula_bytes(B, c_in, c_out, q=Q):
 
 def _judge_values(prob, observed, parts, where):
     for part, names in (("forward", ("y",)), ("backward", ("x.grad", "w.grad"))):
-        for rank in sorted(observed):
+        for rank in sorted(observed):                   # every rank's values
             want, own = _expected(prob, rank), _own_terms(prob, rank)
             problem = None
             for name in names:
@@ -139,14 +139,17 @@ def _judge_traffic(prob, observed, traffic, parts, where):
     for phase in ("forward", "backward"):
         if not right[phase]:
             continue
-        for rank in sorted(observed):
+        for rank in sorted(observed):                   # every rank's bytes
             got = _sent(traffic[rank], phase)
             if got > limit * (1 + 1e-9):
                 kinds = sorted({c["kind"] for c in traffic[rank]["collectives"] if c["phase"] == phase})
+                how = ("an all-reduce sends twice a reduce-scatter's bytes, and each rank keeps only its piece of "
+                       "the sum: reduce-scatter the terms instead" if "all_reduce" in kinds else
+                       "gather only the blocks one product needs (X_il along group_j, W_lj along group_i) and "
+                       "reduce-scatter, rather than gathering whole matrices")
                 parts.note("traffic", f"rank {rank} put {got:.0f} bytes on the wire in the {phase} ({', '.join(kinds)}"
-                                      f"), where 3D needs (q-1)·(B·in + in·out + B·out)/q³ · 8 = {limit:.0f}: gather "
-                                      f"only the blocks one product needs (X_il along group_j, W_lj along group_i) "
-                                      f"and reduce-scatter, rather than gathering whole matrices.", where)
+                                      f"), where 3D needs (q-1)·(B·in + in·out + B·out)/q³ · 8 = {limit:.0f}: "
+                                      f"{how}.", where)
                 return
 
 
