@@ -8,7 +8,7 @@ it, and one side or the other notices."""
 import pytest
 
 from pplab import checks
-from wrong_solutions_capstone_fsdp import MeanToNineDigits
+from wrong_solutions_capstone_fsdp import GradMeanToNineDigits
 from wrong_solutions_capstone_zero import MeanByMultiplying
 from wrong_solutions_quantised_gather import dequantises_by_the_inverse_scale
 from wrong_solutions_zero import linear_within_tolerance, zero1_within_tolerance
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.usefixtures("no_leftover_processes")
     ("stage3_unit", linear_within_tolerance),                # 1e-11 of each output and gradient; 1e-9 allowed
     ("quantised_gather", dequantises_by_the_inverse_scale),  # float32's 1e-7; 1e-5 allowed
     ("sharded_optimizer", MeanByMultiplying),                # float32's 1e-7 in the mean; 1e-6 + 1e-5·|x| allowed
-    ("fsdp", MeanToNineDigits),                              # 1/N to 9 digits; fp32 gradients to 1e-6
+    ("fsdp", GradMeanToNineDigits),                          # 1/N to 9 digits; fp32 gradients to 1e-6
 ], ids=lambda x: x if isinstance(x, str) else x.__name__)
 def test_answers_right_up_to_rounding_pass(exercise_id, fn):
     result = checks.run_check(exercise_id, fn)

@@ -188,13 +188,13 @@ class HalfForAnyLowPrecision(FlatViews):
     low_is_fp16 = True
 
 
-class MeanByARoundedThird(FlatViews):
+class GradMeanByARoundedThird(FlatViews):
     """The mean as the sum times 1/N written to 4 digits: exact for N = 2 (0.5), 1e-4 too small for
     N = 3 (0.3333): 100 times the fp32 gradients' tolerance (1e-6), lost in bf16's (2^-6)."""
     mean_digits = 4
 
 
-class MeanToNineDigits(FlatViews):
+class GradMeanToNineDigits(FlatViews):
     """Correct: 1/N to 9 digits is off by 1e-9 at most, far inside fp32's 1e-6 (a passing case, in
     tests/test_checks_zero_near.py)."""
     mean_digits = 9
@@ -256,7 +256,7 @@ WRONG = {"fsdp": [
      [r"^world_size=3, compute_dtype=bf16, .*: step 1, rank 0's all-gather in forward of a unit of \d+ elements "
       r"per shard put in [\d,]+ bytes|^world_size=3, compute_dtype=bf16, .*, step \d, rank \d's (loss is|shards)",
       r"Parts: forward ✔ · backward ✔ · memory ✔ · traffic ✔ · low precision ✘ \(4 of 5\)"], None),
-    (MeanByARoundedThird,
+    (GradMeanByARoundedThird,
      [r"^world_size=3, compute_dtype=fp32, .*, step 1, rank \d's shards\[\d\] \.grad at \d+ .* \(off by "
       r"[-\d.e]+, more than the [-\d.e]+ allowed\)\. Every element is 0\.999\d+ times that: the mean's division by "
       r"N = 3 is off",

@@ -125,7 +125,7 @@ def check_zero1_step(fn, seed: int, timeout: float) -> str:
     every rank = single-process AdamW on the mean gradient; each optimizer holds one shard."""
     require_function(fn, "zero1_step", "flat_param, optimizer_class", torch.zeros(2), torch.optim.AdamW)
     steps = 3
-    for p in (2, 3):
+    for p in (2, 3):                        # 3: no power of two, a rank in the middle (gathers tried at 2 only)
         trials = _zero1_trials(seed, p)
 
         def describe(world_size, i, trials=trials):
@@ -252,7 +252,7 @@ def check_zero_bytes(fn, seed: int, timeout: float) -> str:
     tensors this rank holds at ZeRO stage `stage` (0 = DDP), mixed-precision Adam, shards padded."""
     require_function(fn, "zero_bytes", "params, grads, stage", [torch.zeros(1)], [torch.zeros(1)], 0)
     parts = Parts(STATE_PARTS)
-    for p in (2, 3):
+    for p in (2, 3):                        # 3: padding of 1 and of 2 zeros (at 2 it is always 1)
         trials = _state_trials(seed, p)
 
         def describe(world_size, i, trials=trials):
@@ -306,7 +306,7 @@ def check_stage3_unit(fn, seed: int, timeout: float) -> str:
     """sharded_linear(x, shard, out_features, in_features) -> x @ W.T + b, where [W, b] is gathered
     from every rank's shard for the forward, not kept after it, and gathered again for backward."""
     require_function(fn, "stage3_unit", "x, shard, out_features, in_features", torch.zeros(1, 1), torch.zeros(2), 1, 1)
-    for p in (2, 3):
+    for p in (2, 3):                        # 3: a mean written as the sum / 2 is right at 2
         trials = _unit_trials(seed, p)
 
         def describe(world_size, i, trials=trials):
