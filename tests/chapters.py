@@ -34,6 +34,7 @@ TEST_FILES = {
     "test_checks_tensor_parallel": ["03"],
     "test_checks_unreachable": ["course"],
     "test_checks_zero": ["06"],
+    "test_checks_zero_near": ["06", "10"],
     "test_claims_page": ["course"],
     "test_cluster": ["10"],
     "test_collectives": ["01"],

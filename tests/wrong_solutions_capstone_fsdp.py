@@ -24,9 +24,14 @@ class FlatViews:
     compute_in_fp32 = False        # gathered in compute_dtype, then computed in fp32
     only_rank_0_steps = False
     prefetch = True
+    sync_prefetch = ()             # the directions (+1 forward, -1 backward) whose prefetch blocks: no async_op
+    low_is_fp16 = False            # any 16-bit compute_dtype taken as fp16
+    mean_digits = None             # the mean as the sum times 1/N rounded to this many digits
 
     def __init__(self, units, compute_dtype=torch.float32):
         self.units, self.dtype = list(units), compute_dtype
+        if self.low_is_fp16 and compute_dtype != torch.float32:
+            compute_dtype = torch.float16
         self.wire = torch.float32 if self.gather_in_fp32 else compute_dtype        # what the all-gather carries
         self.held = torch.float32 if self.compute_in_fp32 else compute_dtype       # what the layers compute in
         self.n, self.me = dist.get_world_size(), dist.get_rank()
@@ -57,26 +62,29 @@ class FlatViews:
             ids = unit(ids)
         return ids
 
-    def _gather(self, k):
+    def _gather(self, k, direction=0):
         if not 0 <= k < len(self.units) or k in self.pending:
             return
+        blocking = direction in self.sync_prefetch
         flat = self.flats[k]
         if self.wire == self.held:
             flat.untyped_storage().resize_(flat.numel() * flat.element_size())
         else:
             flat = torch.empty(flat.numel(), dtype=self.wire)                 # copied into the layers' later
-        self.pending[k] = flat, dist.all_gather_into_tensor(flat, self.shards[k].detach().to(self.wire), async_op=True)
+        work = dist.all_gather_into_tensor(flat, self.shards[k].detach().to(self.wire), async_op=not blocking)
+        self.pending[k] = flat, work
 
     def _use(self, k, direction):
         self._gather(k)
         if k in self.pending:
             full, work = self.pending.pop(k)
-            work.wait()
+            if work is not None:                             # None: it blocked, it is done
+                work.wait()
             if full is not self.flats[k]:
                 self.flats[k].untyped_storage().resize_(full.numel() * self.flats[k].element_size())
                 self.flats[k].copy_(full)
         if self.prefetch:
-            self._gather(k + direction)
+            self._gather(k + direction, direction)
 
     def _free(self, k):
         if self.free:
@@ -99,7 +107,9 @@ class FlatViews:
             at += q.numel()
             q.grad = None
         self._free(k)
-        if self.divide:
+        if self.divide and self.mean_digits:
+            flat *= round(1 / self.n, self.mean_digits)
+        elif self.divide:
             flat /= self.n                                   # the mean's division, before the sum
         if self.reduce == "reduce_scatter":
             piece = torch.empty(self.sizes[k], dtype=self.dtype)
@@ -162,6 +172,34 @@ class NoPrefetch(FlatViews):
     prefetch = False
 
 
+class PrefetchesSynchronously(FlatViews):
+    """Gathers the next unit early, but without async_op=True: the all-gather blocks before unit k
+    computes, so nothing overlaps (the order of calls looks like a prefetch)."""
+    sync_prefetch = (+1, -1)
+
+
+class PrefetchesBackwardSynchronously(FlatViews):
+    """Prefetches asynchronously in forward, but blocks on the all-gather of the next unit in backward."""
+    sync_prefetch = (-1,)
+
+
+class HalfForAnyLowPrecision(FlatViews):
+    """Takes any 16-bit compute_dtype for fp16: right with fp16 (the 2-rank run), not with bf16 (3 ranks)."""
+    low_is_fp16 = True
+
+
+class GradMeanByARoundedThird(FlatViews):
+    """The mean as the sum times 1/N written to 4 digits: exact for N = 2 (0.5), 1e-4 too small for
+    N = 3 (0.3333): 100 times the fp32 gradients' tolerance (1e-6), lost in bf16's (2^-6)."""
+    mean_digits = 4
+
+
+class GradMeanToNineDigits(FlatViews):
+    """Correct: 1/N to 9 digits is off by 1e-9 at most, far inside fp32's 1e-6 (a passing case, in
+    tests/test_checks_zero_near.py)."""
+    mean_digits = 9
+
+
 def LibraryFSDP(units, compute_dtype=torch.float32):
     return FullyShardedModule(nn.Sequential(*units))
 
@@ -208,6 +246,21 @@ WRONG = {"fsdp": [
     (NoPrefetch,
      [r"^" + WHERE + r"step 1, rank 0 did not prefetch unit 1 in forward: its all-gather started after unit 0 computed",
       r"Parts: forward ✔ · backward ✔ · memory ✔ · traffic ✘ · low precision ✘ \(3 of 5\)"], None),
+    (PrefetchesSynchronously,
+     [r"^" + WHERE + r"step 1, rank 0 did not prefetch unit 1 in forward: its all-gather started without "
+      r"async_op=True", r"Parts: forward ✔ · backward ✔ · memory ✔ · traffic ✘ · low precision ✘ \(3 of 5\)"], None),
+    (PrefetchesBackwardSynchronously,
+     [r"^" + WHERE + r"step 1, rank 0 did not prefetch unit \d in backward: its all-gather started without "
+      r"async_op=True", r"Parts: forward ✔ · backward ✔ · memory ✔ · traffic ✘ · low precision ✘ \(3 of 5\)"], None),
+    (HalfForAnyLowPrecision,
+     [r"^world_size=3, compute_dtype=bf16, .*: step 1, rank 0's all-gather in forward of a unit of \d+ elements "
+      r"per shard put in [\d,]+ bytes|^world_size=3, compute_dtype=bf16, .*, step \d, rank \d's (loss is|shards)",
+      r"Parts: forward ✔ · backward ✔ · memory ✔ · traffic ✔ · low precision ✘ \(4 of 5\)"], None),
+    (GradMeanByARoundedThird,
+     [r"^world_size=3, compute_dtype=fp32, .*, step 1, rank \d's shards\[\d\] \.grad at \d+ .* \(off by "
+      r"[-\d.e]+, more than the [-\d.e]+ allowed\)\. Every element is 0\.999\d+ times that: the mean's division by "
+      r"N = 3 is off",
+      r"Parts: forward ✔ · backward ✘ · memory ✔ · traffic ✔ · low precision ✔ \(4 of 5\)"], None),
     (LibraryFSDP,
      [r"^exercise 'fsdp' asks you to work out the sharding, gathering and reduce-scattering yourself; you use "
       r"pplab\.zero's FullyShardedModule"], None),

@@ -259,6 +259,48 @@ class FromTheLibrary(Owners):
         self.inner = ZeroOptimizer(params, optimizer_class, group=group, **defaults)
 
 
+# Near misses (issue 38): wrong on a rank other than 0 only, just outside the fp32 tolerance.
+
+
+class ZeroGradEverywhereOnRank0Only(Owners):
+    """zero_grad clears every gradient on rank 0 (where it was tried by hand), only this rank's own
+    parameters' elsewhere: ranks 1 and 2 carry their old gradients of other ranks' parameters into
+    the next backward, and from there into the owner's reduce."""
+
+    def zero_grad(self, set_to_none=True):
+        if self.me == 0:
+            super().zero_grad(set_to_none)
+        else:
+            self.inner.zero_grad()
+
+
+class MeanByARoundedThird(Owners):
+    """The mean as the sum times 1/N written to 4 digits: exact for N = 2 (0.5), 1e-4 too small for
+    N = 3 (0.3333): SGD's parameters land some 1e-5 off, outside fp32's 1e-6 + 1e-5·|x|, inside 100
+    times it (Adam, which divides the gradient by its own size, barely notices)."""
+
+    @torch.no_grad()
+    def step(self):
+        for p in self.params():
+            comm.reduce(p.grad, dst=self.ranks[self.owner[id(p)]], group=self.group)
+            p.grad *= round(1 / self.n, 4)
+        self.inner.step()
+        self._send_back()
+
+
+class MeanByMultiplying(Owners):
+    """Correct: p.grad *= 1/N rounds differently from p.grad /= N, within fp32's 1e-7 (a passing case, in
+    tests/test_checks_zero_near.py)."""
+
+    @torch.no_grad()
+    def step(self):
+        for p in self.params():
+            comm.reduce(p.grad, dst=self.ranks[self.owner[id(p)]], group=self.group)
+            p.grad *= 1.0 / self.n
+        self.inner.step()
+        self._send_back()
+
+
 def parts(steps="✔", added="✔", zero_grad="✔", sharded="✔", state_dict="✔"):
     """The parts' marks the message must end with (before the seed)."""
     marks = [steps, added, zero_grad, sharded, state_dict]
@@ -312,6 +354,14 @@ WRONG = {"sharded_optimizer": [
     (GlobalRankInAGroup,
      [parts(steps="✘", added="✘"), r"^world_size=3, (AdamW|SGD), 7 parameters in 3 groups, process groups "
       r"\[0, 2\] and \[1\]: after step 1, rank [02]'s parameter"], None),
+    (ZeroGradEverywhereOnRank0Only,
+     [parts(steps="✘", added="✘", zero_grad="✘", state_dict="✘"), FRESH + r"after step 2, rank 0's parameter \d",
+      r"Rank [12]'s zero_grad\(\) left gradients behind \(parameters \[\d.*\]\), and backward added to them; "
+      r"they reach rank 0 through the reduce"], None),
+    (MeanByARoundedThird,
+     [r"Parts: steps = single process ✘", r"^world_size=3, (AdamW|SGD), 7 parameters in 3 groups: after step \d, rank [012]'s "
+      r"parameter \d.* is [-\d.e]+, expected [-\d.e]+( \(off by [-\d.e]+, 1e-06 \+ 1e-05·\|x\| = [-\d.e]+ allowed\))? "
+      r"\(single-process (AdamW|SGD)"], None),
     (FromTheLibrary,
      [r"^exercise 'sharded_optimizer' asks you to work out the sharding of the optimizer yourself; you use a "
       r"library's sharded optimizer"], None),

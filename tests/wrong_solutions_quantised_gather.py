@@ -117,3 +117,71 @@ WRONG["quantised_gather"] += [
     (scale_over_128, [VALUES, r"values ✘ · traffic ✔ \(1 of 2\)"], None),
     (own_scales_for_everyone, [r"rank (\d)'s piece from rank (?!\1)\d differs", r"values ✘"], None),
 ]
+
+
+# ----------------------------------------------------------------------------------
+# Near misses (issue 38): right at p = 2 but not at 3, wrong on a rank other than 0, a 2-byte wire,
+# a dequantisation just outside the values' tolerance. Each changes one step of quantised_gather.
+
+
+def exchanges_with_xor_partners(output, input, block):
+    """Pairwise exchange with partner me ^ step, skipping partners past the last rank: every pair
+    meets when p is a power of two (2, 4), but at p = 3 ranks 1 and 2 never meet (rank 0 is right)."""
+    p, me, n = comm.world_size(), comm.rank(), input.numel()
+    q, scales = _quantise(input, block)
+    qs, ss = [None] * p, [None] * p
+    qs[me], ss[me] = q, scales
+    for step in range(1, p):
+        partner = me ^ step
+        if partner >= p:
+            continue
+        q_in, s_in = torch.empty_like(q), torch.empty_like(scales)
+        handles = [comm.isend(q, partner), comm.isend(scales, partner), comm.irecv(q_in, partner),
+                   comm.irecv(s_in, partner)]
+        for h in handles:
+            h.wait()
+        qs[partner], ss[partner] = q_in, s_in
+    for r in range(p):
+        if qs[r] is not None:
+            output[r * n:(r + 1) * n] = qs[r].float() * ss[r].repeat_interleave(block)[:n]
+
+
+def sends_int8_as_float16(output, input, block):
+    """Right values, but the integers travel as float16 (exact for -127..127): 2 bytes a number, not 1."""
+    p, me, n = comm.world_size(), comm.rank(), input.numel()
+    q, scales = _quantise(input, block)
+    qs, ss = _exchange(q.half(), scales, p, me)
+    _write(output, [x.to(torch.int8) for x in qs], ss, block, n)
+
+
+def dequantises_with_a_margin(output, input, block):
+    """A "safety margin" on the scale the receivers multiply by: every number 2e-4 (20 times the values'
+    relative tolerance, 1e-5) larger than its int8 rounding."""
+    p, me, n = comm.world_size(), comm.rank(), input.numel()
+    q, scales = _quantise(input, block)
+    qs, ss = _exchange(q, scales, p, me)
+    _write(output, qs, [s * (1 + 2e-4) for s in ss], block, n)
+
+
+def dequantises_by_the_inverse_scale(output, input, block):
+    """Correct: q / (1 / scale) rounds differently from q * scale, within float32's 1e-7 (the values'
+    tolerance is 1e-5). tests/test_checks_zero_plus_plus_near.py checks it passes."""
+    p, me, n = comm.world_size(), comm.rank(), input.numel()
+    q, scales = _quantise(input, block)
+    qs, ss = _exchange(q, scales, p, me)
+    for r, (qr, s) in enumerate(zip(qs, ss)):
+        inverse = torch.where(s > 0, 1 / s, torch.zeros_like(s))
+        per = inverse.repeat_interleave(block)[:n]
+        output[r * n:(r + 1) * n] = torch.where(per > 0, qr.float() / per, torch.zeros_like(per))
+
+
+WRONG["quantised_gather"] += [
+    (exchanges_with_xor_partners, [r"^world_size=3, .*, rank [12]'s piece from rank [12] differs at index \d+ "
+                                   r"\(block \d+\): got nan", r"A NaN: the output was not written there",
+                                   r"values ✘ · traffic ✔ \(1 of 2\)"], None),
+    (sends_int8_as_float16, [r"^world_size=2, .*, rank \d put \d+ bytes in sends and 0 into collectives; int8 "
+                             r"numbers and fp32 scales are \d+ \+ 4 × \d+ = \d+ bytes per shard",
+                             r"That is 2 bytes per number beside fp32 scales, not 1", r"values ✔ · traffic ✘ \(1 of 2\)"], None),
+    (dequantises_with_a_margin, [r"^world_size=2, .*, rank 0's piece from rank 0 differs at index \d+",
+                                 r"values ✘ · traffic ✔ \(1 of 2\)"], None),
+]

@@ -311,3 +311,141 @@ WRONG = {
         (linear_without_gather, [SHAPE + r"rank 0's output at \(\d, \d\) is"], None),
     ],
 }
+
+
+# ----------------------------------------------------------------------------------
+# Near misses (issue 38): right at p = 2 but not at 3, wrong on a rank other than 0, just outside the
+# tolerance, and a dtype only the second tensor has wrong. Each is a right answer with one thing changed.
+
+
+def zero1_gathers_by_recursive_doubling(flat_param, optimizer_class):
+    """The all-gather by recursive doubling (partner rank ^ 1, then ^ 2, ...), skipping partners past
+    the last rank: right for a power of two, but at p = 3 rank 1's partner at distance 2 is missing,
+    so rank 1 alone never receives rank 2's shard (ranks 0 and 2 are right)."""
+    rank, p, shard = _shard(flat_param)
+    size = shard.numel()
+    opt = optimizer_class([shard])
+
+    def step(flat_grad):
+        mine = torch.empty_like(shard)
+        comm.reduce_scatter_tensor(mine, flat_grad)
+        shard.grad = mine / p
+        opt.step()                                          # shard is a view: flat_param holds my new shard
+        mask = 1
+        while mask < p:
+            partner = rank ^ mask
+            if partner < p:                                 # the blocks of shards each side holds so far
+                ours, theirs = rank // mask * mask, partner // mask * mask
+                out = flat_param[ours * size:min(ours + mask, p) * size].clone()
+                into = torch.empty((min(theirs + mask, p) - theirs) * size, dtype=flat_param.dtype)
+                for h in (comm.isend(out, partner), comm.irecv(into, partner)):
+                    h.wait()
+                flat_param[theirs * size:theirs * size + into.numel()] = into
+            mask *= 2
+    return step
+
+
+def zero1_within_tolerance(flat_param, optimizer_class):
+    """Correct up to 1e-11 of each parameter, a hundredth of the check's 1e-9 (the reduce-scatter summed
+    in another order, say): it must pass (tests/test_checks_zero_near.py)."""
+    rank, p, shard = _shard(flat_param)
+    opt = optimizer_class([shard])
+
+    def step(flat_grad):
+        mine = torch.empty_like(shard)
+        comm.reduce_scatter_tensor(mine, flat_grad)
+        shard.grad = mine / p
+        opt.step()
+        comm.all_gather_into_tensor(flat_param, shard.clone())
+        flat_param.mul_(1 + 1e-11 * torch.randn(flat_param.shape, dtype=flat_param.dtype).clamp(-3, 3))
+    return step
+
+
+def state_pads_psi_mod_n(params, grads, stage):
+    """Pads the flat buffer with Ψ mod N zeros, not (-Ψ) mod N: the same when N = 2, one short of a
+    multiple of 3 when Ψ mod 3 = 1, and every shard (cut at buffer length // N) one element short."""
+    rank, n = comm.rank(), comm.world_size()
+    psi = sum(p.numel() for p in params)
+
+    def shard(tensors):
+        flat = torch.cat([t.flatten() for t in tensors] + [torch.zeros(psi % n, dtype=tensors[0].dtype)])
+        c = flat.numel() // n
+        return flat[rank * c:(rank + 1) * c].clone()
+    master = (shard(params) if stage >= 1 else torch.cat([p.flatten() for p in params])).float()
+    return {"params": [shard(params)] if stage >= 3 else list(params),
+            "grads": [shard(grads)] if stage >= 2 else list(grads),
+            "optimizer": [master, torch.zeros_like(master), torch.zeros_like(master)]}
+
+
+def state_moments_in_bf16(params, grads, stage):
+    """The fp32 master right, but Adam's two moments in bf16 (as the model): 8 bytes per parameter, not 12."""
+    got = _state(params, grads, stage, _own)
+    master = got["optimizer"][0]
+    got["optimizer"] = [master, torch.zeros_like(master, dtype=torch.bfloat16),
+                        torch.zeros_like(master, dtype=torch.bfloat16)]
+    return got
+
+
+def linear_halves_the_sum(x, shard, out_features, in_features):
+    """The mean over ranks written as the sum / 2, as in the two-rank example: right at p = 2 only."""
+    return _HALVES.apply(x, shard, out_features, in_features)
+
+
+def linear_reduces_in_float32(x, shard, out_features, in_features):
+    """The gradient reduce-scattered in float32 to halve the bytes: each shard's gradient rounded to
+    24 bits, some 1e-8 of itself off: outside the check's 1e-9, inside 100 times it."""
+    return _FLOAT32_REDUCE.apply(x, shard, out_features, in_features)
+
+
+def linear_within_tolerance(x, shard, out_features, in_features):
+    """Correct up to 1e-11 of each value (a hundredth of the check's 1e-9): it must pass
+    (tests/test_checks_zero_near.py)."""
+    return _NOISY.apply(x, shard, out_features, in_features)
+
+
+def _make_variant(divide_by=None, reduce_dtype=torch.float64, noise=0.0):
+    class Layer(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, shard, o, i):
+            full = _gather(shard)
+            ctx.save_for_backward(x, shard)
+            ctx.dims = (o, i)
+            y = x @ full[:o * i].view(o, i).T + full[o * i:o * i + o]
+            return y * (1 + noise * torch.randn(y.shape, dtype=y.dtype).clamp(-3, 3))
+
+        @staticmethod
+        def backward(ctx, grad_y):
+            x, shard = ctx.saved_tensors
+            o, i = ctx.dims
+            full = _gather(shard)
+            flat = _grad_pieces(grad_y, x, full, o, i).to(reduce_dtype)
+            out = torch.empty(shard.shape, dtype=reduce_dtype)
+            comm.reduce_scatter_tensor(out, flat)
+            out = out.to(shard.dtype) / (divide_by or comm.world_size())
+            return grad_y @ full[:o * i].view(o, i), out * (1 + noise * torch.randn(out.shape,
+                                                                                     dtype=out.dtype).clamp(-3, 3)), \
+                None, None
+    return Layer
+
+
+_HALVES, _FLOAT32_REDUCE, _NOISY = _make_variant(divide_by=2), _make_variant(reduce_dtype=torch.float32), \
+    _make_variant(noise=1e-11)
+
+
+WRONG["zero1_step"] += [
+    (zero1_gathers_by_recursive_doubling,
+     [r"^world_size=3, .*rank 1's flat_param\[\d+\] \(in rank 2's shard\)",
+      r"Other ranks are right: rank 1 did not receive the other ranks' updated shards"], None),
+]
+WRONG["zero_bytes"] += [
+    (state_pads_psi_mod_n, [r"^world_size=3, stage [123], Ψ = \d+ parameters .*: rank 0, the (parameters|gradients|"
+                            r"optimizer state) hold \d+ elements, expected \d+", r"Pad: Ψ = \d+ is not a multiple of N"],
+     None),
+    (state_moments_in_bf16, [STATE + r"the optimizer state include a torch\.bfloat16 tensor",
+                             r"params ✔ · grads ✔ · optimizer ✘ \(2 of 3\)"], None),
+]
+WRONG["stage3_unit"] += [
+    (linear_halves_the_sum, [r"^world_size=3, Linear\(\d, \d\), local batch \d: rank 0's shard.grad at \d+ is"], None),
+    (linear_reduces_in_float32, [SHAPE + r"rank 0's shard.grad at \d+ is [-\d.e]+, expected [-\d.e]+ \(off by "
+                                 r"[-\d.e]+, [-\d.e]+ allowed\)"], None),
+]

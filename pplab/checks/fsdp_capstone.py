@@ -106,8 +106,10 @@ def _values_problem(what, got, want, slack, p, sizes, ref, hint=None):
             bad = ((g.float() - w).abs() > slack[k][piece]).nonzero()
             if len(bad):
                 i = int(bad[0])
+                off, allowed = abs(g[i].item() - w[i].item()), slack[k][piece][i].item()
                 return (f"rank {r}'s shards[{k}] {what} at {i} ({_where(ref, k, r * size + i)}) is "
-                        f"{_fmt(g[i].item())}, expected {_fmt(w[i].item())}." + (hint(r, k, g) if hint else ""))
+                        f"{_fmt(g[i].item())}, expected {_fmt(w[i].item())}" + (f" (off by {off:.2g}, more than the "
+                        f"{allowed:.2g} allowed)" if allowed else "") + "." + (hint(r, k, g) if hint else ""))
     return None
 
 
@@ -141,6 +143,11 @@ def _grad_hint(p, sizes, want):
         mean, own = want["grads"][k][piece], want["local"][r][k][piece]
         if torch.allclose(got.float(), mean * p, rtol=1e-3, atol=1e-9):
             return f" It is {p} times that: the reduce-scatter sums over the ranks; divide by N = {p} for the mean."
+        g, m = got.double(), mean.double()
+        c = float((g * m).sum() / (m * m).sum()) if bool(m.any()) else 1.0       # the best-fitting factor
+        if abs(c - 1) > 1e-6 and bool(((g - c * m).abs() <= want["slack"][k][piece]).all()):
+            return (f" Every element is {c:.7g} times that: the mean's division by N = {p} is off (divide by "
+                    f"{p}; a rounded 1/{p} is not exact).")
         if any(torch.allclose(got.float(), own / d, rtol=1e-3, atol=1e-9) for d in (1, p)):
             return (f" It is rank {r}'s own gradient (of its batch only): reduce-scatter the unit's gradient, so that "
                     f"each rank gets its piece of the sum over all ranks.")
@@ -242,8 +249,9 @@ def _traffic_problem(traffic, order, p, sizes, b):
             for i, c in enumerate(backward[1:], 1):
                 k = n - 1 - i
                 if at[c["phase"]] >= at[f"{step}:B{k + 1}/"] or not c["async"]:
-                    return (f"{say} did not prefetch unit {k} in backward: start its all-gather (async_op=True) "
-                            f"before unit {k + 1}'s backward computes.")
+                    when = "without async_op=True" if not c["async"] else f"after unit {k + 1}'s backward computed"
+                    return (f"{say} did not prefetch unit {k} in backward: its all-gather started {when}. Start its "
+                            f"all-gather (async_op=True) before unit {k + 1}'s backward computes.")
     return None
 
 

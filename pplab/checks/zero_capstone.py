@@ -204,9 +204,15 @@ def _compare(observed, ref, run, members, params, steps, alternatives, held):
                 index, a, b = diff
                 hint = _hint(observed, ref, s, rank, j, members, alternatives, held, run)
                 return (f"after step {s + 1}, rank {rank}'s {_where(got, j, run)} at {index} is {_fmt(a)}, "
-                        f"expected {_fmt(b)} (single-process {name} on the mean gradient of ranks "
+                        f"expected {_fmt(b)}{_off(a, b)} (single-process {name} on the mean gradient of ranks "
                         f"{members}).{hint}")
     return None
+
+
+def _off(a, b) -> str:
+    """', off by 3.1e-05 (1e-06 + 1e-05·|x| allowed)' where the two would print alike."""
+    return f" (off by {abs(a - b):.2g}, {ATOL:g} + {RTOL:g}·|x| = {ATOL + RTOL * abs(b):.2g} allowed)" \
+        if _fmt(a) == _fmt(b) else ""
 
 
 def _hint(observed, ref, s, rank, j, members, alternatives, held, run) -> str:
@@ -223,9 +229,10 @@ def _hint(observed, ref, s, rank, j, members, alternatives, held, run) -> str:
         return (f" Other ranks have it right ({who}): rank {rank} did not "
                 f"take in the updated parameter. After the step, each parameter goes from the rank that stepped it "
                 f"to every rank.")
-    if observed[rank]["leftover"][s]:
-        return (f" Rank {rank}'s zero_grad() left gradients behind (parameters {observed[rank]['leftover'][s]}), and "
-                f"backward added to them.")
+    left = next((r for r in [rank, *members] if observed[r]["leftover"][s]), None)
+    if left is not None:                        # another rank's leftovers reach this one through the reduce
+        return (f" Rank {left}'s zero_grad() left gradients behind (parameters {observed[left]['leftover'][s]}), and "
+                f"backward added to them" + (f"; they reach rank {rank} through the reduce." if left != rank else "."))
     if "sum" in alternatives and same(got, alternatives["sum"].history[s][j]):
         return (f" It is what the sum of the ranks' gradients gives: a reduce or all-reduce adds them up; divide "
                 f"by the number of ranks, {len(members)}, for the mean.")

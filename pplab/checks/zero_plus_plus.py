@@ -110,10 +110,14 @@ def _judge_traffic(trial, p, traffic, parts, where):
         sent = sum(b for _, b in record["sends"])
         gathered = sum(c["bytes"] for c in record["collectives"])
         if sent > (p - 1) * wire or gathered > wire or (sent and gathered and sent / (p - 1) + gathered > wire):
+            shard = sent / (p - 1) + gathered                      # bytes that carried one shard
+            numbers = shard - 4 * math.ceil(n / block)             # what is left beside fp32 scales
+            looks = (f" That is {numbers / n:g} bytes per number beside fp32 scales, not 1." if numbers % n == 0
+                     else f" That is {shard / n:g} bytes per number, not 1." if shard % n == 0 else "")
             parts.note("traffic", f"rank {rank} put {sent:,} bytes in sends and {gathered:,} into collectives; "
                        f"int8 numbers and fp32 scales are {n} + 4 × {math.ceil(n / block)} = {wire} bytes per shard, "
-                       f"(p-1) × {wire} = {(p - 1) * wire} by sends. Send the int8 integers (torch.int8) and the "
-                       f"scales (float32), not the float32 numbers.", where)
+                       f"(p-1) × {wire} = {(p - 1) * wire} by sends.{looks} Send the int8 integers themselves "
+                       f"(torch.int8) and the scales (float32), not float32 or 16-bit numbers.", where)
             return
         if sent + gathered == 0:
             parts.note("traffic", f"rank {rank} sent nothing: the shards must travel between the ranks.", where)
