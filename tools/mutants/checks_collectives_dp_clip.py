@@ -66,27 +66,27 @@ MUTANTS += [
 
     # ddp_bucketing.py
     Mutant("pplab/checks/ddp_bucketing.py", "configs = {p: _configs(seed, p) for p in (2, 3, 4)}",
-           "configs = {p: _configs(seed, p) for p in (2, 4)}", CHK("ddp_bucketing", "bucketed_"),
+           "configs = {p: _configs(seed, p) for p in (2, 4)}", CHK("ddp_bucketing", "ddp_ or bucketed_"),
            "DDP from scratch check: world size 3 dropped"),
     Mutant("pplab/checks/ddp_bucketing.py", "for rank, seen in sorted(observed.items()):",
-           "for rank, seen in sorted(observed.items())[:1]:", CHK("ddp_bucketing", "bucketed_"),
+           "for rank, seen in sorted(observed.items())[:1]:", CHK("ddp_bucketing", "ddp_ or bucketed_"),
            "DDP from scratch check: rank 0 only"),
     Mutant("pplab/checks/ddp_bucketing.py", "_ATOL, _RTOL = 1e-12, 1e-9", "_ATOL, _RTOL = 1e-10, 1e-7",
-           CHK("ddp_bucketing", "bucketed_"), "DDP from scratch check: gradient tolerance widened 100x"),
+           CHK("ddp_bucketing", "ddp_ or bucketed_"), "DDP from scratch check: gradient tolerance widened 100x"),
     Mutant("pplab/checks/ddp_bucketing.py", "groups = [[0, 2], [1, 3]] if p == 4 and not small_cap else",
-           "groups = [[0, 2], [1, 3]] if False else", CHK("ddp_bucketing", "bucketed_"),
+           "groups = [[0, 2], [1, 3]] if False else", CHK("ddp_bucketing", "ddp_ or bucketed_"),
            "DDP from scratch check: never on two data-parallel groups"),
 
     # mixed_precision.py: loss_scaler
     Mutant("pplab/checks/mixed_precision.py", "    for p in (2, 3):", "    for p in (2,):",
-           CHK("loss_scaler", "Scaler or Scales or Decides or Unscale or Grows or Rank or Skips or Steps"),
+           CHK("loss_scaler", "Scaler or Decides or Unscale or Grows or Rank0 or Skips"),
            "loss scaler check: world size 3 dropped"),
     Mutant("pplab/checks/mixed_precision.py", "bad = [r for r in ranks if not _close(observed[r][\"shards\"][s], want_shards[s][r])]",
            "bad = [r for r in ranks[:1] if not _close(observed[r][\"shards\"][s], want_shards[s][r])]",
-           CHK("loss_scaler", "Scaler or Scales or Decides or Unscale or Grows or Rank or Skips or Steps"),
+           CHK("loss_scaler", "Scaler or Decides or Unscale or Grows or Rank0 or Skips"),
            "loss scaler check: rank 0's shard only"),
     Mutant("pplab/checks/mixed_precision.py", "RTOL = 1e-6", "RTOL = 1e-4",
-           CHK("loss_scaler", "Scaler or Scales or Decides or Unscale or Grows or Rank or Skips or Steps"),
+           CHK("loss_scaler", "Scaler or Decides or Unscale or Grows or Rank0 or Skips"),
            "loss scaler check: shard tolerance widened 100x"),
 
     # grad_clip.py: clip_sharded
