@@ -45,6 +45,16 @@ def topk_keeps_half_precision_memory(grad, memory, k):
     return a[indices], indices, new_memory.half().float()
 
 
+def topk_memory_decays(grad, memory, k):
+    """Keeps the memory with a decay of 0.9999, like a momentum: what was not sent shrinks by 0.01% a
+    step, so what is sent falls short of the gradients' sum by ~1e-4 of the memory, in 1e-5."""
+    a = grad + memory
+    indices = a.abs().topk(k).indices
+    new_memory = a.clone()
+    new_memory[indices] = 0
+    return a[indices], indices, new_memory * 0.9999
+
+
 def topk_in_float64(grad, memory, k):
     """Right, adding grad and memory in float64: the values differ from float32's by ~1e-8."""
     a = grad.double() + memory.double()
@@ -84,6 +94,8 @@ WRONG = {
          [TOPK, r"values\[\d+\] is [-\d.e+]+ but the entry at indices\[\d+\] = \d+ of grad \+ memory is [-\d.e+]+\.( Re-run|$)"],
          None),
         (topk_keeps_half_precision_memory,
+         [TOPK, r"what was sent so far \+ new_memory should equal the sum of the gradients so far"], None),
+        (topk_memory_decays,
          [TOPK, r"what was sent so far \+ new_memory should equal the sum of the gradients so far"], None),
     ],
     "ddp_bucketing": [

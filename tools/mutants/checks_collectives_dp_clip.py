@@ -99,3 +99,13 @@ MUTANTS += [
     Mutant("pplab/checks/grad_clip.py", "RTOL = 1e-9", "RTOL = 1e-7", CHK("clip_sharded", "clip_"),
            "clip check: tolerance widened 100x"),
 ]
+
+# pplab/grad_clip.py with ZeRO-3 (issue 38's library bullet): group=None means every rank, whose
+# shards' norms must be summed; a parameter FSDP keeps whole (replicate=) is counted on one dp rank.
+MUTANTS += [
+    Mutant("pplab/grad_clip.py", "zero_group = _world_if_none(m.group)", "zero_group = m.group",
+           T("test_grad_clip", k="zero3"), "ZeRO-3 norm with group=None: the shards' norms never summed"),
+    Mutant("pplab/grad_clip.py", "first_dp_rank = zero_group is None or comm.rank(zero_group) == 0",
+           "first_dp_rank = True", T("test_grad_clip", k="zero3"),
+           "ZeRO-3 norm: a replicated (whole) parameter counted once per dp rank"),
+]
