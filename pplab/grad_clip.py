@@ -132,9 +132,10 @@ def global_grad_norm(model, norm_type: float = 2.0, tp_group=None, pp_group=None
     _check_groups(model, tp_group)
     first_tp_rank = tp_group is None or comm.rank(tp_group) == 0
     first_dp_rank = zero_group is None or comm.rank(zero_group) == 0
+    pieces = [(p, g) for p, g in pieces                   # what ZeRO-3 keeps whole (replicate=): dp rank 0 only
+              if first_dp_rank or not getattr(p, "_pplab_replicated", False)]
     counted = [g.detach().double() for p, g in pieces
-               if g.numel() and (id(p) in split or first_tp_rank)           # replicated: tp rank 0 only
-               and (first_dp_rank or not getattr(p, "_pplab_replicated", False))]   # ZeRO-3's whole ones too
+               if g.numel() and (id(p) in split or first_tp_rank)]          # replicated: tp rank 0 only
     zero = torch.zeros((), dtype=torch.float64, device=pieces[0][1].device if pieces else "cpu")
     if norm_type == math.inf:
         local = max((g.abs().max() for g in counted), default=zero)
