@@ -9,6 +9,8 @@
 # sealed rank (its p is data, 3..64, not a world size; nothing to compare per rank).
 
 _RANK0 = "sorted(observed.items())[:1]:"
+_CLIP = CHK("clip_sharded", "local_norm_only or replicated_counted or forgot_the_root or padding_counted or clips_on "
+                            "or inf_norm_summed or scales_up_too or reduces_to_group or float32_total")
 
 MUTANTS += [
     # collectives.py: broadcast
@@ -88,15 +90,15 @@ MUTANTS += [
 
     # grad_clip.py: clip_sharded
     Mutant("pplab/checks/grad_clip.py", "TRIALS = [(3, 2, 2.0, True), (2, 3, 2.0, False),",
-           "TRIALS = [(3, 2, 2.0, True), (6, 1, 2.0, False),", CHK("clip_sharded", "clip_"),
+           "TRIALS = [(3, 2, 2.0, True), (6, 1, 2.0, False),", _CLIP,
            "clip check: the tp=2 × dp=3 mesh dropped"),
     Mutant("pplab/checks/grad_clip.py", "for rank in sorted(observed):                  # every rank returns the norm",
-           "for rank in sorted(observed)[:1]:                  # every rank returns the norm", CHK("clip_sharded", "clip_"),
+           "for rank in sorted(observed)[:1]:                  # every rank returns the norm", _CLIP,
            "clip check: rank 0's norm only"),
     Mutant("pplab/checks/grad_clip.py", "for rank in sorted(observed):                  # every rank scales its own shards",
            "for rank in sorted(observed)[:1]:                  # every rank scales its own shards",
-           CHK("clip_sharded", "clip_"), "clip check: rank 0's shards only"),
-    Mutant("pplab/checks/grad_clip.py", "RTOL = 1e-9", "RTOL = 1e-7", CHK("clip_sharded", "clip_"),
+           _CLIP, "clip check: rank 0's shards only"),
+    Mutant("pplab/checks/grad_clip.py", "RTOL = 1e-9", "RTOL = 1e-7", _CLIP,
            "clip check: tolerance widened 100x"),
 ]
 
