@@ -112,7 +112,7 @@ def reduces_to_group_rank_0(shards, max_norm, norm_type, tp_group, dp_group):
 def all_reduces_a_float32_total(shards, max_norm, norm_type, tp_group, dp_group):
     """The partial sum put in torch.tensor([local]), float32 by default: the total is rounded to 24 bits,
     a norm off by up to 6e-8 relative (and the clip factor with it)."""
-    t = torch.tensor([_local(shards, norm_type, tp_group)])
+    t = torch.tensor([float(_local(shards, norm_type, tp_group))])
     for g in (tp_group, dp_group):
         comm.all_reduce(t, op="max" if norm_type == math.inf else "sum", group=g)
     norm = _root(t.item(), norm_type)
