@@ -18,7 +18,9 @@ elements it *owns*, and one all-reduce of that scalar per group adds the ranks' 
 * pipeline parallelism: each stage holds different layers, summed over the pp group;
 * ZeRO (pplab.zero): after the reduce-scatter each dp rank holds the mean gradient of its
   shard of each flat bucket only, summed over the dp group; the bucket's zero padding (at
-  most N-1 elements) belongs to no parameter and is left out.
+  most N-1 elements) belongs to no parameter and is left out. The parameters a
+  FullyShardedModule keeps whole (replicate=) hold the same all-reduced gradient on every dp
+  rank: only dp rank 0 counts them.
 
 For p = inf the sum becomes a max and the all-reduce takes the max. Every rank then has the
 same total, and scales what it holds by the same factor: its gradients, or (ZeRO 1-2) the
@@ -129,6 +131,9 @@ def global_grad_norm(model, norm_type: float = 2.0, tp_group=None, pp_group=None
     split = tensor_parallel_split(model)
     _check_groups(model, tp_group)
     first_tp_rank = tp_group is None or comm.rank(tp_group) == 0
+    first_dp_rank = zero_group is None or comm.rank(zero_group) == 0
+    pieces = [(p, g) for p, g in pieces                   # what ZeRO-3 keeps whole (replicate=): dp rank 0 only
+              if first_dp_rank or not getattr(p, "_pplab_replicated", False)]
     counted = [g.detach().double() for p, g in pieces
                if g.numel() and (id(p) in split or first_tp_rank)]          # replicated: tp rank 0 only
     zero = torch.zeros((), dtype=torch.float64, device=pieces[0][1].device if pieces else "cpu")

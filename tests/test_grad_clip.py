@@ -233,3 +233,45 @@ def test_every_norm_type_on_three_tp_ranks_equals_torch():
             got, expect = out[p]
             assert abs(got - expect) <= 1e-10 * expect, (r, p, got, expect)
         assert out["unchanged"], f"rank {r}: a norm below max_norm must leave the gradients as they are"
+
+
+def _zero3_model():
+    torch.manual_seed(0)      # 3·5+5 + 5·4+4 + 4+4 + 4+1 = 57 elements: padded on 2 ranks and on 3
+    return nn.Sequential(nn.Linear(3, 5, dtype=torch.float64), nn.Tanh(), nn.Linear(5, 4, dtype=torch.float64),
+                         nn.LayerNorm(4, dtype=torch.float64), nn.Linear(4, 1, dtype=torch.float64))
+
+
+def _zero3_batch(rank):
+    return torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(10 + rank))
+
+
+def zero3_default_group_job():
+    """ZeRO-3 with group=None (every rank, pplab's default), plain and with the LayerNorm kept whole
+    (replicate=): each rank holds a different part of the gradient, so the parts' norms must be summed
+    over the ranks, and a whole parameter's gradient (the same on every rank) counted once."""
+    rank, out = torch.distributed.get_rank(), []
+    for replicate in ((), ("3",)):
+        for p in (2.0, math.inf):
+            fsdp = pplab.zero.FullyShardedModule(_zero3_model(), replicate=replicate)
+            fsdp(_zero3_batch(rank)).pow(2).sum().backward()
+            before = clip_grad_norm_(fsdp, 1e-3, p).item()
+            out.append((replicate, p, before, global_grad_norm(fsdp, p).item()))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_zero3_over_every_rank_equals_torch_clip_grad_norm(world):
+    results = pplab.launch(zero3_default_group_job, world_size=world)
+    model = _zero3_model()
+    for r in range(world):           # ZeRO-3's gradient: the mean of the ranks' gradients
+        model(_zero3_batch(r)).pow(2).sum().div(world).backward()
+    grads = [q.grad.clone() for q in model.parameters()]
+    for k, (replicate, p, before, after) in enumerate(results[0]):
+        for q, g in zip(model.parameters(), grads):
+            q.grad = g.clone()
+        want = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3, p).item()
+        want_after = torch.linalg.vector_norm(torch.cat([q.grad.flatten() for q in model.parameters()]), p).item()
+        for r in range(world):
+            got = results[r][k]
+            assert abs(got[2] - want) <= TOL * want, (world, replicate, p, r, got, want)
+            assert abs(got[3] - want_after) <= TOL * want_after, (world, replicate, p, r, got, want_after)

@@ -83,7 +83,7 @@ def _check_broadcast(name, trials, seed):
         trial = trials[p][i]
         expected = _broadcast_inputs(seed, p, i, trial)[trial.src]
         n_bytes = expected.numel() * expected.element_size()
-        for rank, seen in sorted(observed.items()):
+        for rank, seen in sorted(observed.items()):   # every rank, src or not
             tensor, returned = seen["tensor"], seen["returned"]
             if tensor.dtype != expected.dtype or tensor.shape != expected.shape:
                 raise Fail(f"rank {rank}'s tensor changed from {expected.dtype}{tuple(expected.shape)} to "
@@ -232,7 +232,7 @@ def _check_reduce_scatter(name, trials, seed):
         dtype, n = trials[p][i]
         inputs = _inputs(seed, p, i, dtype, (p * n,))
         chunk_sums = torch.stack(inputs).double().sum(0).to(inputs[0].dtype).view(p, n)
-        for rank, seen in sorted(observed.items()):
+        for rank, seen in sorted(observed.items()):   # every rank: each ends with its own chunk
             output, input, expected = seen["output"], seen["input"], chunk_sums[rank]
             _same_kind(rank, output, expected, "output")
             tol = _tolerance(expected.dtype)
@@ -289,7 +289,7 @@ def _check_all_reduce(name, trials, seed):
         dtype, shape = trials[p][i]
         inputs = _inputs(seed, p, i, dtype, shape)
         expected = torch.stack(inputs).sum(0) if dtype == "int64" else torch.stack(inputs).double().sum(0).float()
-        for rank, seen in sorted(observed.items()):
+        for rank, seen in sorted(observed.items()):   # every rank: a slip may show on one only
             tensor = seen["tensor"]
             _same_kind(rank, tensor, expected)
             diff = first_difference(tensor, expected, **_tolerance(expected.dtype))

@@ -116,7 +116,7 @@ def _close(a, b):
 
 def _judge_norm(prob, observed, parts, part, where):
     wrong = _wrong_norms(prob)
-    for rank in sorted(observed):
+    for rank in sorted(observed):                  # every rank returns the norm
         got = observed[rank]["norm"]
         if not isinstance(got, float) or not math.isfinite(got):
             parts.note(part, f"rank {rank} returned {got!r}: return the global norm as a number (a float).", where)
@@ -135,7 +135,7 @@ def _judge_norm(prob, observed, parts, part, where):
 
 def _judge_clip(prob, observed, parts, part, where):
     coef = prob["coef"]
-    for rank in sorted(observed):
+    for rank in sorted(observed):                  # every rank scales its own shards
         for b, (given, got) in enumerate(zip(prob["shards"][rank], observed[rank]["grads"])):
             v = given["valid"]
             if not torch.is_tensor(got) or got.shape != given["grad"].shape:
