@@ -321,7 +321,8 @@ def without_namespaces(autograder):
     probe.mkdir()
     probe.chmod(0o777)
     spy = f"""import json, os
-seen = {{"uid": os.getuid(), "euid": os.geteuid(), "gid": os.getgid(), "groups": os.getgroups()}}
+seen = {{"uid": os.getuid(), "euid": os.geteuid(), "gid": os.getgid(), "groups": os.getgroups(),
+        "oom_score_adj": open("/proc/self/oom_score_adj").read().strip()}}
 for name, path in {{"config": {str(base / "source" / "config.json")!r}, "solutions": {str(secret)!r}}}.items():
     try:
         open(path).read()
@@ -376,8 +377,8 @@ def test_gradescope_as_root_drops_to_nobody(without_namespaces):
     """Gradescope's case for real: student code runs as nobody, with no supplementary groups;
     the notebook's kernel ran to its end (it reached 127.0.0.1: the loopback of the grader's own
     network namespace is up) and could not read the autograder's config or an instructor's
-    solutions nor write results.json; broadcast's ranks talked over the same loopback; and
-    results.json is the grader's."""
+    solutions nor write results.json; it is the first the OOM killer takes; broadcast's ranks
+    talked over the same loopback; and results.json is the grader's."""
     import pwd
 
     data, seen, why = without_namespaces
@@ -388,6 +389,7 @@ def test_gradescope_as_root_drops_to_nobody(without_namespaces):
     assert seen is not None, f"the spy cell did not run to its end: {data['output']}"
     assert (seen["uid"], seen["euid"], seen["gid"], seen["groups"]) == (nobody.pw_uid, nobody.pw_uid, nobody.pw_gid, [])
     assert (seen["config"], seen["solutions"], seen["forge"]) == ("PermissionError",) * 3
+    assert seen["oom_score_adj"] == "1000"       # out of memory, the kernel's OOM killer takes this, not the grader
     assert data["tests"][0]["score"] == 1 and data["score"] == 1      # the grader's results.json, not the forged one
     assert "notebook's time limit" not in data["output"]
 

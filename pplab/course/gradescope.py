@@ -75,6 +75,7 @@ else
 fi
 "$VENV/bin/python" -m pip install ${PPLAB_PIP_OPTIONS:-} ./pplab-*.whl
 chmod -R a+rX "$VENV"              # student code runs as an unprivileged user: it must read Python
+case "$VENV" in "$ROOT"/*) chmod a+x "$ROOT" ;; esac     # and pass through the autograder's folder to reach it
 '''
 
 RUN_AUTOGRADER = r'''#!/usr/bin/env bash
@@ -213,7 +214,15 @@ def _isolation(no_sandbox, work: Path):
 
 
 def _limits():
-    """Limits for everything the grading child starts: a fork bomb or a huge file stops there."""
+    """Limits for everything the grading child starts: a fork bomb or a huge file stops there.
+    And if the container runs out of memory, the kernel's OOM killer is to take a process of
+    the student's grading first (oom_score_adj 1000, inherited), never this one: results.json
+    is still written, the exercise it hit noted as not graded."""
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:  # raising it needs no privilege
+            f.write("1000")
+    except OSError:                                       # not Linux
+        pass
     for limit, value in ((resource.RLIMIT_NPROC, 1024), (resource.RLIMIT_FSIZE, 1 << 30), (resource.RLIMIT_CORE, 0)):
         soft, hard = resource.getrlimit(limit)
         value = value if hard == resource.RLIM_INFINITY else min(value, hard)
