@@ -121,6 +121,10 @@ def grade_measured(notebooks: list, exercises: list, tmp: Path, cpu: int | None 
     if proc.returncode != 0:
         raise SystemExit(f"grading {notebooks} failed:\n{err[-2000:]}")
     student = json.loads(out.read_text())["students"][0]
+    for r in student["exercises"]:                  # why an exercise fell short: on stderr, under the table
+        if r["points"] < r["max_points"]:
+            print(f"{r['exercise']}: {r['points']:g} of {r['max_points']}, {r['status']}: {r['message'][:300]}",
+                  file=sys.stderr, flush=True)
     return seconds, cpu_s, peak[0], student["points"], student["max_points"]
 
 
