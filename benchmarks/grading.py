@@ -5,6 +5,7 @@ and (--platform) the time and memory one student's assignment takes, for the pla
     python benchmarks/grading.py --baseline REF --rounds 3
     python benchmarks/grading.py --platform          # each chapter's exercises, then all at once, on 1 CPU
     python benchmarks/grading.py --platform --chapters 0,1,3 --no-all
+    python benchmarks/grading.py --platform --chapters "" --cpu 1   # only all 39 at once, on CPU 1
 
 --platform (issue #35): Gradescope and PrairieLearn grade one student per container, by default
 1 CPU, about 1.5 GB and 10 minutes. For each chapter, the chapter's solution notebooks handed in
@@ -51,13 +52,24 @@ def grade_once(tree: Path, subs: Path, out: Path) -> float:
     return seconds
 
 
-def grade_measured(notebooks: list, exercises: list, tmp: Path, cpu: bool = True) -> tuple[float, float, float, int]:
-    """(seconds, peak summed PSS in MiB, points earned, max points) of grading `notebooks` as one student."""
+def grade_measured(notebooks: list, exercises: list, tmp: Path, cpu: int | None = 0) -> tuple[float, float, float, float, int]:
+    """(seconds, CPU seconds of every process, peak summed PSS in MiB, points earned, max points)
+    of grading `notebooks` as one student."""
+    import ctypes
     import json
+    import os
+    import resource
     import shutil as sh
     import threading
 
     import psutil
+
+    # CPU seconds: a process's own and those of the children it reaped reach us when we reap the
+    # grader. A process whose parent died first would be reaped by init and lost, so this script
+    # becomes a "subreaper": such orphans come to it, and it reaps them below.
+    PR_SET_CHILD_SUBREAPER = 36
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
 
     subs = tmp / "subs"
     sh.rmtree(subs, ignore_errors=True)
@@ -67,8 +79,8 @@ def grade_measured(notebooks: list, exercises: list, tmp: Path, cpu: bool = True
     out = tmp / "grades.json"
     command = [sys.executable, "-m", "pplab", "grade", str(subs), "--format", "json", "--out", str(out),
                "--exercises", ",".join(exercises)]
-    if cpu and sh.which("taskset"):
-        command = ["taskset", "-c", "0"] + command
+    if cpu is not None and sh.which("taskset"):
+        command = ["taskset", "-c", str(cpu)] + command
     peak, stop = [0.0], threading.Event()
     started = time.perf_counter()
     proc = subprocess.Popen(command, cwd=tmp, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -94,13 +106,29 @@ def grade_measured(notebooks: list, exercises: list, tmp: Path, cpu: bool = True
     seconds = time.perf_counter() - started
     stop.set()
     sampler.join()
+    left = psutil.Process().children()              # orphans the grader left behind (there should be none)
+    if left:
+        print(f"warning: the grader left {len(left)} processes behind: {[p.pid for p in left]}", file=sys.stderr)
+        psutil.wait_procs(left, timeout=10)
+    while True:                                     # reap what came to us as subreaper
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                break
+        except ChildProcessError:
+            break
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     if proc.returncode != 0:
         raise SystemExit(f"grading {notebooks} failed:\n{err[-2000:]}")
     student = json.loads(out.read_text())["students"][0]
-    return seconds, peak[0], student["points"], student["max_points"]
+    for r in student["exercises"]:                  # why an exercise fell short: on stderr, under the table
+        if r["points"] < r["max_points"]:
+            print(f"{r['exercise']}: {r['points']:g} of {r['max_points']}, {r['status']}: {r['message'][:300]}",
+                  file=sys.stderr, flush=True)
+    return seconds, cpu_s, peak[0], student["points"], student["max_points"]
 
 
-def platform(chapters: list | None, everything: bool) -> None:
+def platform(chapters: list | None, everything: bool, cpu: int = 0) -> None:
     sys.path.insert(0, str(REPO))
     from pplab.checks import EXERCISES
 
@@ -111,14 +139,20 @@ def platform(chapters: list | None, everything: bool) -> None:
         for chapter in sorted(by_chapter):
             if chapters is not None and chapter not in chapters:
                 continue
-            exs = by_chapter[chapter]
-            s, mib, got, most = grade_measured(sorted({e.notebook for e in exs}), [e.id for e in exs], Path(tmp))
-            short = "" if got == most else " (short of full marks: a check hit its time limit on a loaded machine?)"
-            print(f"| chapter {chapter} | {len(exs)} | {s:.0f} s | {mib:.0f} MiB | {got:g} / {most}{short} |", flush=True)
+            row(f"chapter {chapter}", by_chapter[chapter], Path(tmp), cpu)
         if everything:
-            exs = list(EXERCISES.values())
-            s, mib, got, most = grade_measured(sorted({e.notebook for e in exs}), [e.id for e in exs], Path(tmp))
-            print(f"| all at once | {len(exs)} | {s:.0f} s | {mib:.0f} MiB | {got:g} / {most} |", flush=True)
+            row("all at once", list(EXERCISES.values()), Path(tmp), cpu)
+
+
+def row(label: str, exs: list, tmp: Path, cpu: int) -> None:
+    """Grade `exs` as one student and print one row of the README's table."""
+    import os
+
+    load = os.getloadavg()[0]
+    s, cpu_s, mib, got, most = grade_measured(sorted({e.notebook for e in exs}), [e.id for e in exs], tmp, cpu)
+    short = "" if got == most else " (short of full marks: a check hit its time limit on a loaded machine?)"
+    print(f"| {label} | {len(exs)} | {s:.0f} s | {cpu_s:.0f} s | {mib:.0f} MiB | {got:g} / {most}{short} "
+          f"| {load:.1f} → {os.getloadavg()[0]:.1f} |", flush=True)
 
 
 def main() -> None:
@@ -128,10 +162,13 @@ def main() -> None:
     parser.add_argument("--platform", action="store_true", help="time and peak memory per chapter, on 1 CPU")
     parser.add_argument("--chapters", default=None, help="with --platform: comma-separated chapter numbers")
     parser.add_argument("--no-all", action="store_true", help="with --platform: skip grading all exercises at once")
+    parser.add_argument("--cpu", type=int, default=0, help="with --platform: the CPU to pin the grader to (default 0)")
     args = parser.parse_args()
     if args.platform:
-        print("| graded | exercises | time | peak memory (summed PSS) | points |\n|---|---|---|---|---|", flush=True)
-        platform(None if args.chapters is None else [int(c) for c in args.chapters.split(",")], not args.no_all)
+        print("| graded | exercises | wall time | CPU, all processes | peak memory (summed PSS) | points | load (1 min) |\n"
+              "|---|---|---|---|---|---|---|", flush=True)
+        platform(None if args.chapters is None else [int(c) for c in args.chapters.split(",") if c], not args.no_all,
+                 args.cpu)
         return
     with tempfile.TemporaryDirectory(prefix="pplab-bench-grading-") as tmp:
         tmp = Path(tmp)

@@ -261,20 +261,84 @@ def test_gradescope_autograder_grades_a_wrong_submission(autograder):
     assert data["output"].startswith("broadcast: ")                    # the short note, and no isolation note
 
 
-@pytest.mark.usefixtures("no_leftover_processes")
-def test_gradescope_without_namespaces_stopped_midway_scores_what_finished(autograder):
-    """The container has no user namespaces (PPLAB_SANDBOX=off stands in for Gradescope's): it
-    grades anyway and says what isolation remains. linear_traffic's answer never returns (its
-    check would wait 300 s); once broadcast has finished, the run is stopped (SIGTERM, which
-    run_autograder treats as its deadline, so that this test does not depend on how fast a
-    loaded machine grades): broadcast is scored and linear_traffic marked timed out."""
+def _where_nobody_can_run_python(view: Path) -> tuple[list, str]:
+    """(a command prefix under which the user nobody can run this Python, or why none can be
+    made). This machine's Python may lie in a folder only root may enter (/root/.pyenv): then,
+    in a mount namespace of its own, that folder is covered by `view` (mode 755) holding only
+    the Python's own subfolder, bound back in: the rest of it stays out of sight."""
+    import pwd
+
+    if os.getuid() != 0:
+        return [], "needs root (the autograder drops to nobody only when it runs as root)"
+    try:
+        pwd.getpwnam("nobody")
+    except KeyError:
+        return [], "this machine has no user nobody"
+    python = Path(sys._base_executable).resolve()
+    closed = [d for d in reversed(python.parents) if not os.stat(d).st_mode & stat.S_IXOTH]
+    if not closed:
+        return [], ""                                      # nobody can already run it
+    if not (shutil.which("unshare") and shutil.which("mount")):
+        return [], f"{closed[0]} is closed to nobody and unshare/mount (util-linux) are missing"
+    top = closed[0]
+    inner = python.relative_to(top).parts[0]
+    (view / inner).mkdir(parents=True)
+    view.chmod(0o755)
+    script = (f'mount --bind "{top / inner}" "{view / inner}" && mount --rbind "{view}" "{top}" && exec "$@"')
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", script, "sh", "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return [], f"{top} is closed to nobody and no mount namespace could open it: {probe.stderr.strip()[:200]}"
+    return ["unshare", "-m", "sh", "-c", script, "sh"], ""
+
+
+@pytest.fixture(scope="module")
+def without_namespaces(autograder):
+    """Gradescope's container: root, no user namespaces (PPLAB_SANDBOX=off stands in for them).
+    One run serves two tests (each run grades in fresh processes: the slow part). Where this
+    machine lets it, the run is made so that nobody can run this Python (see
+    _where_nobody_can_run_python), and the autograder then drops to nobody for real.
+
+    The submission: a spy cell, which records the kernel's user and what it could reach (the
+    autograder's config and an instructor's solutions, root's with mode 600, and results.json
+    to forge); broadcast's answer; and a linear_traffic that never returns (its check would
+    wait 300 s). Once broadcast has finished, the run is stopped (SIGTERM, which
+    run_autograder treats as its deadline, so that this does not depend on how fast a loaded
+    machine grades). Returns (results.json, what the spy saw, why the run could not drop to
+    nobody: "" if it could)."""
+    from conftest import descendants
+
     base, env = autograder
+    prefix, why = _where_nobody_can_run_python(base / "rootview")
     config = json.loads((base / "source" / "config.json").read_text())
-    config["limits"].update(check_timeout=300.0, timeout=10.0)      # the notebook's run: only its notes
+    config["limits"].update(check_timeout=300.0)
     (base / "source" / "config.json").write_text(json.dumps(config))
-    _prepare(base, {"mine.ipynb": ["from pplab import comm", _answer_cell("00_broadcast", "my_broadcast"),
+    (base / "source" / "config.json").chmod(0o600)
+    secret = base / "source" / "solutions" / "00_broadcast.ipynb"          # what an instructor might ship
+    secret.parent.mkdir(exist_ok=True)
+    shutil.copy(REPO / "solutions" / "00_broadcast.ipynb", secret)
+    secret.chmod(0o600)
+    probe = base / "probe"
+    probe.mkdir()
+    probe.chmod(0o777)
+    spy = f"""import json, os
+seen = {{"uid": os.getuid(), "euid": os.geteuid(), "gid": os.getgid(), "groups": os.getgroups(),
+        "oom_score_adj": open("/proc/self/oom_score_adj").read().strip()}}
+for name, path in {{"config": {str(base / "source" / "config.json")!r}, "solutions": {str(secret)!r}}}.items():
+    try:
+        open(path).read()
+        seen[name] = "read"
+    except OSError as err:
+        seen[name] = type(err).__name__
+try:
+    open({str(base / "results" / "results.json")!r}, "w").write('{{"score": 99}}')
+    seen["forge"] = "wrote"
+except OSError as err:
+    seen["forge"] = type(err).__name__
+open({str(probe / "kernel.json")!r}, "w").write(json.dumps(seen))"""
+    _prepare(base, {"mine.ipynb": [spy, "from pplab import comm", _answer_cell("00_broadcast", "my_broadcast"),
                                    TRAFFIC_HANGS]})
-    proc = subprocess.Popen([str(base / "run_autograder")], env=dict(env, PPLAB_SANDBOX="off"),
+    before = descendants()
+    proc = subprocess.Popen(prefix + [str(base / "run_autograder")], env=dict(env, PPLAB_SANDBOX="off"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         log = base / "results" / "pplab.log"
@@ -287,21 +351,47 @@ def test_gradescope_without_namespaces_stopped_midway_scores_what_finished(autog
     finally:
         proc.kill()
     assert proc.returncode == 0, stdout + stderr + log.read_text()
+    assert descendants() - before == set(), "processes left behind"
     data = _check_results(base)
+    seen = json.loads((probe / "kernel.json").read_text()) if (probe / "kernel.json").exists() else None
+    return data, seen, why
+
+
+def test_gradescope_without_namespaces_stopped_midway_scores_what_finished(without_namespaces):
+    """It grades anyway and says what isolation remains; broadcast is scored and linear_traffic
+    marked timed out."""
+    data, _, why = without_namespaces
     broadcast, traffic = data["tests"]
     assert (broadcast["score"], broadcast["status"]) == (1, "passed"), data
     assert (traffic["score"], traffic["status"]) == (0, "failed")
     assert traffic["output"] == "timed out: not graded before stopped by a signal"
     assert data["output"].startswith("Note: no namespace sandbox (turned off (PPLAB_SANDBOX=off)) and ") or \
         data["output"].startswith("Note: no namespace sandbox (turned off (PPLAB_SANDBOX=off)): student code ran as ")
-    if os.getuid() == 0:               # nobody, unless this machine's Python is in a folder nobody cannot read
-        try:
-            can = subprocess.run([sys.executable, "-c", "pass"], user="nobody", cwd="/").returncode == 0
-        except PermissionError:
-            can = False
-        assert ("as the unprivileged user nobody (not root)" if can else "nobody cannot run this Python") \
+    if os.getuid() == 0:               # nobody, unless nobody cannot run this machine's Python
+        assert ("nobody cannot run this Python" if why else "as the unprivileged user nobody (not root)") \
             in data["output"]
     assert "Stopped by a signal came before every exercise was graded" in data["output"]
+
+
+def test_gradescope_as_root_drops_to_nobody(without_namespaces):
+    """Gradescope's case for real: student code runs as nobody, with no supplementary groups;
+    the notebook's kernel ran to its end (it reached 127.0.0.1: the loopback of the grader's own
+    network namespace is up) and could not read the autograder's config or an instructor's
+    solutions nor write results.json; it is the first the OOM killer takes; broadcast's ranks
+    talked over the same loopback; and results.json is the grader's."""
+    import pwd
+
+    data, seen, why = without_namespaces
+    if why:
+        pytest.skip(f"the autograder could not drop to nobody here: {why}")
+    assert "as the unprivileged user nobody (not root)" in data["output"]
+    nobody = pwd.getpwnam("nobody")
+    assert seen is not None, f"the spy cell did not run to its end: {data['output']}"
+    assert (seen["uid"], seen["euid"], seen["gid"], seen["groups"]) == (nobody.pw_uid, nobody.pw_uid, nobody.pw_gid, [])
+    assert (seen["config"], seen["solutions"], seen["forge"]) == ("PermissionError",) * 3
+    assert seen["oom_score_adj"] == "1000"       # out of memory, the kernel's OOM killer takes this, not the grader
+    assert data["tests"][0]["score"] == 1 and data["score"] == 1      # the grader's results.json, not the forged one
+    assert "notebook's time limit" not in data["output"]
 
 
 @pytest.mark.usefixtures("no_leftover_processes")

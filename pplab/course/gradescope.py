@@ -25,8 +25,10 @@ The root is $PPLAB_AUTOGRADER_ROOT (default /autograder), so that tests need no 
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -37,7 +39,11 @@ import time
 import zipfile
 from pathlib import Path
 
+from ..isolation import loopback_up
 from .results import ERROR, PASSED, TIMED_OUT, ExerciseResult, GradeResult, combine
+
+# ctypes, resource and loopback_up are imported up here because _unshare_network and _limits
+# run in the grading child between fork and exec, where an import is best avoided.
 
 DEADLINE = 540.0                    # seconds: under Gradescope's default limit of 10 minutes
 LIMITS = {"timeout": 240.0, "cell_timeout": 120.0, "check_timeout": 30.0}   # grading.grade_notebook's
@@ -69,6 +75,7 @@ else
 fi
 "$VENV/bin/python" -m pip install ${PPLAB_PIP_OPTIONS:-} ./pplab-*.whl
 chmod -R a+rX "$VENV"              # student code runs as an unprivileged user: it must read Python
+case "$VENV" in "$ROOT"/*) chmod a+x "$ROOT" ;; esac     # and pass through the autograder's folder to reach it
 '''
 
 RUN_AUTOGRADER = r'''#!/usr/bin/env bash
@@ -207,9 +214,15 @@ def _isolation(no_sandbox, work: Path):
 
 
 def _limits():
-    """Limits for everything the grading child starts: a fork bomb or a huge file stops there."""
-    import resource
-
+    """Limits for everything the grading child starts: a fork bomb or a huge file stops there.
+    And if the container runs out of memory, the kernel's OOM killer is to take a process of
+    the student's grading first (oom_score_adj 1000, inherited), never this one: results.json
+    is still written, the exercise it hit noted as not graded."""
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:  # raising it needs no privilege
+            f.write("1000")
+    except OSError:                                       # not Linux
+        pass
     for limit, value in ((resource.RLIMIT_NPROC, 1024), (resource.RLIMIT_FSIZE, 1 << 30), (resource.RLIMIT_CORE, 0)):
         soft, hard = resource.getrlimit(limit)
         value = value if hard == resource.RLIM_INFINITY else min(value, hard)
@@ -217,11 +230,12 @@ def _limits():
 
 
 def _unshare_network():
-    import ctypes
-
+    """A network namespace of our own, with its loopback up: a new namespace's `lo` is down, and
+    both the notebook's kernel (ZeroMQ on 127.0.0.1) and gloo's ranks talk over it."""
     CLONE_NEWNET = 0x40000000
     if ctypes.CDLL(None, use_errno=True).unshare(CLONE_NEWNET) != 0:
         raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNET)")
+    loopback_up()
 
 
 def _own_network_possible() -> bool:
