@@ -28,6 +28,7 @@ TEST_FILES = {
     "test_checks_chapters": ["01", "02", "04"],
     "test_checks_expert_parallel": ["08"],
     "test_checks_hard": ["02", "04"],
+    "test_checks_near_miss": ["04", "07", "10"],
     "test_checks_sealed": ["course"],
     "test_checks_sequence_parallel": ["05"],
     "test_checks_tensor_parallel": ["03"],

@@ -17,9 +17,8 @@ MUTANTS += [
     Mutant("pplab/checks/pipeline.py", "if not math.isclose(mine.makespan, ref.makespan):",
            "if not math.isclose(mine.makespan, ref.makespan, rel_tol=0.25):", ONE_F_ONE_B,
            "1F1B check: a step 25% longer than 1F1B's accepted"),
-    Mutant("pplab/checks/pipeline.py", "p = [rng.randint(2, 5) for _ in range(3)] + [rng.randint(3, 5)]",
-           "p = [2 for _ in range(3)] + [rng.randint(3, 5)]", ONE_F_ONE_B,
-           "1F1B check: p = 2 stages only, but for the m < p - 1 case"),
+    Mutant("pplab/checks/pipeline.py", "p = [rng.randint(2, 5), rng.randint(3, 5), rng.randint(2, 5), rng.randint(3, 5)]",
+           "p = [2, 2, 2, rng.randint(3, 5)]", ONE_F_ONE_B, "1F1B check: p = 2 stages only, but for the m < p - 1 case"),
     Mutant("pplab/checks/pipeline.py", "peaks = [(r, peak, peak_limit(p, m, r)) for r, peak in enumerate(mine.peak_activations)]",
            "peaks = [(r, peak, peak_limit(p, m, r)) for r, peak in enumerate(mine.peak_activations[:1])]", ONE_F_ONE_B,
            "1F1B check: rank 0's peak activations only"),
@@ -62,8 +61,8 @@ MUTANTS += [
            "PP×DP check: rank 0 judged only"),
     Mutant("pplab/checks/hybrid_capstone.py", "_ATOL, _RTOL = 1e-12, 1e-9", "_ATOL, _RTOL = 1e-10, 1e-7", PPDP,
            "PP×DP check: tolerances widened 100x"),
-    Mutant("pplab/checks/hybrid_capstone.py", "    if peak <= limit:", "    if peak <= limit or True:", PPDP,
-           "PP×DP check: 1F1B's memory never judged"),
+    Mutant("pplab/checks/hybrid_capstone.py", "    if peak == limit:", "    if peak <= limit:", PPDP,
+           "PP×DP check: a warm-up too short accepted"),
 
     # planner.py: pick_layout (an index: no tolerance; its margins are the problems' 25% and 10%)
     Mutant("pplab/checks/planner.py", "    world = rng.choice([4, 8])", "    world = rng.choice([4])", PICK,
@@ -74,16 +73,16 @@ MUTANTS += [
 
     # cluster.py: place_layout
     Mutant("pplab/checks/cluster.py", "n_nodes, r = rng.choice([(2, 2), (3, 2), (2, 4), (4, 2), (3, 4)])",
-           "n_nodes, r = rng.choice([(2, 2), (2, 4), (4, 2)])", PLACE, "place_layout check: no cluster of 3 nodes"),
-    Mutant("pplab/checks/cluster.py", "if wrong_bytes is None and any(abs(crossed[d] - want[d]) > 1e-9 * max(1.0, want[d])",
-           "if wrong_bytes is None and any(abs(crossed[d] - want[d]) > 1e-7 * max(1.0, want[d])", PLACE,
-           "place_layout check: tolerance 1e-9 widened to 1e-7"),
+           "n_nodes, r = rng.choice([(2, 2), (2, 4)])", PLACE, "place_layout check: clusters of 2 nodes only"),
+    # (no widened tolerance: the bytes are whole numbers of messages, and every realistic slip is
+    # off by at least one message, thousands of bytes; the 1e-9 only absorbs float sums)
     Mutant("pplab/checks/cluster.py", "    for k, (p, got) in enumerate(zip(cases, outs)):",
            "    for k, (p, got) in enumerate(zip(cases[:1], outs)):", PLACE, "place_layout check: the first problem only"),
 
     # at_scale.py: find_layout
     Mutant("pplab/checks/at_scale.py", "if abs(got - right) > 1e-6 * right:", "if abs(got - right) > 1e-4 * right:", FIND,
            "find_layout check: tolerance 1e-6 widened to 1e-4"),
-    Mutant("pplab/checks/at_scale.py", "pp = rng.choice([1, 2, 4, 8])", "pp = rng.choice([1, 2])", FIND,
-           "find_layout check: pp of 1 or 2 only"),
+    Mutant("pplab/checks/at_scale.py", "for k, ((problem, right), got) in enumerate(zip(cases, outs)):",
+           "for k, ((problem, right), got) in enumerate(zip(cases[:1], outs)):", FIND,
+           "find_layout check: the first problem judged only"),
 ]
