@@ -85,4 +85,12 @@ MUTANTS += [
     Mutant("pplab/checks/at_scale.py", "for k, ((problem, right), got) in enumerate(zip(cases, outs)):",
            "for k, ((problem, right), got) in enumerate(zip(cases[:1], outs)):", FIND,
            "find_layout check: the first problem judged only"),
+
+    # library bullets of issue 38: options and shapes never run
+    Mutant("pplab/pipeline/bidirectional.py", "mb = replica * half + u * per_unit + j",
+           "mb = replica * per_unit + u * p + j", T("test_pipeline_bidirectional"),
+           "Chimera with m > p: micro-batches strided by p, the two directions' halves taken per unit"),
+    Mutant("pplab/pipeline/asynchronous.py", "\"losses\": [x.item() * self.m for x in self.losses]",
+           "\"losses\": [x.item() for x in self.losses]", T("test_pipeline_asynchronous"),
+           "2BW: the reported losses divided by m"),
 ]
