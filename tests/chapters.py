@@ -55,6 +55,7 @@ TEST_FILES = {
     "test_grading_hostile": ["course"],
     "test_hardware": ["10"],
     "test_hybrid": ["07"],
+    "test_layout_generators": ["10"],
     "test_launch": ["00"],
     "test_launch_errors": ["00"],
     "test_launch_hostile": ["00"],
