@@ -51,6 +51,7 @@ TEST_FILES = {
     "test_grad_clip": ["09"],
     "test_grading": ["course"],
     "test_grading_bounded": ["course"],
+    "test_grading_units": ["course"],
     "test_grading_formats": ["course"],
     "test_grading_hostile": ["course"],
     "test_hardware": ["10"],

@@ -93,4 +93,16 @@ MUTANTS += [
     Mutant("pplab/pipeline/asynchronous.py", "\"losses\": [x.item() * self.m for x in self.losses]",
            "\"losses\": [x.item() for x in self.losses]", T("test_pipeline_asynchronous"),
            "2BW: the reported losses divided by m"),
+
+    # the grader's parts, caught by fast unit tests (tests/test_grading_units.py), not only by a grading run
+    Mutant("pplab/course/results.py", "if ex in exercise_ids and (ex not in best or r.points > best[ex].points):",
+           "if ex in exercise_ids and (ex not in best or r.points < best[ex].points):", T("test_grading_units"),
+           "grading: the worst of a student's notebooks counts"),
+    Mutant("pplab/course/results.py", "prefix = f\"{Path(path).name}: \" if len(notebooks) > 1 else \"\"",
+           "prefix = \"\"", T("test_grading_units"), "grading: several notebooks' notes not told apart"),
+    Mutant("pplab/course/grading.py", "return sorted(exercise_ids, key=lambda ex: (EXERCISES[ex].notebook or \"~\", ex))",
+           "return sorted(exercise_ids)", T("test_grading_units"), "grading: columns in alphabetical order"),
+    Mutant("pplab/course/submission.py", "nested.setdefault(name, (number, inner.lineno, type(node).__name__.lower()))",
+           "nested.setdefault(name, (number, node.lineno, type(node).__name__.lower()))", T("test_grading_units"),
+           "grading: a definition in a block named at the block's line"),
 ]
