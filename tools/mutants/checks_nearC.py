@@ -88,8 +88,8 @@ MUTANTS += [
 
     # library bullets of issue 38: options and shapes never run
     Mutant("pplab/pipeline/bidirectional.py", "mb = replica * half + u * per_unit + j",
-           "mb = replica * per_unit + u * p + j", T("test_pipeline_bidirectional"),
-           "Chimera with m > p: micro-batches strided by p, the two directions' halves taken per unit"),
+           "mb = u * p + replica * per_unit + j", T("test_pipeline_bidirectional"),
+           "Chimera with m > p: unit u takes micro-batches u·p .. u·p + p - 1, half of them each way"),
     Mutant("pplab/pipeline/asynchronous.py", "\"losses\": [x.item() * self.m for x in self.losses]",
            "\"losses\": [x.item() for x in self.losses]", T("test_pipeline_asynchronous"),
            "2BW: the reported losses divided by m"),
