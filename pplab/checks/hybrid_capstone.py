@@ -242,7 +242,8 @@ def _memory_problem(res, trial, s):
     if peak == limit:                    # m >= pp + 2: 1F1B's peak is pp - s exactly, no more and no less
         return None
     if peak < limit:                     # a warm-up too short: right values, but the pipeline idles
-        return (f"it held at most {peak} micro-batch{'es' if peak > 1 else ''}' activations at once; 1F1B holds "
+        held = "micro-batches'" if peak > 1 else "micro-batch's"
+        return (f"it held at most {peak} {held} activations at once; 1F1B holds "
                 f"pp - s = {limit} at stage {s}: its warm-up is too short, so the stage waits for gradients while "
                 f"forwards it could run are ready. Run pp - s - 1 = {limit - 1} warm-up forwards (pp is the size of "
                 f"pp_group), then alternate one forward and one backward.")
