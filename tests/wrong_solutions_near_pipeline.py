@@ -7,6 +7,7 @@ import torch
 
 from wrong_solutions_chapters import LOOPED, _bubble_report, _bubble_spans
 from wrong_solutions_hard import receive, send
+from wrong_solutions_scored import _deferring
 
 
 # ----------------------------------------------------------------------------------
@@ -36,6 +37,12 @@ def one_f_one_b_drain_newest_first(num_stages, num_microbatches):
             acts += [("F", warmup + i), ("B", i)]
         order.append(acts + [("B", i) for i in reversed(range(m - warmup, m))])
     return order
+
+
+def zb_defers_one_weight_too_many(num_stages, num_microbatches):
+    """ZB-H1 with rank r putting off r + 1 weight gradients, not r: one micro-batch more held than
+    1F1B's busiest rank, p + 1 (a step no shorter: the bound is reached with r)."""
+    return _deferring(num_stages, num_microbatches, lambda r: r + 1)
 
 
 # ----------------------------------------------------------------------------------
@@ -109,6 +116,11 @@ WRONG = {
         (one_f_one_b_drain_newest_first,
          [r"^p=[3-5] stages, m=\d+ micro-batch(es)?: your schedule takes \d+ time units \(t_f = 1, t_b = 2\), 1F1B "
           r"takes \(m \+ p - 1\)\(t_f \+ t_b\) = \d+\. Rank \d sits idle"], None),
+    ],
+    "zero_bubble": [
+        (zb_defers_one_weight_too_many,
+         [r"^p=4 stages, m=8 micro-batches: rank 0 holds 5 micro-batches' activations at its peak, more than "
+          r"the p = 4 that 1F1B's busiest rank holds"], None),
     ],
     "bubble_fraction": [
         (bubble_rounded_for_display,

@@ -31,6 +31,9 @@ MUTANTS += [
            "for r, (g, w) in enumerate(zip(idle[:-1], truth[\"where\"])):", BUBBLE,
            "bubble check: the last rank's fill and drain never looked at"),
 
+    Mutant("pplab/checks/pipeline.py", "            if peak > p:", "            if peak > p + 1:",
+           CHK("zero_bubble", "zb_"), "zero-bubble check: one micro-batch more than 1F1B's memory accepted"),
+
     # pipeline_executor.py
     Mutant("pplab/checks/pipeline_executor.py", "trials = {p: _trials(seed, p) for p in (2, 3, 4)}",
            "trials = {p: _trials(seed, p) for p in (2,)}", EXECUTOR, "executor check: 2 ranks only (no middle stage)"),
