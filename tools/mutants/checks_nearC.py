@@ -58,8 +58,8 @@ MUTANTS += [
     # hybrid_capstone.py: pp_dp_train_step
     Mutant("pplab/checks/hybrid_capstone.py", "MESHES = ((2, 2), (3, 2))", "MESHES = ((2, 2),)", PPDP,
            "PP×DP check: 2 stages only"),
-    Mutant("pplab/checks/hybrid_capstone.py", "peak, limit = peak_held(events), pp - s",
-           "peak, limit = peak_held(events), pp", PPDP, "PP×DP check: a warm-up of pp - 1 on every stage accepted"),
+    Mutant("pplab/checks/hybrid_capstone.py", "    if peak == limit:", "    if limit <= peak <= pp:", PPDP,
+           "PP×DP check: a warm-up of pp - 1 on every stage accepted"),
     Mutant("pplab/checks/hybrid_capstone.py", "    for rank in range(pp * dp):", "    for rank in range(1):", PPDP,
            "PP×DP check: rank 0 judged only"),
     Mutant("pplab/checks/hybrid_capstone.py", "_ATOL, _RTOL = 1e-12, 1e-9", "_ATOL, _RTOL = 1e-10, 1e-7", PPDP,
