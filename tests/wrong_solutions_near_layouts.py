@@ -5,6 +5,8 @@ as in wrong_solutions.py; tests/test_checks.py collects this file with the other
 """
 import itertools
 
+from pplab.checks.at_scale import reference
+
 
 # ----------------------------------------------------------------------------------
 # mesh_groups
@@ -60,7 +62,20 @@ def place_layout_two_crossings_per_ring(problem):
     return {"order": order, "cross_node_bytes": crossing(order)}
 
 
+# ----------------------------------------------------------------------------------
+# find_layout
+
+
+def memory_as_printed(problem):
+    """The right bytes, passed through a print with 6 significant digits (f"{x:.6g}"): off by up
+    to 5e-6 relative, over the check's 1e-6 and well under 1e-4."""
+    return float(f"{sum(reference(problem)):.6g}")
+
+
 WRONG = {
+    "find_layout": [
+        (memory_as_printed, [r"^problem \d+: you said [\d.]+ GB, the answer is [\d.]+ GB"], None),
+    ],
     "mesh_groups": [
         (mesh_groups_power_of_two_mask,
          [r"^pp=\d, dp=\d, tp=\d on 6 ranks: rank [1-5]'s (pp|dp|tp) group is \[[\d, ]+\], expected \[[\d, ]+\] "
