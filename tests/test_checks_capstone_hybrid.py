@@ -132,3 +132,29 @@ def _all_reduce(group, nbytes, kind="all_reduce"):
 def test_dp_all_reduce_mistakes_are_named(calls, words):
     problem = _dp_problem({"collectives": calls}, TRIAL, 1, [2, 3], [1, 3, 5], 160)
     assert (problem is None) if words is None else re.search(words, problem), problem
+
+
+# -- 1F1B memory: pp - s micro-batches at the peak, no more (GPipe, a warm-up too long) and no fewer
+#    (a warm-up too short idles): the events made by hand, no ranks needed -----------------------
+
+def _one_f_one_b(m, warmup):
+    return ["F"] * warmup + ["F", "B"] * (m - warmup) + ["B"] * warmup
+
+
+@pytest.mark.parametrize("s, events, words", [
+    (0, _one_f_one_b(5, 2), None),
+    (1, _one_f_one_b(5, 1), None),
+    (2, _one_f_one_b(5, 0), None),
+    (1, _one_f_one_b(5, 2), r"^it held up to 3 micro-batches' activations at once \(forwards whose backward had not "
+                            r"run\); 1F1B holds at most pp - s = 2 at stage 1\. Run pp - s - 1 = 1 warm-up forwards"),
+    (0, ["F"] * 5 + ["B"] * 5, r"held up to 5 .* All 5 forwards ran before the first backward: that is GPipe's order"),
+    (0, _one_f_one_b(5, 1), r"^it held at most 2 micro-batches' activations at once; 1F1B holds pp - s = 3 at stage 0: "
+                            r"its warm-up is too short, .* Run pp - s - 1 = 2 warm-up forwards \(pp is the size of "
+                            r"pp_group\)"),
+    (1, _one_f_one_b(5, 0), r"^it held at most 1 micro-batch's activations at once; 1F1B holds pp - s = 2 at stage 1"),
+    (0, _one_f_one_b(4, 2), r"^it ran 4 forwards and 4 backwards of its stage; the step has m = 5"),
+])
+def test_1f1b_memory_wants_pp_minus_s_at_the_peak(s, events, words):
+    from pplab.checks.hybrid_capstone import _memory_problem
+    problem = _memory_problem({"events": events}, {"m": 5, "pp": 3}, s)
+    assert problem is None if words is None else re.search(words, problem), problem

@@ -174,6 +174,12 @@ def test_2bw_equals_the_delayed_update_rule_in_one_process(p, m, batches):
             mine = {k: w for k, w in ref.items() if stage_of(k) == s}
             assert close(history[s][t], mine), f"stage {s}, W({t})"
     assert close(merged(results, "params"), W[-1])
+    # the losses the last stage reports: each micro-batch's own mean loss at the weights it used, W(t-1)
+    # in batch t; the 1/m weighting of the update is not the loss (a report divided by m fails here)
+    xm, ym = torch.tensor_split(x, n), torch.tensor_split(y, n)
+    want = [grads_at(model, W[max(0, i // m - 1)], xm[i], ym[i])[0] for i in range(n)]
+    assert results[p - 1]["losses"] == pytest.approx(want, rel=1e-9)
+    assert all(not res["losses"] for res in results[:-1])
     for r, res in enumerate(results):
         assert res["peak_versions"] == {r: versions_held_formula("pipedream-2bw", r, p)} == {r: 2}
         # bytes: the versions held times one version's bytes, from pplab.memory

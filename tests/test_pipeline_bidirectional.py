@@ -278,3 +278,32 @@ def test_torchs_validator_and_simulator_accept_our_dualpipev(p, m):
     played = _simulate_comms_compute(lowered, stage_to_rank=lambda st: s.stage_to_rank[st], num_stages=2 * p)
     for r in range(p):                                  # every action, compute and comms, got played
         assert [a for a in played[r] if a is not None] == lowered[r]
+
+
+# ----------------------------------------------------------------------------------
+# Chimera with several basic units (m = 2p, 3p): the paper's direct concatenation
+
+@pytest.mark.parametrize("p,k", [(2, 2), (4, 2), (4, 3), (6, 2)])
+def test_chimera_with_several_units_concatenates_the_basic_unit(p, k):
+    """m = k·p: each rank runs unit 0's order k times; in unit u the down copy (stages 0..p-1) takes
+    micro-batches u·p/2 .. u·p/2 + p/2 - 1 and the up copy m/2 plus those, so that micro-batches
+    0..m/2-1 go down and m/2..m-1 go up. Derived here from the one-unit schedule (m = p), which
+    the test above pins to the paper; a micro-batch stride of p instead of p/2, or halves taken
+    from the unit rather than the batch, breaks it only when m > p."""
+    m, half = k * p, p // 2
+    unit = make_bidirectional("chimera", p, p)
+    s = make_bidirectional("chimera", p, m)                  # validated: every F and B once, no deadlock
+    for r in range(p):
+        want = []
+        for u in range(k):
+            for a in unit.actions[r]:
+                up, j = divmod(a.microbatch, half)           # in the unit: 0..p/2-1 down, p/2..p-1 up
+                assert up == (a.stage >= p)
+                want.append((a.kind, up * (m // 2) + u * half + j, a.stage, a.chunk))
+        assert [(a.kind, a.microbatch, a.stage, a.chunk) for a in s.actions[r]] == want, f"rank {r}"
+    assert {a.microbatch for acts in s.actions for a in acts if a.stage < p} == set(range(m // 2))
+    r1, rk = simulate(unit, t_f=1, t_b=1), simulate(s, t_f=1, t_b=1)
+    assert rk.peak_activations == r1.peak_activations       # a unit drains before the next one fills its rank
+    for r in range(p):                                       # k times the work, in at most k units' time
+        assert rk.makespan - rk.bubble[r] == k * (r1.makespan - r1.bubble[r])
+    assert rk.makespan <= k * r1.makespan

@@ -14,12 +14,15 @@ from wrong_solutions_hard import receive as _receive, send as _send   # 4d's not
 
 
 
-def _order(m, pp, s, schedule):
+def _order(m, pp, s, schedule, dp=None):
     """[("F", i) / ("B", i)]: 1F1B (warm-up of pp - s - 1 forwards), 1F1B with one warm-up forward
-    too many, or GPipe (every forward, then every backward)."""
+    too many, with pp - 1 on every stage, with dp - s - 1 (the other group's size), or GPipe (every
+    forward, then every backward)."""
     if schedule == "gpipe":
         return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
-    warmup = min(pp - s - 1 + (schedule == "warm-up + 1"), m)
+    warmup = {"warm-up + 1": pp - s, "warm-up pp - 1": pp - 1, "warm-up from dp": max(0, dp - s - 1)}.get(
+        schedule, pp - s - 1)
+    warmup = min(warmup, m)
     order = [("F", i) for i in range(warmup)]
     for i in range(m - warmup):
         order += [("F", warmup + i), ("B", i)]
@@ -27,18 +30,19 @@ def _order(m, pp, s, schedule):
 
 
 def _step(stage, inputs, targets, loss_fn, m, pp_group, dp_group, schedule="1f1b", micro=None, reduce_over="dp",
-          divide=True, divide_on_rank_0_only=False, loss_summed=False):
+          divide=True, divide_on_rank_0_only=False, loss_summed=False, one_over_m=None):
     pp, s = comm.world_size(pp_group), comm.rank(pp_group)
     ranks = comm.group_ranks(pp_group)
     prev, nxt = (ranks[s - 1] if s > 0 else None), (ranks[s + 1] if s < pp - 1 else None)
     xs, ys = inputs.chunk(m), targets.chunk(m)
     held, handles, loss = {}, [], 0.0
-    for kind, i in _order(micro or m, pp, s, schedule):
+    scale = 1 / m if one_over_m is None else one_over_m(m)
+    for kind, i in _order(micro or m, pp, s, schedule, comm.world_size(dp_group)):
         if kind == "F":
             x = xs[i] if prev is None else _receive(xs[i], prev).requires_grad_()
             out = stage(x)
             if nxt is None:
-                out = loss_fn(out, ys[i]) / m
+                out = loss_fn(out, ys[i]) * scale
                 loss += out.item() * (m if loss_summed else 1)
             else:
                 handles.append(_send(out, nxt))
@@ -102,6 +106,24 @@ def ppdp_loss_summed(stage, inputs, targets, loss_fn, m, pp_group, dp_group):
     return _step(stage, inputs, targets, loss_fn, m, pp_group, dp_group, loss_summed=True)
 
 
+def ppdp_warm_up_pp_minus_one_everywhere(stage, inputs, targets, loss_fn, m, pp_group, dp_group):
+    """pp - 1 warm-up forwards on every stage, as stage 0 needs: right on stage 0, one micro-batch too
+    many held on stage 1, two on stage 2 (wrong on later stages only)."""
+    return _step(stage, inputs, targets, loss_fn, m, pp_group, dp_group, schedule="warm-up pp - 1")
+
+
+def ppdp_warm_up_from_dp_size(stage, inputs, targets, loss_fn, m, pp_group, dp_group):
+    """The warm-up counted from comm.world_size(dp_group), not pp_group's: right when pp = dp = 2,
+    too short with 3 stages (the pipeline idles, fewer micro-batches held than 1F1B's)."""
+    return _step(stage, inputs, targets, loss_fn, m, pp_group, dp_group, schedule="warm-up from dp")
+
+
+def ppdp_one_over_m_in_float32(stage, inputs, targets, loss_fn, m, pp_group, dp_group):
+    """Each micro-batch's loss times torch.tensor(1 / m), a float32 number: off by ~3e-8 relative
+    when m is not a power of two (float64's check is 1e-9)."""
+    return _step(stage, inputs, targets, loss_fn, m, pp_group, dp_group, one_over_m=lambda m: torch.tensor(1 / m))
+
+
 def ppdp_from_library(stage, inputs, targets, loss_fn, m, pp_group, dp_group):
     return run_pipeline(None, [stage], inputs, targets, loss_fn)
 
@@ -141,6 +163,17 @@ WRONG = {
         (ppdp_loss_summed,
          [WHERE + r": the last stage returned loss .* It is \d+ times that: the sum of the micro-batch losses",
           r"Parts: gradients ✔ · loss ✘ · pipeline traffic ✔ · dp all-reduce ✔ · 1F1B memory ✔ \(4 of 5\)"], None),
+        (ppdp_warm_up_pp_minus_one_everywhere,
+         [r"^pp=[23] stages × dp=2 replicas, .*, rank [2-5] \(stage [12] of replica \d\): it held up to \d "
+          r"micro-batches' activations at once", r"1F1B holds at most pp - s = [12] at stage [12]",
+          r"1F1B memory ✘ \(4 of 5\)"], None),
+        (ppdp_warm_up_from_dp_size,
+         [r"^pp=3 stages × dp=2 replicas, .*, rank [0-3] \(stage [01] of replica \d\): it held at most \d "
+          r"micro-batches' activations at once", r"1F1B holds pp - s = [23] at stage [01]: its warm-up is too short",
+          r"1F1B memory ✘ \(4 of 5\)"], None),
+        (ppdp_one_over_m_in_float32,
+         [r"^pp=[23] stages × dp=2 replicas, .*\.grad at .* but the single-process gradient of the whole batch is",
+          r"Parts: gradients ✘ · loss ✘ · pipeline traffic ✔ · dp all-reduce ✔ · 1F1B memory ✔ \(3 of 5\)"], None),
         (ppdp_from_library,
          [r"^exercise 'pp_dp_train_step' asks you to work out the 1F1B loop and the data-parallel gradient average "
           r"yourself; you use pplab.pipeline's executor or pplab.hybrid's trainer"], None),

@@ -24,9 +24,9 @@ each judged on every rank and reported separately (partial credit):
   to the previous one, nothing else: 2m messages per stage boundary per replica;
 * dp all-reduce: each rank's collectives are all-reduces over its dp group of its stage's
   gradients, each number once (one bucket, or one call per parameter);
-* 1F1B memory: each rank runs m forwards and m backwards of its stage and never holds more than
-  pp - s micro-batches' activations (forwards whose backward has not run), measured through the
-  stage it is given.
+* 1F1B memory: each rank runs m forwards and m backwards of its stage and holds at most pp - s
+  micro-batches' activations (forwards whose backward has not run), and at its peak exactly that
+  many (a shorter warm-up idles), measured through the stage it is given.
 
 The message names the first part that failed, with the first rank and tensor that differ and
 why, then the five parts' verdicts.
@@ -239,8 +239,14 @@ def _memory_problem(res, trial, s):
         return (f"it ran {forwards} forwards and {backwards} backwards of its stage; the step has m = {m} "
                 f"micro-batches, one forward and one backward each.")
     peak, limit = peak_held(events), pp - s
-    if peak <= limit:
+    if peak == limit:                    # m >= pp + 2: 1F1B's peak is pp - s exactly, no more and no less
         return None
+    if peak < limit:                     # a warm-up too short: right values, but the pipeline idles
+        held = "micro-batches'" if peak > 1 else "micro-batch's"
+        return (f"it held at most {peak} {held} activations at once; 1F1B holds "
+                f"pp - s = {limit} at stage {s}: its warm-up is too short, so the stage waits for gradients while "
+                f"forwards it could run are ready. Run pp - s - 1 = {limit - 1} warm-up forwards (pp is the size of "
+                f"pp_group), then alternate one forward and one backward.")
     gpipe = events[:m] == ["F"] * m
     why = f"All {m} forwards ran before the first backward: that is GPipe's order. " if gpipe else ""
     return (f"it held up to {peak} micro-batches' activations at once (forwards whose backward had not run); "

@@ -36,9 +36,10 @@ T_F, T_B = 1.0, 2.0
 
 
 def _cases(seed: int) -> list[tuple[int, int]]:
-    """(p, m): m a multiple of p, m > p not a multiple, m < p - 1, and one more at random."""
+    """(p, m): m a multiple of p, m > p not a multiple (p >= 3: a middle rank, and more than one
+    micro-batch to drain), m < p - 1, and one more at random."""
     rng = random.Random(seed)
-    p = [rng.randint(2, 5) for _ in range(3)] + [rng.randint(3, 5)]
+    p = [rng.randint(2, 5), rng.randint(3, 5), rng.randint(2, 5), rng.randint(3, 5)]
     return [(p[0], p[0] * rng.randint(1, 3)), (p[1], p[1] * rng.randint(1, 2) + rng.randint(1, p[1] - 1)),
             (p[3], rng.randint(1, p[3] - 2)), (p[2], rng.randint(1, 10))]
 
