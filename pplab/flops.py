@@ -139,10 +139,16 @@ def six_n(cfg) -> int:
     return 6 * matmul_parameters(cfg)
 
 
-def flops_per_token(cfg, seq: int | None = None) -> int:
-    """Training FLOPs per token: 6N plus attention's 12·l·s·h (forward 4·l·s·h, backward twice it)."""
+def flops_per_token(cfg, seq: int | None = None, causal: bool = False) -> int:
+    """Training FLOPs per token: 6N plus attention's 12·l·s·h (forward 4·l·s·h, backward twice it).
+
+    causal=True halves the attention term to 6·l·s·h: under a causal mask a token attends only to
+    the keys before it, and a fused kernel (FlashAttention) skips the rest. That is the count of
+    chapter 10's planner (`Transformer.step_flops`); the default counts every score, as torch's
+    counter sees the math kernel run them and as PaLM's MFU counts them.
+    """
     s = _check(cfg, 1, seq)
-    return six_n(cfg) + 12 * cfg.layers * s * cfg.hidden
+    return six_n(cfg) + (6 if causal else 12) * cfg.layers * s * cfg.hidden
 
 
 # ----------------------------------------------------------------------------------

@@ -88,6 +88,8 @@ def test_six_n_and_the_attention_term_per_token():
     assert six_n(cfg) == 6 * 15_296
     assert flops_per_token(cfg) == 6 * 15_296 + 12 * 2 * 16 * 32
     assert flops_per_token(cfg, seq=10) * 3 * 10 == step_flops(cfg, 3, 10).model    # per token x tokens = per step
+    assert flops_per_token(cfg, causal=True) == 6 * 15_296 + 6 * 2 * 16 * 32        # half the scores, by hand
+    assert flops_per_token(cfg, seq=10, causal=True) == 6 * 15_296 + 6 * 2 * 10 * 32
 
 
 def test_mfu_and_hfu_by_hand():

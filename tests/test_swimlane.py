@@ -193,6 +193,35 @@ def test_arrows_one_per_message_from_send_end_to_recv_end():
     assert arrows(swimlane.draw(tl)) == []
 
 
+def test_nodes_mark_the_boundary_and_the_messages_between_nodes():
+    # gpipe on 4 ranks as 2 nodes of 2: by hand, the forward sends 1 → 2 (m = 4 of them) and
+    # the backward sends 2 → 1 (4 more) cross the boundary; the other 16 stay inside a node
+    tl = gpipe()
+    fig = swimlane.draw(tl, arrows=True, nodes=2)
+    between = [c for c in lanes(fig).collections if c.get_gid() == "arrows:between-nodes"]
+    assert len(between) == 1 and between[0].N == 8
+    # each arrow leaves at its send's end: F(1, i) ends at i + 2, B(2, j-th) at 7 + 2(1 + j) + 2; a send takes 0.2
+    assert sorted(between[0].X) == pytest.approx([i + 2.2 for i in range(4)] + [7 + 2 * (1 + j) + 2.2 for j in range(4)])
+    assert sorted(round(v) for v in between[0].V) == [-1] * 4 + [1] * 4
+    assert arrows(fig)[0].N == 16                                   # the rest, in the usual colour
+    lines = [ln for ln in lanes(fig).get_lines() if ln.get_gid() == "node-boundary"]
+    assert [ln.get_ydata()[0] for ln in lines] == pytest.approx([2 - 0.075])   # between rank 1 and rank 2 only
+    assert [t.get_text() for t in lanes(fig).get_yticklabels()] == ["node 0  rank 0", "node 0  rank 1",
+                                                                     "node 1  rank 2", "node 1  rank 3"]
+    assert "message between nodes" in [t.get_text() for t in fig.legends[0].get_texts()]
+    # 3 ranks a node on 4 ranks: one boundary, under rank 2; the 2 → 3 and 3 → 2 messages cross
+    fig3 = swimlane.draw(tl, arrows=True, nodes=3)
+    assert [c.N for c in lanes(fig3).collections if c.get_gid() == "arrows:between-nodes"] == [8]
+    assert [ln.get_ydata()[0] for ln in lanes(fig3).get_lines() if ln.get_gid() == "node-boundary"] == pytest.approx([2.925])
+    assert not [c for c in lanes(swimlane.draw(tl, arrows=True)).collections if c.get_gid() == "arrows:between-nodes"]
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True, "2"])
+def test_bad_nodes_is_a_clear_error(bad):
+    with pytest.raises(ValueError, match="ranks per node"):
+        swimlane.draw(gpipe(), nodes=bad)
+
+
 def memory_panels(fig):
     return [a for a in fig.axes if a.get_label().startswith("memory:")]
 

@@ -14,12 +14,12 @@ from matplotlib.ticker import FuncFormatter
 from .lanes import _draw_lanes, _draw_path, _place_labels
 from .layout import _MEMORY_ROW, _Panel, _auto_figsize, _check_options, _check_timeline, _time_range
 from .memory import _draw_memory
-from .style import HATCHES, IDLE, KIND_COLORS, KIND_NAMES, color_of
+from .style import BETWEEN_NODES, HATCHES, IDLE, KIND_COLORS, KIND_NAMES, color_of
 
 
 def draw(timeline, *, ax=None, comm_lanes="auto", arrows=False, memory=False, time_range=None,
          title=None, titles=None, labels="auto", colors=None, figsize=None, path="auto",
-         comm_rows=None) -> Figure:
+         comm_rows=None, nodes=None) -> Figure:
     """Draw `timeline` (a pplab.trace.Timeline) as swimlanes; return the figure.
 
     timeline: one Timeline, or a list of them to stack on one time axis (e.g. GPipe
@@ -41,6 +41,9 @@ def draw(timeline, *, ax=None, comm_lanes="auto", arrows=False, memory=False, ti
       ("auto": micro-batch 0 when ranks hold several chunks; None: no line).
     comm_rows: {row name: function(event) -> bool}: cut each comm lane into these rows, an
       event going to the first row whose function is true (or to a row "other").
+    nodes: ranks per node (ranks numbered node by node, as pplab.cluster.Cluster does): a
+      dashed line between nodes, and with arrows=True the messages between nodes drawn in
+      red, on their own, so the slow link's traffic stands out.
 
     A figure draw makes is closed in pyplot before it is returned: in a notebook it
     shows as the value of a cell (or with display(fig)); in a script, fig.savefig(...).
@@ -68,6 +71,8 @@ def draw(timeline, *, ax=None, comm_lanes="auto", arrows=False, memory=False, ti
                                       and all(callable(f) for f in comm_rows.values())):
         raise ValueError("comm_rows must be a non-empty dict {row name: function(event) -> bool}, e.g. "
                          "{'TP': lambda e: e.kind == 'all_reduce', 'PP': lambda e: e.kind in ('send', 'recv')}")
+    if nodes is not None and (isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1):
+        raise ValueError(f"nodes is the number of ranks per node, a positive int (e.g. nodes=2), got {nodes!r}")
     panels = [_Panel(tl, comm_lanes, t0, t1, comm_rows) for tl in tls]
 
     # -- the figure and its axes: per timeline its lanes, then (memory) one row per rank
@@ -103,10 +108,11 @@ def draw(timeline, *, ax=None, comm_lanes="auto", arrows=False, memory=False, ti
     tops = defaultdict(float)            # stacked timelines share one memory scale (per unit)
     for tl in tls:
         tops[tl.memory_unit] = max([tops[tl.memory_unit]] + [tl.peak_memory(r) for r in range(tl.world_size)])
-    jobs, present, chunks, traced = [], set(), set(), False
+    jobs, present, chunks, traced, crossed = [], set(), set(), False, False
     for i, (p, (lane_ax, mem_axes)) in enumerate(zip(panels, layout)):
         head = (titles[i] if titles is not None else None) if stacked else title
-        jobs += _draw_lanes(lane_ax, p, t0, t1, head, time_range is not None, colors, arrows, labels)
+        jobs += _draw_lanes(lane_ax, p, t0, t1, head, time_range is not None, colors, arrows, labels, nodes)
+        crossed |= any(c.get_gid() == "arrows:between-nodes" for c in lane_ax.collections)
         present |= {e.kind for e in p.shown}
         chunks |= {e.meta.get("chunk") or 0 for e in p.shown if e.category == "compute"}
         mb = (0 if p.chunked else None) if path == "auto" else path
@@ -129,6 +135,8 @@ def draw(timeline, *, ax=None, comm_lanes="auto", arrows=False, memory=False, ti
     if traced:
         handles.append(Line2D([], [], color="#222222", marker="o", markersize=3,
                               label=f"micro-batch {0 if path == 'auto' else path}, stage by stage"))
+    if crossed:
+        handles.append(Line2D([], [], color=BETWEEN_NODES, lw=2, label="message between nodes"))
     handles.append(Patch(facecolor=IDLE, label="idle (bubble)"))
     if own_figure:
         fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 8), fontsize=8, frameon=False)

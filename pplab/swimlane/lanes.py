@@ -13,10 +13,10 @@ from matplotlib import patheffects
 from matplotlib.transforms import Bbox, blended_transform_factory
 
 from .layout import _LABEL_PT, _row
-from .style import COMM_IDLE, HATCHES, IDLE, _fmt_bytes, _ink, color_of
+from .style import BETWEEN_NODES, COMM_IDLE, HATCHES, IDLE, _fmt_bytes, _ink, color_of
 
 
-def _draw_lanes(ax, p, t0, t1, head, zoomed, colors, arrows, labels):
+def _draw_lanes(ax, p, t0, t1, head, zoomed, colors, arrows, labels, nodes=None):
     """One timeline's lanes into `ax`; returns the labels to place once the layout is known."""
     tl, mode, n = p.tl, p.mode, p.n
     makespan = tl.makespan
@@ -53,18 +53,26 @@ def _draw_lanes(ax, p, t0, t1, head, zoomed, colors, arrows, labels):
 
     # -- arrows from each send to its receive --------------------------------------
     if arrows and tl.events:
-        segs = []
+        segs = {False: [], True: []}       # by "between nodes?"
         for s, rv in tl.messages():
             if max(s.end, rv.end) < t0 or min(s.end, rv.end) > t1:
                 continue
             ys = _row(p, s) if comm else (s.rank + main[0], main[1])
             yr = _row(p, rv) if comm else (rv.rank + main[0], main[1])
-            segs.append((s.end, ys[0] + ys[1] / 2, rv.end, yr[0] + yr[1] / 2))
-        if segs:
-            x, y, x2, y2 = np.array(segs).T
-            ax.quiver(x, y, x2 - x, y2 - y, angles="xy", scale_units="xy", scale=1, color="#333333", alpha=0.75,
-                      units="dots", width=1.1, headwidth=4.5, headlength=5.5, headaxislength=5, zorder=4,
-                      gid="arrows")
+            between = nodes is not None and s.rank // nodes != rv.rank // nodes
+            segs[between].append((s.end, ys[0] + ys[1] / 2, rv.end, yr[0] + yr[1] / 2))
+        for between, gid, color, width in ((False, "arrows", "#333333", 1.1),
+                                           (True, "arrows:between-nodes", BETWEEN_NODES, 2.0)):
+            if segs[between]:
+                x, y, x2, y2 = np.array(segs[between]).T
+                ax.quiver(x, y, x2 - x, y2 - y, angles="xy", scale_units="xy", scale=1, color=color, alpha=0.75,
+                          units="dots", width=width, headwidth=4.5, headlength=5.5, headaxislength=5, zorder=4,
+                          gid=gid)
+
+    # -- node boundaries: a dashed line under the last rank of each node but the last ------
+    if nodes is not None:
+        for k in range(nodes, n, nodes):
+            ax.axhline(k - 0.075, color=BETWEEN_NODES, lw=1.0, ls="--", zorder=3, gid="node-boundary")
 
     # -- lane names (with the stages a rank holds), the right-hand column, the title ---
     names = [f"rank {r}" for r in range(n)]
@@ -75,6 +83,8 @@ def _draw_lanes(ax, p, t0, t1, head, zoomed, colors, arrows, labels):
                 stages[e.rank].add(e.meta["stage"])
         names = [f"rank {r}\nstages {', '.join(map(str, sorted(stages[r])))}" if stages[r] else names[r]
                  for r in range(n)]
+    if nodes is not None:
+        names = [f"node {r // nodes}  {name}" for r, name in enumerate(names)]
     ax.set_yticks([r + main[0] + main[1] / 2 for r in range(n)], names)
     if mode == "both":
         ax.set_yticks([r + c[0] + c[1] / 2 for r in range(n) for c in comms], p.rows * n, minor=True)

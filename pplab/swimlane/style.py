@@ -33,6 +33,7 @@ PALETTE = ["#332288", "#117733", "#DDCC77", "#AA4499", "#88CCEE", "#661100", "#6
            "#CC6677", "#E69F00", "#44AA99", "#AA4466", "#999933"]
 IDLE = "#e4e4e4"           # compute-lane background: what shows through is a bubble
 COMM_IDLE = "#f2f2f2"
+BETWEEN_NODES = "#CC3311"  # a message over the slow link between nodes (figure: nodes=)
 HATCHES = ["", "///", "...", "xxx", "\\\\\\"]     # chunk 0, 1, 2, ... of a rank
 
 
