@@ -1,6 +1,7 @@
 import contextlib
 import os
 import signal
+import sys
 
 import matplotlib
 import pytest
@@ -25,7 +26,10 @@ def _launch_timeout_for_tests(monkeypatch):
 
 
 def descendants(pid=None):
-    """Pids of every live process below `pid` (default: this test process), from /proc."""
+    """Pids of every live process below `pid` (default: this test process), from /proc; but not the
+    template of graded checks' zygotes (pplab/checks/template.py): it is kept for the next check, and
+    tests/test_checks_template.py checks that it ends with this process. Every zygote it forked is
+    counted."""
     pid = pid or os.getpid()
     parent = {}
     for entry in os.listdir("/proc"):
@@ -41,7 +45,9 @@ def descendants(pid=None):
     while frontier:
         frontier = {c for c, p in parent.items() if p in frontier} - found
         found |= frontier
-    return found
+    template = sys.modules.get("pplab.checks.template")          # imported only where a check ran
+    running = template and template.Template.running
+    return found - ({running.pid} if running else set())
 
 
 def alive(pid):
@@ -54,14 +60,10 @@ def alive(pid):
 
 @pytest.fixture
 def no_leftover_processes():
-    """Fail the test if it leaves any child process running. The template of graded checks'
-    zygotes (pplab/checks/template.py) may stay: it is kept for the next check, and
-    tests/test_checks_template.py checks that it ends with this process; every zygote it
-    forked is counted."""
-    from pplab.checks.template import Template
+    """Fail the test if it leaves any child process running (but the checks' template, see descendants)."""
     before = descendants()
     yield
-    leftover = descendants() - before - ({Template.running.pid} if Template.running else set())
+    leftover = descendants() - before
     assert not leftover, f"processes left behind: {sorted(leftover)}"
 
 

@@ -291,8 +291,8 @@ def test_chimera_with_several_units_concatenates_the_basic_unit(p, k):
     the test above pins to the paper; a micro-batch stride of p instead of p/2, or halves taken
     from the unit rather than the batch, breaks it only when m > p."""
     m, half = k * p, p // 2
-    unit = make_bidirectional("chimera", p, p)
-    s = make_bidirectional("chimera", p, m)                  # validated: every F and B once, no deadlock
+    unit = make_schedule("chimera", p, p)
+    s = make_schedule("chimera", p, m)                      # validated: every F and B once, no deadlock
     for r in range(p):
         want = []
         for u in range(k):
