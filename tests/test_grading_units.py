@@ -5,7 +5,10 @@ the columns, "missing" against 0 and the best of several notebooks, the written 
 the limits named in a note. No notebook runs here."""
 import os
 import re
+import sys
 from pathlib import Path
+
+import pytest
 
 from pplab import checks
 from pplab.course import grading, results, sandbox, submission
@@ -18,9 +21,17 @@ REPO = Path(__file__).resolve().parents[1]
 GOOD = "from pplab import comm\n\ndef my_broadcast(tensor, src):\n    comm.broadcast(tensor, src)"
 
 
-def test_cells_the_parser_refuses_are_named_and_the_others_still_read():
+@pytest.mark.parametrize("limit", [None, 10_000], ids=["default limit", "raised limit"])
+def test_cells_the_parser_refuses_are_named_and_the_others_still_read(limit):
+    """The same note whatever recursion limit the grader's process runs under (CI once ran this
+    after a test that had raised it, and the deep cell parsed)."""
     huge = "x = (" + " + ".join(["1"] * 5_000) + ")"            # too deep for Python's parser
-    found = submission.definitions([(2, huge), (3, GOOD), (4, "my_x =" + " " * 200)], {"my_broadcast"})
+    before = sys.getrecursionlimit()
+    sys.setrecursionlimit(limit or before)
+    try:
+        found = submission.definitions([(2, huge), (3, GOOD), (4, "my_x =" + " " * 200)], {"my_broadcast"})
+    finally:
+        sys.setrecursionlimit(before)
     assert "cell 2 could not be read by Python's parser (RecursionError): it was not graded" in found.notes
     assert "cell 4 has a syntax error (line 1): it was not graded" in found.notes
     assert [f for f, *_ in found.answers["my_broadcast"].statements] == ["<cell 3>", "<cell 3>"]

@@ -168,10 +168,14 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
             if len(group) > 1:
                 out.append(sorted(group))
 
-    sys.setrecursionlimit(10_000)
-    for v in sorted(edges):
-        if v not in index:
-            visit(v)
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 10_000))     # deep import chains; put back after, other tests parse
+    try:
+        for v in sorted(edges):
+            if v not in index:
+                visit(v)
+    finally:
+        sys.setrecursionlimit(limit)
     return out
 
 

@@ -15,6 +15,7 @@ grader runs only definitions, and only in the processes that call the answer.
 from __future__ import annotations
 
 import ast
+import sys
 from dataclasses import dataclass, field
 
 # Calls that, at the top level of a notebook, look like tampering with the grader rather
@@ -132,6 +133,17 @@ def _shown(node, source: str) -> str:
     return text if len(text) <= 80 else text[:79] + "…"
 
 
+def _parse(python: str) -> ast.Module:
+    """ast.parse under Python's default recursion limit, so how deep a cell may nest does not
+    depend on what else ran in the grader's process (a raised limit parses what the default refuses)."""
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(1000)
+    try:
+        return ast.parse(python)
+    finally:
+        sys.setrecursionlimit(limit)
+
+
 def definitions(cells, answers) -> Definitions:
     """The answers the notebook defines, as SourceAnswers: for each answer name, the last
     top-level definition of it and, transitively, the last top-level definition of every
@@ -150,7 +162,7 @@ def definitions(cells, answers) -> Definitions:
     for number, source in cells:
         python = _python(source)
         try:
-            tree = ast.parse(python)
+            tree = _parse(python)
         except SyntaxError as err:
             found.notes.append(f"cell {number} has a syntax error (line {err.lineno}): it was not graded")
             continue
@@ -280,7 +292,7 @@ def _params(args: ast.arguments) -> tuple:
 def defined_names(source: str) -> list[str]:
     """Names a cell defines at top level (def, class, import, assignment), in order."""
     try:
-        tree = ast.parse(_python(source))
+        tree = _parse(_python(source))
     except SyntaxError:
         return []
     return [name for node in tree.body if not isinstance(node, (ast.Import, ast.ImportFrom))
