@@ -25,7 +25,7 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
-from pplab.course import formats, gradescope
+from pplab.course import deadline, formats, gradescope
 from pplab.course.results import ExerciseResult, GradeResult, combine
 
 REPO = Path(__file__).resolve().parents[1]
@@ -164,15 +164,16 @@ def test_gradescope_results_and_a_deadline_that_came_early():
     finished = [ExerciseResult.of("broadcast", "passed", 1, "passed on world sizes 2, 3, 4", seconds=1.2)]
     ids = ["broadcast", "reduce_scatter", "linear_traffic"]
     # the child reported one check and no "done": the two others did not finish
-    result = gradescope._what_finished(ids, finished, [{"notebook": "a.ipynb", "notes": ["cell 2 timed out"]}], 30)
+    why = "the autograder's deadline (30 s)"
+    result = deadline.what_finished(ids, finished, [{"notebook": "a.ipynb", "notes": ["cell 2 timed out"]}], why)
     assert [(r.exercise, r.status, r.points) for r in result.exercises] == \
         [("broadcast", "passed", 1.0), ("reduce_scatter", "timed out", 0.0), ("linear_traffic", "timed out", 0.0)]
     assert result.notes[0] == "cell 2 timed out" and "deadline (30 s) came before every exercise" in result.notes[1]
     # it finished: an exercise no notebook answered is missing, not timed out
-    done = gradescope._what_finished(ids, finished, [{"done": "graded", "notes": []}], 30)
+    done = deadline.what_finished(ids, finished, [{"done": "graded", "notes": []}], why)
     assert [r.status for r in done.exercises] == ["passed", "missing", "missing"] and done.notes == []
     # the grading process died (not the deadline): the rest is an error of the grader's, not timed out
-    crashed = gradescope._what_finished(ids, finished, [{"crashed": 1}], 30)
+    crashed = deadline.what_finished(ids, finished, [{"crashed": 1}], why, "results/pplab.log")
     assert [r.status for r in crashed.exercises] == ["passed", "error", "error"]
     assert crashed.exercises[1].message == "not graded: the grader stopped (exit code 1; see results/pplab.log)"
     data = gradescope.gradescope_results(result, 12.4)
@@ -424,16 +425,50 @@ def test_grade_writes_json_junit_and_prairielearn(tmp_path):
     suites = ET.fromstring(formats.junit([ada, bob]))
     assert [(s.get("name"), s.get("failures")) for s in suites] == [("ada", "0"), ("bob", "1")]
     assert formats.prairielearn(bob)["tests"][0]["points"] == 0
-    # PrairieLearn's layout: one student's folder in, results.json where it is told
+
+
+BROADCAST_HANGS = "import time\n\ndef my_broadcast(tensor, src):\n    while True:\n        time.sleep(0.5)"
+
+
+@pytest.mark.usefixtures("no_leftover_processes")
+def test_prairielearn_stopped_midway_scores_what_finished_and_its_deadline_writes_results(tmp_path):
+    """PrairieLearn stops the container at its timeout with no marks at all: `pplab grade --format
+    prairielearn` stops itself first. Stopped (SIGTERM, as at the deadline, so that a loaded machine
+    changes nothing) once linear_traffic has finished, while broadcast's check hangs: linear_traffic
+    is scored, broadcast marked timed out. With --deadline 1 nothing finishes and results.json is
+    still written."""
     student = tmp_path / "grade" / "student"
-    _write(student / "submission.ipynb", _answer_cell("03d_linear_traffic", "linear_traffic"))
-    pl = tmp_path / "grade" / "results" / "results.json"
-    run = subprocess.run(PPLAB + ["grade", str(student), "--format", "prairielearn", "--exercises",
-                                  "linear_traffic,broadcast", "--check-timeout", "20"], capture_output=True, text=True,
-                         timeout=300, env=dict(os.environ, PPLAB_PRAIRIELEARN_OUT=str(pl)))
+    _write(student / "a.ipynb", _answer_cell("03d_linear_traffic", "linear_traffic"))
+    _write(student / "b.ipynb", BROADCAST_HANGS)
+    pl = tmp_path / "results.json"
+    args = PPLAB + ["grade", str(student), "--format", "prairielearn", "--exercises", "linear_traffic,broadcast",
+                    "--check-timeout", "300"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PPLAB_PRAIRIELEARN_OUT=str(pl)))
+    try:
+        seen = []
+        for line in proc.stderr:                       # the grader's log: "pplab: finished <id>: <status>"
+            seen.append(line)
+            if line.startswith("pplab: finished linear_traffic"):
+                break
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, "".join(seen) + stderr
+    assert stdout.startswith(f"wrote {pl}: 1 of 2 points")
+    results = json.loads(pl.read_text())
+    assert results["gradable"] is True and results["message"] == "1 of 2 points"
+    assert [(t["name"], t["points"], t["max_points"], t["message"]) for t in results["tests"]] == \
+        [("broadcast", 0, 1, "timed out: not graded before stopped by a signal"),
+         ("linear_traffic", 1, 1, results["tests"][1]["message"])]
+    assert results["score"] == 0.5 and results["tests"][1]["message"].startswith("passed")
+    assert "Stopped by a signal came before every exercise was graded" in results["output"]
+    run = subprocess.run(args + ["--out", str(pl), "--deadline", "1"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     results = json.loads(pl.read_text())
-    assert results["gradable"] is True and results["score"] == 0.5
-    assert [(t["name"], t["points"], t["max_points"]) for t in results["tests"]] == \
-        [("broadcast", 0, 1), ("linear_traffic", 1, 1)]
-    assert results["tests"][0]["message"].startswith("missing: ")
+    assert [t["message"] for t in results["tests"]] == \
+        ["timed out: not graded before the grader's deadline (--deadline 1 s)"] * 2
+    assert results["score"] == 0 and results["gradable"] is True
+    refused = subprocess.run(PPLAB + ["grade", str(student), "--deadline", "5"], capture_output=True, text=True)
+    assert refused.returncode == 2 and "--deadline is for --format prairielearn" in refused.stderr

@@ -5,7 +5,9 @@ grading.py        `pplab grade`: each notebook run for its notes, its answers ta
 results.py        the one result object (GradeResult, ExerciseResult) every output is written from.
 api.py            grade_notebook / grade_submission: one notebook, or one student's folder, to a GradeResult.
 formats.py        the outputs: CSV, JSON, JUnit XML, PrairieLearn's results.json.
-gradescope.py     Gradescope's autograder zip, and its run_autograder (a deadline of its own).
+deadline.py       one submission graded in a child with a deadline of its own: what finished is scored,
+                  the rest timed out (Gradescope's run_autograder, `pplab grade --format prairielearn`).
+gradescope.py     Gradescope's autograder zip, and its run_autograder.
 submission.py     what the grader takes from a notebook's source: the definitions an answer needs.
 reading.py        a submission's bytes read bounded: regular files only, parsed in a child with a deadline.
 students.py       the submissions folder read as one identity per student; their answer files' names.

@@ -51,6 +51,9 @@ def main(argv=None) -> int:
                     help="processes and threads one sandbox may run at once (default: 256)")
     gr.add_argument("--disk", default="512M",
                     help="bytes one sandbox may write: its folder, /tmp and /dev/shm, kept in memory (default: 512M)")
+    gr.add_argument("--deadline", type=float, default=None,
+                    help="prairielearn only: seconds to grade before writing what finished, the rest marked "
+                         "timed out (default: 540; set PrairieLearn's externalGradingOptions.timeout longer)")
     gr.add_argument("--no-sandbox", action="store_true",
                     help="run student code without the sandbox (only where you grade in a container already)")
 
@@ -91,6 +94,9 @@ def main(argv=None) -> int:
             exercises = None if args.exercises is None else [e.strip() for e in args.exercises.split(",") if e.strip()]
             if args.format == "prairielearn":
                 return _prairielearn(args, exercises)
+            if args.deadline is not None:
+                raise ValueError("--deadline is for --format prairielearn (one submission graded once); for a "
+                                 "class, --timeout limits each notebook")
             from .sandbox import Limits
 
             limits = Limits.parse(args.memory, args.processes, args.disk)
@@ -124,20 +130,34 @@ def main(argv=None) -> int:
 
 
 def _prairielearn(args, exercises) -> int:
-    """PrairieLearn runs the grader once per submission: the folder is one student's."""
+    """PrairieLearn runs the grader once per submission: the folder is one student's. It stops the
+    container at its own timeout with no marks at all, so the grading has a deadline of its own
+    (deadline.py): what finished before it is scored, the rest marked timed out."""
     import json
     import os
+    import signal
     from pathlib import Path
 
+    from . import sandbox
+    from .api import _known_exercises
+    from .deadline import STOP, grade_within
     from .formats import PRAIRIELEARN_OUT, prairielearn
-    from .api import grade_submission
+    from .grading import chapter_order
 
+    seconds = 540.0 if args.deadline is None else args.deadline
+    if not 0 < seconds <= 24 * 3600:
+        raise ValueError(f"--deadline must be between 0 and 24 hours, got {seconds:g} s")
+    if not Path(args.submissions).is_dir():
+        raise FileNotFoundError(f"no folder {args.submissions}: PrairieLearn puts the submission in /grade/student")
     out = Path(args.out or os.environ.get("PPLAB_PRAIRIELEARN_OUT", PRAIRIELEARN_OUT))
     limits = dict(timeout=args.timeout, cell_timeout=args.cell_timeout, check_timeout=args.check_timeout,
                   memory=args.memory, processes=args.processes, disk=args.disk)
-    result = grade_submission(args.submissions, exercises, limits=limits, sandboxed=not args.no_sandbox)
-    from . import sandbox
-
+    for sig in (signal.SIGTERM, signal.SIGINT):           # stopped from outside: write what finished
+        signal.signal(sig, lambda *_: STOP.set())
+    result = grade_within(Path(args.submissions).resolve(), chapter_order(_known_exercises(exercises)),
+                          limits=limits, sandboxed=not args.no_sandbox, seconds=seconds,
+                          why=f"the grader's deadline (--deadline {seconds:g} s)", log=sys.stderr.buffer,
+                          log_name="the grading job's output")
     why = "--no-sandbox" if args.no_sandbox else sandbox.why_not()
     if why:                        # PrairieLearn's container is the isolation left: say so in the output
         result.isolation = f"not sandboxed ({why}): student code ran with the grader's rights in this container"

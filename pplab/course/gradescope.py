@@ -7,11 +7,10 @@ The zip holds, at its root (what Gradescope asks for):
     config.json       the exercises to grade and the time limits, chosen at build time
     pplab-*.whl       this pplab, built from the course's checkout
 
-run_autograder has its own deadline (default 540 s, under Gradescope's default 10 minutes):
-the grading runs in a child process that reports each exercise as its check ends; at the
-deadline (or on SIGTERM or SIGINT) the child and everything it started are killed, and
-results.json holds the exercises that finished, the rest marked "timed out", rather than
-Gradescope's timeout zeroing everything. results/pplab.log says each exercise as it finishes. Nothing but results.json goes to results/ and the child's output goes
+run_autograder has its own deadline (default 540 s, under Gradescope's default 10 minutes;
+deadline.py): at the deadline (or on SIGTERM or SIGINT) the grading child and everything it
+started are killed, and results.json holds the exercises that finished, the rest marked
+"timed out", rather than Gradescope's timeout zeroing everything. results/pplab.log says each exercise as it finishes. Nothing but results.json goes to results/ and the child's output goes
 to results/pplab.log, so nothing gets in the JSON's way.
 
 Gradescope's containers run the autograder as root and have no user namespaces, so the
@@ -34,13 +33,13 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import zipfile
 from pathlib import Path
 
 from ..isolation import loopback_up
-from .results import ERROR, PASSED, TIMED_OUT, ExerciseResult, GradeResult, combine
+from .deadline import STOP, grade_within
+from .results import PASSED, GradeResult
 
 # ctypes, resource and loopback_up are imported up here because _unshare_network and _limits
 # run in the grading child between fork and exec, where an import is best avoided.
@@ -48,7 +47,6 @@ from .results import ERROR, PASSED, TIMED_OUT, ExerciseResult, GradeResult, comb
 DEADLINE = 540.0                    # seconds: under Gradescope's default limit of 10 minutes
 LIMITS = {"timeout": 240.0, "cell_timeout": 120.0, "check_timeout": 30.0}   # grading.grade_notebook's
 UNPRIVILEGED = "nobody"
-STOP = threading.Event()            # set by SIGTERM or SIGINT: stop grading, write what finished
 
 SETUP_SH = r'''#!/usr/bin/env bash
 # Gradescope runs this once, as root, on its Ubuntu image, when the autograder is uploaded.
@@ -152,9 +150,11 @@ def run(config_path) -> dict:
         shutil.copytree(root / "submission", work / "submission", symlinks=True) \
             if (root / "submission").is_dir() else (work / "submission").mkdir()
         isolation, preexec = _isolation(no_sandbox, work)
-        finished, notebooks = _grade_in_child(work, ids, config.get("limits", LIMITS), no_sandbox is None,
-                                              started + deadline - time.monotonic(), preexec, log)
-    result = _what_finished(ids, finished, notebooks, deadline, "stopped by a signal" if STOP.is_set() else None)
+        result = grade_within(work / "submission", ids, limits=config.get("limits", LIMITS),
+                              sandboxed=no_sandbox is None, seconds=started + deadline - time.monotonic(),
+                              why=f"the autograder's deadline ({deadline:g} s)", log=log,
+                              log_name="results/pplab.log", cwd=work, preexec=preexec,
+                              env=dict(os.environ, HOME=str(work), TMPDIR=str(work), MPLCONFIGDIR=str(work)))
     result.isolation = isolation
     data = gradescope_results(result, time.monotonic() - started)
     results_path.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
@@ -245,82 +245,6 @@ def _own_network_possible() -> bool:
     return probe.returncode == 0
 
 
-def _grade_in_child(work: Path, ids, limits, sandboxed: bool, seconds: float, preexec, log):
-    """Grade in a child process that writes one JSON line per finished check (and per notebook)
-    to a pipe; at `seconds` the child and all it started are killed. Returns (the finished
-    ExerciseResults, [(notebook name, its notes and status)])."""
-    from .runner import _kill_tree
-
-    read_fd, write_fd = os.pipe()
-    job = {"folder": str(work / "submission"), "exercises": ids, "limits": limits, "sandboxed": sandboxed,
-           "fd": write_fd}
-    env = dict(os.environ, HOME=str(work), TMPDIR=str(work), MPLCONFIGDIR=str(work))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(Path(__file__).parents[2]), env.get("PYTHONPATH", "")] if p)
-    child = subprocess.Popen([sys.executable, "-m", "pplab.course.gradescope", "child", json.dumps(job)],
-                             cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                             pass_fds=[write_fd], start_new_session=True, preexec_fn=preexec)
-    os.close(write_fd)
-    finished, notebooks = [], []
-
-    def read():
-        with open(read_fd, "rb") as f:
-            for line in f:
-                try:
-                    record = json.loads(line)
-                    if "result" in record:
-                        finished.append(ExerciseResult.from_dict(record["result"]))
-                        log.write(f"pplab: finished {finished[-1].exercise}: {finished[-1].status}\n".encode())
-                        log.flush()
-                    else:
-                        notebooks.append(record)               # a notebook's notes, or the last: "done"
-                except (ValueError, TypeError, KeyError):
-                    pass                                   # a line cut short by the kill
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    end = time.monotonic() + max(seconds, 1.0)
-    while child.poll() is None and time.monotonic() < end and not STOP.is_set():
-        STOP.wait(0.1)
-    crashed = child.poll() is not None and child.returncode != 0
-    _kill_tree(child.pid)                                  # the checks and notebooks still running too
-    child.wait()
-    reader.join(5)
-    if crashed:                                            # not the deadline: say so, not "timed out"
-        notebooks.append({"crashed": child.returncode})
-    return list(finished), list(notebooks)
-
-
-def _what_finished(ids, finished, notebooks, deadline, stopped: str | None = None) -> GradeResult:
-    """The student's GradeResult from what the child reported: for each exercise the best
-    finished result. If the child did not finish (its last record is {"done": ...}), the
-    exercises without a result are marked timed out."""
-    from .grading import NotebookGrade
-
-    grade = NotebookGrade()
-    for r in finished:
-        if r.exercise not in grade.results or r.points > grade.results[r.exercise].points:
-            grade.results[r.exercise] = r
-    done = [record for record in notebooks if "done" in record]
-    crashed = [record["crashed"] for record in notebooks if "crashed" in record]
-    result = combine("submission", [("submission", grade)], ids)
-    if done:
-        result.notes = done[-1]["notes"]                   # the whole submission's notes, as the child's combine wrote them
-        return result
-    result.notes = [n for record in notebooks for n in record.get("notes", [])] + result.notes
-    if crashed:
-        status, message = ERROR, f"not graded: the grader stopped (exit code {crashed[0]}; see results/pplab.log)"
-        result.notes.append(f"grader error: the grading process stopped (exit code {crashed[0]}) before every "
-                            f"exercise was graded; please report it with results/pplab.log")
-    else:
-        why = stopped or f"the autograder's deadline ({deadline:g} s)"
-        status, message = TIMED_OUT, f"not graded before {why}"
-        result.notes.append(f"{why[0].upper()}{why[1:]} came before every exercise was graded: "
-                            f"the finished ones are scored, the rest marked timed out")
-    for i, r in enumerate(result.exercises):
-        if r.exercise not in grade.results:
-            result.exercises[i] = ExerciseResult.of(r.exercise, status, 0.0, message)
-    return result
-
-
 def gradescope_results(result: GradeResult, seconds: float) -> dict:
     """Gradescope's results.json: score, execution_time, output, and tests[] with score,
     max_score, name, number, output, status and visibility."""
@@ -332,24 +256,6 @@ def gradescope_results(result: GradeResult, seconds: float) -> dict:
             "visibility": "visible", "stdout_visibility": "hidden", "tests": tests}
 
 
-def _child(job: dict) -> None:
-    """In the grading child: grade the submission, one JSON line per finished check and notebook,
-    then {"done": ..., "notes": [...]} with the whole submission's notes."""
-    from .api import grade_submission
-
-    out = os.fdopen(job["fd"], "w", buffering=1)
-
-    def on_result(r):
-        out.write(json.dumps({"result": r.to_dict()}) + "\n")
-
-    def on_notebook(path, grade):
-        out.write(json.dumps({"notebook": Path(path).name, "notes": grade.notes}) + "\n")
-    result = grade_submission(job["folder"], job["exercises"], limits=job["limits"], sandboxed=job["sandboxed"],
-                              on_result=on_result, on_notebook=on_notebook)
-    out.write(json.dumps({"done": result.status, "notes": result.notes}) + "\n")
-    out.close()
-
-
 def main(argv=None) -> int:
     import argparse
 
@@ -357,12 +263,7 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="grade ROOT/submission, write ROOT/results/results.json")
     r.add_argument("--config", required=True)
-    c = sub.add_parser("child")
-    c.add_argument("job")
     args = parser.parse_args(argv)
-    if args.command == "child":
-        _child(json.loads(args.job))
-        return 0
     data = run(args.config)
     print(f"pplab: {data['score']:g} of {sum(t['max_score'] for t in data['tests'])} points "
           f"in {data['execution_time']} s (results.json written)")
