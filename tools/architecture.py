@@ -276,17 +276,17 @@ def grading_problems(edges) -> list[str]:
     machinery, the course by a checker), and modules no grading floor places."""
     problems = []
     for mod, targets in sorted(edges.items()):
-        here = grading_floor_of(box(mod))
         if layer_of(top(mod)) != len(LAYERS) - 1:
             continue
-        if here is None or (top(mod) == "course" and mod != "pplab.course" and box(mod) == "course"):
+        mine = grading_floor_of(box(mod))
+        if mine is None or (top(mod) == "course" and mod != "pplab.course" and box(mod) == "course"):
             problems.append(f"{mod} is on no grading floor: add it to GRADING_FLOORS in tools/architecture.py")
             continue
         for target in sorted(targets):
-            there = grading_floor_of(box(target))
-            if there is not None and there > here:
-                problems.append(f"{mod} imports {target}: the grading floor {GRADING_FLOORS[here][0]} may not "
-                                f"import from {GRADING_FLOORS[there][0]}, a floor above it")
+            theirs = grading_floor_of(box(target))
+            if theirs is not None and theirs > mine:
+                problems.append(f"{mod} imports {target}: the grading floor {GRADING_FLOORS[mine][0]} may not "
+                                f"import from {GRADING_FLOORS[theirs][0]}, a floor above it")
     return problems
 
 
