@@ -65,6 +65,19 @@ def test_the_grading_floors_catch_an_import_from_above_and_a_module_they_do_not_
     assert architecture.cycles(drawn) == [["checks", "checks.sealed", "course.grading"]]   # a loop of boxes, too
 
 
+def test_the_sealed_floor_s_plan_names_its_modules_bottom_up():
+    """pplab/checks/sealed/__init__.py's docstring lists the floor's modules, bottom up: every module
+    is listed, and each imports only those listed before it."""
+    import re
+    face = (ROOT / "pplab" / "checks" / "sealed" / "__init__.py").read_text()
+    plan = re.findall(r"^\* `(\w+)`", face, re.MULTILINE)
+    inside = sorted(m.rpartition(".")[2] for m in MODULES if m.startswith("pplab.checks.sealed."))
+    assert sorted(plan) == inside
+    for i, name in enumerate(plan):
+        used = {m.rpartition(".")[2] for m in EDGES[f"pplab.checks.sealed.{name}"] if m.startswith("pplab.checks.sealed.")}
+        assert used <= set(plan[:i]), f"{name} imports {sorted(used - set(plan[:i]))}, listed after it"
+
+
 def test_no_import_of_another_box_s_private_name_but_the_listed_ones():
     found = architecture.private_imports(MODULES)
     assert [p for p in found if p not in architecture.ALLOWED_PRIVATE] == [], \
