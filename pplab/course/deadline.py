@@ -43,7 +43,7 @@ def _grade_in_child(folder, ids, limits, sandboxed: bool, seconds: float, log, c
     """Grade in a child process that writes one JSON line per finished check (and per notebook)
     to a pipe; at `seconds` the child and all it started are killed. Returns (the finished
     ExerciseResults, [records of the notebooks: their notes, "done" or "crashed"])."""
-    from .runner import _kill_tree
+    from .runner import kill_tree
 
     read_fd, write_fd = os.pipe()
     job = {"folder": str(folder), "exercises": ids, "limits": limits, "sandboxed": sandboxed, "fd": write_fd}
@@ -74,7 +74,7 @@ def _grade_in_child(folder, ids, limits, sandboxed: bool, seconds: float, log, c
     while child.poll() is None and time.monotonic() < end and not STOP.is_set():
         STOP.wait(0.1)
     crashed = child.poll() is not None and child.returncode != 0
-    _kill_tree(child.pid)                                  # the checks and notebooks still running too
+    kill_tree(child.pid)                                  # the checks and notebooks still running too
     child.wait()
     reader.join(5)
     if crashed:                                            # not the deadline: say so, not "timed out"
