@@ -46,7 +46,7 @@ GRADING_FLOORS = [
     ("grades", ["course.results", "course.formats"]),      # what a grade holds, and the files it is written to
     ("submissions", ["course.submission", "course.exercises", "course.reading", "course.students"]),
     ("processes", ["course.runner", "course.sandbox", "course.check_process"]),   # where student code runs
-    ("grading", ["course.grading", "course.api", "course.gradescope", "course"]),  # `course`: the face
+    ("grading", ["course.grading", "course.api", "course.deadline", "course.gradescope", "course"]),  # `course`: the face
     ("command line", ["course.cli", "__main__"]),
 ]
 
