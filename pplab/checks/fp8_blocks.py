@@ -132,7 +132,9 @@ def _judge_scales(x, tile, scales, want):
         (max(amax, 1.0) / E4M3_MAX, "max(amax, 1) / 448: the ragged last tile was padded with ones, and the padding "
                                     "took part in the amax. Pad with zeros, or take the amax of the real numbers only"),
     ]
-    hint = next((why for value, why in guesses if math.isclose(got, value, rel_tol=1e-4)), None)
+    right = float(want[i, j])
+    hint = next((why for value, why in guesses          # a slip whose value is not the right one here
+                 if math.isclose(got, value, rel_tol=1e-6) and not math.isclose(value, right, rel_tol=1e-6)), None)
     if hint is None and want[i, j] > 0:
         hint = f"{got / float(want[i, j]):.6f} times the right one (tolerance {TOLERANCE:g})"
     return f"{said}: that is {hint}." if hint else f"{said}."
