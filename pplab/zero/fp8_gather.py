@@ -11,8 +11,8 @@ Each rank quantises its own flat shard in 1 × `block` tiles (e4m3, one fp32 sca
 DeepSeek-V3's activation tiling applied to the flat shard), all-gathers the fp8 bytes and the
 scales (two traced all-gathers, started together, prefetched like FSDP's), and every rank, the
 owner too, dequantises into the compute dtype: all ranks compute with the same weights. torchao
-instead uses one scale per parameter, agreed by an all-reduce of the amax before the gather; tiles
-need no extra collective, for 4 bytes per `block` numbers. The masters stay fp32 and exact, and
+instead uses one scale per parameter, agreed by one all-reduce of the amaxes after each optimizer
+step; tiles need no extra collective, for 4 bytes per `block` numbers. The masters stay fp32 and exact, and
 the gradients are reduce-scattered as in FullyShardedModule (bf16 here: FP8 gradients would
 need loss-scale-like care this chapter does not take).
 
