@@ -49,6 +49,7 @@ TEST_FILES = {
     "test_expert_parallel_more": ["08"],
     "test_explorer_in_jupyterlab": ["04"],
     "test_flops": ["10"],
+    "test_fp8": ["11"],
     "test_flops_more": ["10"],
     "test_fsdp_like_cs336": ["06"],
     "test_grad_clip": ["09"],
@@ -109,7 +110,7 @@ TEST_FILES = {
     "test_zero_plus_plus_more": ["10"],
 }
 
-CHAPTERS = [f"{n:02d}" for n in range(11)] + ["A", "course"]
+CHAPTERS = [f"{n:02d}" for n in range(12)] + ["A", "course"]
 
 
 @lru_cache(maxsize=1)

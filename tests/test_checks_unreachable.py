@@ -170,6 +170,7 @@ _SAMPLE = {"predict_time": "n_bytes, world_size", "ddp_bucketing": "model, cap_b
            "gpipe_order": "num_ranks, num_microbatches, chunks", "megatron_sp_block": "x",
            "zero_bytes": "params", "pp_dp_train_step": "stage", "checkpointed_block": "block",
            "find_layout": "problem"}
+_SAMPLE["fp8_blocks"] = "x"                  # chapter 11b
 
 
 def _imports_every_denied_module(exercise_id):

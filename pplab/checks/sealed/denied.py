@@ -56,6 +56,7 @@ DENIED: dict[str, tuple[str, ...]] = {
     "sharded_optimizer": ("pplab.zero",),
     "quantised_gather": ("pplab.zero",),
     "fsdp": ("pplab.zero.fully_sharded", "pplab.zero.flat", "pplab.zero.optimizer", "pplab.zero.plusplus"),
+    "fp8_blocks": ("pplab.fp8", "pplab.zero.fp8_gather"),
 }
 
 
