@@ -105,6 +105,10 @@ ANSWERS = {
         "my_zero3_cross_bytes": "3 * N_NODES * (P - 1) * sum(n // P for n in PADDED) * 2",
         "my_ratio": "sum(36 * (n // P) for n in PADDED) / sum(8 * (n // P) + 40 * math.ceil(n / P / BLOCK) for n in PADDED)",
     },
+    "11d_experts_at_scale": {
+        "my_nodes_reached": "2 * (1 - math.comb(8, 4) / math.comb(16, 4))",
+        "my_cross_bytes": "2 * ref[1][2] * (2 * 16 + 8) * 8 + 4 * (2 - 1) * 8",
+    },
 }
 
 
