@@ -110,7 +110,7 @@ TEST_FILES = {
     "test_zero_plus_plus_more": ["10"],
 }
 
-CHAPTERS = [f"{n:02d}" for n in range(11)] + ["A", "course"]
+CHAPTERS = [f"{n:02d}" for n in range(12)] + ["A", "course"]
 
 
 @lru_cache(maxsize=1)
