@@ -169,3 +169,26 @@ def test_cluster_must_match_the_launch():
         DroplessMoE(4, 4, 8, 2, Cluster(2, 2))
     with pytest.raises(pplab.LaunchError, match="n_nodes × ranks_per_node = 2"):
         pplab.launch(job, world_size=2, timeout=30)
+
+
+def test_the_checkers_problems_catch_every_slip_on_every_seed():
+    """pplab.checks.node_limited_routing promises a problem that each slip gets wrong, whatever the seed;
+    its plain-Python reference agrees with the library on all of them."""
+    import wrong_solutions_node_limited_routing as wrong
+    from pplab.checks.node_limited_routing import _node_sizes, problems, reference
+    slips = {"routing": [wrong.limits_ranks_instead_of_nodes, wrong.nodes_by_their_best_score, wrong.plain_topk,
+                         wrong.drops_only_the_worst_node, wrong.last_expert_left_out, wrong.nodes_as_equal_blocks],
+             "ties": [wrong.ties_to_the_higher_index]}
+    for seed in range(5):
+        caught = set()
+        for p in problems(seed):
+            args = (p["scores"], p["experts_per_rank"], p["ranks_per_node"], p["max_nodes"], p["k"])
+            want = reference(*args)
+            sizes = _node_sizes(p["experts_per_rank"], p["ranks_per_node"])
+            assert node_limited_topk(p["scores"], sizes, p["max_nodes"], p["k"]).sort(1).values.tolist() == want
+            for fn in slips[p["part"]]:
+                try:
+                    caught.add(fn.__name__) if fn(*args).sort(1).values.tolist() != want else None
+                except RuntimeError:             # equal blocks that do not fit: a raise is caught too
+                    caught.add(fn.__name__)
+        assert caught == {fn.__name__ for fns in slips.values() for fn in fns}, seed
