@@ -177,7 +177,8 @@ def test_the_checkers_problems_catch_every_slip_on_every_seed():
     import wrong_solutions_node_limited_routing as wrong
     from pplab.checks.node_limited_routing import _node_sizes, problems, reference
     slips = {"routing": [wrong.limits_ranks_instead_of_nodes, wrong.nodes_by_their_best_score, wrong.plain_topk,
-                         wrong.drops_only_the_worst_node, wrong.last_expert_left_out, wrong.nodes_as_equal_blocks],
+                         wrong.drops_only_the_worst_node, wrong.last_expert_left_out, wrong.nodes_as_equal_blocks,
+                         wrong.first_tokens_nodes_for_every_token],
              "ties": [wrong.ties_to_the_higher_index]}
     for seed in range(5):
         caught = set()

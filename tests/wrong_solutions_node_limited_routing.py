@@ -6,6 +6,7 @@ many seeds). The answer is a set of whole numbers per token: there is no toleran
 outside of; the near misses here are the ones the concept has:
 
     right at 2 nodes, wrong at 3      only the worst node dropped (= the best M kept when N - M = 1)
+    wrong on a token other than 0     the first token's nodes used for every token
     wrong on one node other than 0    the last node's last expert left out
     right when experts divide evenly  nodes taken as equal blocks of E / N experts
     a tie broken the other way        equal scores to the higher expert (part ties only)
@@ -28,7 +29,7 @@ def _top(x, m, lower_first=True):
 
 
 def _route(scores, experts_per_rank, ranks_per_node, max_nodes, k, *, per_rank=False, worth="sum", blocks=False,
-           drop_worst_only=False, lower_first=True, last_out=False):
+           drop_worst_only=False, lower_first=True, last_out=False, first_tokens_nodes=False):
     group = 1 if per_rank else ranks_per_node
     sizes = [sum(experts_per_rank[i:i + group]) for i in range(0, len(experts_per_rank), group)]
     if blocks:                                        # nodes as equal blocks: E / N each
@@ -44,6 +45,8 @@ def _route(scores, experts_per_rank, ranks_per_node, max_nodes, k, *, per_rank=F
         allowed = torch.ones_like(w, dtype=torch.bool).scatter(1, _top(-w, 1, lower_first), False)
         if max_nodes >= len(sizes):
             allowed[:] = True
+    elif first_tokens_nodes:                          # written for one token: row 0's nodes for every token
+        allowed = torch.zeros_like(w, dtype=torch.bool).scatter(1, _top(w[:1], max_nodes).expand(len(w), -1), True)
     else:
         allowed = torch.zeros_like(w, dtype=torch.bool).scatter(1, _top(w, max_nodes, lower_first), True)
     allowed = allowed.repeat_interleave(torch.tensor(sizes), dim=1)
@@ -74,6 +77,11 @@ def ties_to_the_higher_index(scores, experts_per_rank, ranks_per_node, max_nodes
 
 def last_expert_left_out(scores, experts_per_rank, ranks_per_node, max_nodes, k):
     return _route(scores, experts_per_rank, ranks_per_node, max_nodes, k, last_out=True)
+
+
+def first_tokens_nodes_for_every_token(scores, experts_per_rank, ranks_per_node, max_nodes, k):
+    """Right on token 0 of every problem, wrong on others: the analogue of a rank other than 0."""
+    return _route(scores, experts_per_rank, ranks_per_node, max_nodes, k, first_tokens_nodes=True)
 
 
 def plain_topk(scores, experts_per_rank, ranks_per_node, max_nodes, k):
@@ -110,6 +118,7 @@ WRONG = {
         (drops_only_the_worst_node, [ROUTING, r"\(3 nodes", r"max_nodes=1"], None),
         (ties_to_the_higher_index, [TIES, r"equal scores go to the lower expert", r"\[1 of 2 points\]"], None),
         (last_expert_left_out, [ROUTING, r"chose \[.*expected"], None),
+        (first_tokens_nodes_for_every_token, [ROUTING, r"token ([1-9]|[1-4]\d) "], None),
         (plain_topk, [ROUTING], None),
         (returns_one_row_per_node, [r"must return 48 rows of k=\d experts"], None),
         (with_the_library, [r"pplab\.experts_at_scale"], None),

@@ -5,7 +5,7 @@
 
 EXPERTS = T("test_experts_at_scale")
 ROUTING = CHK("node_limited_routing", "limits_ranks or nodes_by_their or equal_blocks or worst_node or higher_index "
-                                      "or last_expert or plain_topk")
+                                      "or last_expert or plain_topk or first_tokens")
 
 MUTANTS += [
     Mutant("pplab/experts_at_scale.py", "    per_node = math.ceil(k / max_nodes)", "    per_node = 1", EXPERTS,
