@@ -164,7 +164,9 @@ class DroplessMoE(MoE):
     r // ranks_per_node) and with them the experts: rank r holds experts r·E/p .. (r+1)·E/p - 1.
     Outside a launch it holds every expert and routes alike (the single-process reference).
     After each forward: `load` (tokens per expert, this rank's batch), `chosen` [n, k], `remote_pairs`
-    (token, other node) rows this rank sent over the slow link. `update_bias(gamma)` after a step.
+    (token, other node) rows this rank sent over the slow link, `send_counts` {"across": rows to each
+    node's rank of my rail, "inside": rows to each rank of my node}: split sizes that change every step.
+    `update_bias(gamma)` after a step.
     """
 
     def __init__(self, hidden, ffn, num_experts, k=2, cluster: Cluster | None = None, max_nodes: int | None = None):
@@ -233,6 +235,7 @@ class DroplessMoE(MoE):
         send2 = torch.bincount(j, minlength=c.ranks_per_node)
         recv2 = _counts(send2, node_group)
         rows2 = all_to_all(torch.cat([x1[i], g1[i, j]], 1), send2.tolist(), recv2, node_group)
+        self.send_counts = {"across": send1.tolist(), "inside": send2.tolist()}
         out = _run_experts(rows2[:, :h], rows2[:, h:], self.experts)
         # combine: back inside the node, summed per hop-1 row; back across nodes, summed per token
         back2 = all_to_all(out, recv2, send2.tolist(), node_group)

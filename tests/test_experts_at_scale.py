@@ -111,7 +111,7 @@ def _ranks_job(dense, xs, ws, gamma):
         load = m.update_bias(gamma)
     return {"y": y.detach(), "x.grad": x.grad, "router": m.router.weight.grad, "first": m.first,
             "experts": [[q.grad for q in e.parameters()] for e in m.experts], "pairs": m.remote_pairs,
-            "bias": m.bias.clone(), "load": load}
+            "bias": m.bias.clone(), "load": load, "send": m.send_counts}
 
 
 @pytest.mark.parametrize("cluster, E, M", [(Cluster(2, 1), 8, 1), (Cluster(3, 1), 12, 2), (Cluster(2, 2), 16, 1),
@@ -134,6 +134,7 @@ def test_layer_on_ranks_equals_one_process(cluster, E, M):
         assert dense.load.sum() == k * len(x)                               # dropless: every choice computed
         reached = nodes_per_token(dense.chosen, dense.experts_per_node, E)
         assert (reached.sum(1) <= M).all()
+        assert res[r]["send"]["across"] == reached.sum(0).tolist()        # one row per (token, node), node by node
         reached[:, cluster.node_of(r)] = False
         assert res[r]["pairs"] == reached.sum()
         pairs, load = pairs + int(reached.sum()), load + dense.load
