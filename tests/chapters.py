@@ -45,6 +45,7 @@ TEST_FILES = {
     "test_costmodel": ["01"],
     "test_data_parallel": ["02"],
     "test_data_parallel_more": ["02"],
+    "test_experts_at_scale": ["11"],
     "test_expert_parallel": ["08"],
     "test_expert_parallel_more": ["08"],
     "test_explorer_in_jupyterlab": ["04"],

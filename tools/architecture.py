@@ -31,7 +31,7 @@ LAYERS = [
     ("chapters", ["collectives", "costmodel", "costfit", "data_parallel", "tensor_parallel", "pipeline",
                   "sequence_parallel", "zero", "models", "mesh", "hybrid", "planner", "expert_parallel",
                   "grad_clip", "rng", "recompute", "mixed_precision", "cluster",
-                  "fp8"]),
+                  "fp8", "experts_at_scale"]),
     ("course", ["isolation", "checks", "course", "__main__"]),
 ]
 
@@ -56,7 +56,7 @@ GRADING_FLOORS = [
 # order of docs/architecture.md's table; each top-level name of the chapters' floor by the chapter
 # that brings it, and a module a later chapter added to an earlier one's folder by its own.
 CHAPTER_ORDER = ["1", "2", "3", "4", "5", "6", "7", "8", "9", "9b", "10a", "10b", "10c", "10d", "10",
-                 "11b"]
+                 "11a", "11b", "11c", "11d"]
 CHAPTERS = {
     "collectives": "1", "costmodel": "1", "costfit": "1", "data_parallel": "2", "tensor_parallel": "3",
     "pipeline": "4", "sequence_parallel": "5", "zero": "6", "models": "7", "mesh": "7", "hybrid": "7",
@@ -64,6 +64,7 @@ CHAPTERS = {
     "recompute": "9", "mixed_precision": "9b", "cluster": "10b", "zero.plusplus": "10c",
     "planner.placement": "10d", "planner.at_scale": "10", "planner.closed_forms": "10", "planner.published": "10",
     "fp8": "11b", "zero.fp8_gather": "11b",
+    "experts_at_scale": "11d",
 }
 # A later chapter that taught an earlier module something new, in place (each pair must still be imported):
 LATER_CHAPTER_USES = {

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import importlib
 
-from .forbidden import refuse_library
-from .library_view import unavailable
+from .sealed.forbidden import refuse_library
+from .sealed.library_view import unavailable
 
 
 def _refuse_fp8(fn) -> None:
