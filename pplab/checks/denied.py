@@ -54,6 +54,7 @@ DENIED: dict[str, tuple[str, ...]] = {
     "stage3_unit": ("pplab.zero",),
     "sharded_optimizer": ("pplab.zero",),
     "quantised_gather": ("pplab.zero",),
+    "overlapped_step": ("pplab.overlap.dualpipe_pair",),
     "fsdp": ("pplab.zero.fully_sharded", "pplab.zero.flat", "pplab.zero.optimizer", "pplab.zero.plusplus"),
 }
 
