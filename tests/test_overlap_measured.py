@@ -167,7 +167,7 @@ def _pair(overlap):
     me = comm.rank()
     dualpipe_step(Chunk(s0, "first", t_f=0.02), Chunk(s1, "last", t_f=0.02, targets=list(y[1 - me]), scale=12.0),
                   list(x[me]), overlap=overlap)
-    return [p.grad for p in s0.parameters()], [p.grad for p in s1.parameters()]
+    return [p.grad for p in s0.parameters()], [p.grad for p in s1.parameters()], trace.events()
 
 
 def test_dualpipe_pair_gradients_equal_one_process_and_the_pair_hides_the_gradient():
@@ -187,6 +187,9 @@ def test_dualpipe_pair_gradients_equal_one_process_and_the_pair_hides_the_gradie
                 torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
             for got, ref in zip(r[me][1], want[1 - me][1]):       # last chunk: the other rank's
                 torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
-        fractions[overlap] = [pair_hidden_fraction(r.timeline, k) for k in (0, 1)]
+        merged = [pair_hidden_fraction(r.timeline, k) for k in (0, 1)]               # ends when received
+        fractions[overlap] = [pair_hidden_fraction(Timeline(r[k][2]), k) for k in (0, 1)]   # ends at the wait
+        if not overlap:
+            assert merged == [0.0, 0.0]            # ended before F1 began, whichever end is read
     assert fractions[False] == [0.0, 0.0]          # waited for before F1: nothing under it, whatever the load
     assert all(f > 0 for f in fractions[True])     # posted before F1 and waited after: F1 lies under it

@@ -16,10 +16,11 @@ micro-batches, and nothing of the reference. Graded in two parts:
                to about 1e-6).
     overlap    on every rank, the gradient of the other rank's micro-batch 0 (from the last chunk's
                B0) is posted before the first chunk's F1 starts (the router's record: a message to
-               the other rank between the two), and its time in flight lies under
-               that rank's compute: the fraction read from the rank's trace (pplab.overlap.hidden's
-               definition) is at least 30% in one of the 3 trials. A correct answer measures about
-               90% (the wait comes after F1's stand-in 20-40 ms); a send waited for at once, 0%.
+               the other rank between the two), and the time from its post to its wait lies under
+               that rank's compute: the fraction read from the rank's own trace (pplab.overlap.hidden's
+               definition, the send as the rank saw it) is at least 30% in one of the 3 trials. A
+               correct answer measures about 90% (the wait comes after F1's stand-in 20-40 ms); a
+               send waited for at once, 0%.
 """
 from __future__ import annotations
 
@@ -100,9 +101,11 @@ def _judge_gradients(t, observed, parts, where):
                 return
 
 
-def _timeline(observed):
+def _own_timeline(observed, rank):
+    """The rank's own events alone: a send lasts from its post to its wait, as the rank saw it (a launch's
+    merged timeline would end it when the other rank's receive ended, which depends on that rank's pace)."""
     events = [Event(**{**e, "group": tuple(e["group"]) if e["group"] is not None else None})
-              for rank in (0, 1) for e in observed[rank]["events"]]
+              for e in observed[rank]["events"] if e["rank"] == rank]
     return Timeline(events, world_size=2)
 
 
@@ -117,9 +120,9 @@ def _pair_window(timeline, rank):
 def _judge_overlap(t, observed, traffic, parts, where, best):
     """The router's record: the gradient was posted between B0 (last) and F1 (first). The trace: how much
     of its time in flight lay under the rank's compute (kept in `best`, judged after every trial)."""
-    timeline = _timeline(observed)
     for rank in (0, 1):
         peer = 1 - rank
+        timeline = _own_timeline(observed, rank)
         posted = traffic.get(rank, {}).get("sends_in", {}).get("after B0 last", [])
         if not any(dst == peer for dst, _ in posted):
             parts.note("overlap", f"rank {rank} sent nothing to rank {peer} between B0 on its last chunk and F1 on "

@@ -12,6 +12,12 @@ isend posted before a forward and waited for after it has the whole forward unde
 function takes the union of the rank's communication intervals and the union of its compute
 intervals and measures their intersection, so two messages in flight at once count once.
 
+Which end a send has depends on the timeline. A launch's merged timeline ends an isend when its
+receive ended, if that came before the sender's wait (the message cannot be in flight after it
+arrived): the time really in flight, which depends on the other rank's pace. A timeline of one
+rank's own events (`Timeline(trace.events())` inside the rank) keeps the sender's wait: the time
+the rank had the send outstanding, which only its own code decides.
+
 Why a stand-in. On this CPU a rank's compute and the backend's threads share two cores, so a
 transfer "under" a matmul slows the matmul down: nothing is really hidden. A GPU computes on its
 own silicon while the NIC moves bytes. `stand_in_span` plays the GPU: the work is done for real
