@@ -73,7 +73,7 @@ def _reference(t, start, swapped=False):
 
 
 def _judge_gradients(t, observed, parts, where):
-    for rank in (0, 1):
+    for rank in (0, 1):                                  # every rank, both chunks
         got = observed[rank]["grads"]
         for chunk, start in (("first", rank), ("last", 1 - rank)):
             want = _reference(t, start)[chunk]
@@ -120,7 +120,7 @@ def _pair_window(timeline, rank):
 def _judge_overlap(t, observed, traffic, parts, where, best):
     """The router's record: the gradient was posted between B0 (last) and F1 (first). The trace: how much
     of its time in flight lay under the rank's compute (kept in `best`, judged after every trial)."""
-    for rank in (0, 1):
+    for rank in (0, 1):                                  # every rank's pair
         peer = 1 - rank
         timeline = _own_timeline(observed, rank)
         posted = traffic.get(rank, {}).get("sends_in", {}).get("after B0 last", [])
@@ -173,7 +173,7 @@ def check_overlapped_step(fn, seed: int, timeout: float) -> str:
                           probe=_refuse_dualpipe, describe=describe, check=check)
     except Fail as failure:
         raise parts.aborted(failure) from None
-    for rank in (0, 1):
+    for rank in (0, 1):                                  # every rank's best trial
         if rank in best and best[rank] < THRESHOLD:
             parts.note("overlap", f"on rank {rank} at most {best[rank]:.0%} of the gradient's send lay under "
                        f"compute (best of {len(trials)} trials; at least {THRESHOLD:.0%} expected): it was waited "
