@@ -3,10 +3,9 @@ micro-batch's backward communicates.
 
 DeepSeek-V3's DualPipe (DeepSeek-AI, "DeepSeek-V3 Technical Report", 2024, section 3.2.1) feeds
 micro-batches from both ends of the pipeline. With two ranks, each holds two chunks: the first
-stage of the model for the micro-batches that start here, and the last stage for those that
-start on the other rank (the same layers as the other rank's first chunk... of the other half:
-rank 0 holds stage 0 "down" and stage 1 "up"; rank 1 stage 1 "down" and stage 0 "up"). Both ranks
-then run the same code, with `peer` = the other rank:
+stage of the model for the micro-batches that start on it, and the last stage for those that start
+on the other rank (rank 0 holds stage 0 of the "down" direction and stage 1 of "up", rank 1 the
+reverse). Both ranks then run the same code, with `peer` = the other rank:
 
     F0 first  -> send a0                   my micro-batch 0 starts
     recv      -> F0 last (loss)            the other end's micro-batch 0 finishes its forward
