@@ -73,6 +73,7 @@ TEST_FILES = {
     "test_notebook_predictions": ["course"],
     "test_offload": ["09"],
     "test_overlap": ["02"],
+    "test_overlap_measured": ["11"],
     "test_stand_in": ["02", "04"],
     "test_packaging": ["course"],
     "test_parameter_server": ["02"],

@@ -31,7 +31,7 @@ LAYERS = [
     ("chapters", ["collectives", "costmodel", "costfit", "data_parallel", "tensor_parallel", "pipeline",
                   "sequence_parallel", "zero", "models", "mesh", "hybrid", "planner", "expert_parallel",
                   "grad_clip", "rng", "recompute", "mixed_precision", "cluster",
-                  "fp8", "experts_at_scale"]),
+                  "overlap", "fp8", "experts_at_scale"]),
     ("course", ["isolation", "checks", "course", "__main__"]),
 ]
 
@@ -63,6 +63,7 @@ CHAPTERS = {
     "planner": "7", "expert_parallel": "8", "zero.offload": "9", "grad_clip": "9", "rng": "9",
     "recompute": "9", "mixed_precision": "9b", "cluster": "10b", "zero.plusplus": "10c",
     "planner.placement": "10d", "planner.at_scale": "10", "planner.closed_forms": "10", "planner.published": "10",
+    "overlap": "11a",
     "fp8": "11b", "zero.fp8_gather": "11b",
     "experts_at_scale": "11d",
 }

@@ -55,6 +55,7 @@ DENIED: dict[str, tuple[str, ...]] = {
     "stage3_unit": ("pplab.zero",),
     "sharded_optimizer": ("pplab.zero",),
     "quantised_gather": ("pplab.zero",),
+    "overlapped_step": ("pplab.overlap.dualpipe_pair",),
     "node_limited_routing": ("pplab.experts_at_scale",),
     "fsdp": ("pplab.zero.fully_sharded", "pplab.zero.flat", "pplab.zero.optimizer", "pplab.zero.plusplus"),
     "fp8_blocks": ("pplab.fp8", "pplab.zero.fp8_gather"),
