@@ -105,6 +105,10 @@ ANSWERS = {
         "my_zero3_cross_bytes": "3 * N_NODES * (P - 1) * sum(n // P for n in PADDED) * 2",
         "my_ratio": "sum(36 * (n // P) for n in PADDED) / sum(8 * (n // P) + 40 * math.ceil(n / P / BLOCK) for n in PADDED)",
     },
+    "11a_overlap_measured": {
+        "my_rank2_bytes": "(3 + 4 + 5 - 3) * 16 * 4",      # every chunk but rank 0's (its next rank's)
+        "my_sequential_hidden": "0.0",                     # nothing runs between post and wait
+    },
     "11b_fp8": {
         "my_largest_gap": "0.0015",       # e4m3 has 3 mantissa bits: a step of 1/16 relative, averaged away over a matmul
         "my_fp8_gather_bytes": "2 * sum(s + 4 * math.ceil(s / 128) for s in SHARDS)",
