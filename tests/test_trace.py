@@ -61,13 +61,16 @@ def test_blocking_send_recv_and_async_handles():
         if r == 0:
             comm.send(t, 1)
             h = comm.irecv(t, 1)
-            h.wait()
         else:
             comm.recv(t, 0)
-            comm.isend(t * 2, 0).wait()
+            h = comm.isend(t * 2, 0)
+        h.wait()
+        end = h.event.end
+        h.wait()                                    # a second wait returns at once (gloo's own would block)
+        assert h.is_completed() and h.event.end == end
         return t.tolist()
 
-    out = pplab.launch(f, world_size=2)
+    out = pplab.launch(f, world_size=2, timeout=30)
     assert out == [[0, 2, 4, 6], [0, 1, 2, 3]]
     assert [e.kind for e in out.timeline.select(0, "comm")] == ["send", "recv"]
     assert out.timeline.bytes_sent() == 64

@@ -137,6 +137,7 @@ class Handle:
                 self.work.wait()
             finally:
                 callboard.leave()
+            self.work = None        # done: a second wait returns at once (gloo's would block on a send)
         if self.event.end is None:
             self.event.end = now()
 
