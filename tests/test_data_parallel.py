@@ -437,8 +437,8 @@ def test_batch_sizes_are_counted_over_all_micro_steps():
 
 # -- the bucket boundary worked out by hand, and DDP on a group without rank 0 ------------------------
 #
-# The buckets above never sum to exactly the cap, so `<=` and `<` read the
-# same there; and its DDPs span every rank, so "rank 0" and "the group's first rank" coincide.
+# The buckets above never sum to exactly the cap, so `<=` and `<` read the same there; and the
+# DDPs above span every rank, so "rank 0" and "the group's first rank" coincide.
 
 
 def test_a_bucket_may_fill_the_cap_exactly():

@@ -317,8 +317,9 @@ def test_this_machines_peak_is_fitted_once():
 
 
 # -- sent_per_rank and pplab.split.ring_sends -----------------------------------------------------------
-# An all-reduce the ranks do not divide, collectives run over point-to-point sends (pplab.cluster.two_tier), every
-# kind's ring count against bytes traced by pplab.collectives' own rings or worked out by hand.
+# An all-reduce the ranks do not divide, collectives run over point-to-point sends
+# (pplab.cluster.two_tier), every kind's ring count against bytes traced by pplab.collectives' own
+# rings or worked out by hand.
 
 
 def test_ring_sends_by_hand():

@@ -223,9 +223,9 @@ def test_placed_training_equals_one_process_and_crosses_as_the_formula_says(n_no
 
 
 # -- placement against independent references -----------------------------------------------------------
-# Megatron-LM's own hand-drawn groups (the docstring of initialize_model_parallel, 16 GPUs on 2 boxes of 8), torch's
-# init_device_mesh in another order on an odd cluster, and hand counts of ties, reduce-scatters,
-# and the dimension two ranks differ along.
+# Megatron-LM's own hand-drawn groups (the docstring of initialize_model_parallel, 16 GPUs on 2
+# boxes of 8), torch's init_device_mesh in another order on an odd cluster, and hand counts of ties,
+# reduce-scatters, and the dimension two ranks differ along.
 
 
 def test_megatron_lms_sixteen_gpus_on_two_boxes():

@@ -245,8 +245,9 @@ def test_bad_layouts_say_what_to_change():
 
 
 # -- the closed forms, each term against a hand value ----------------------------------------------------
-# The terms a one-operator slip could change without moving any published row by more than its tolerance (found by planting such
-# slips one at a time in pplab/planner/closed_forms.py and at_scale.py).
+# The terms a one-operator slip could change without moving any published row by more than its
+# tolerance (found by planting such slips one at a time in pplab/planner/closed_forms.py and
+# at_scale.py).
 
 
 PEAK = H100_SXM.peak("bf16")

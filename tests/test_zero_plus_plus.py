@@ -320,9 +320,9 @@ def test_bad_input_on_ranks():
     assert all(pplab.launch(wrong_world, world_size=4))
 
 
-# -- what the swimlane's boxes say each rank handed its collectives ----------------------------------
-# Worked out by hand; also its collectives (worked out by hand), a forward with no backward after it, and
-# bad input on ranks.
+# -- what the swimlane's boxes say, a forward alone, bad input on ranks --------------------------------
+# What the swimlane's boxes say each rank handed its collectives (worked out by hand), a forward
+# with no backward after it, and bad input on ranks.
 
 
 def _job():
