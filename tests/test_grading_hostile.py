@@ -227,7 +227,7 @@ def graded(tmp_path_factory):
     try:
         run = subprocess.run(PPLAB + ["grade", str(subs), "--out", str(out), "--timeout", "150", "--cell-timeout",
                                       "25", "--check-timeout", "15", "--jobs", "3", *limits],
-                             capture_output=True, text=True, timeout=560, env=env, cwd=tmp)
+                             capture_output=True, text=True, timeout=900, env=env, cwd=tmp)
         left = _ours_alive()
     finally:
         for pid in _ours_alive():
@@ -248,7 +248,7 @@ def graded(tmp_path_factory):
                            site=site)
 
 
-@pytest.mark.timeout(600)         # the first of these pays for the run
+@pytest.mark.timeout(960)         # the first of these pays for the run (45 students, up to 900 s on a loaded machine)
 def test_a_folder_of_good_and_broken_submissions(graded):
     assert not graded.leftover, f"processes left behind: {sorted(graded.leftover)}"
     rows = graded.rows
@@ -272,7 +272,7 @@ ATTACKS = ["helpers", "attack_run_check", "attack_grader_functions", "attack_res
            "attack_files", "attack_call_time", "attack_kills_checker"]
 
 
-@pytest.mark.timeout(600)         # the first of these pays for the run
+@pytest.mark.timeout(960)         # the first of these pays for the run (45 students, up to 900 s on a loaded machine)
 def test_attacks_on_the_grader_get_no_marks_and_a_note(graded):
     """Each attack notebook (tests/fixtures/grading, with a wrong my_broadcast) gets 0 and a
     note on what was ignored; correct answers graded in the same run, before and after the
@@ -310,7 +310,7 @@ def test_attacks_on_the_grader_get_no_marks_and_a_note(graded):
             in notes["attack_files"]
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(960)
 @pytest.mark.skipif(not SANDBOXED, reason=f"no sandbox on this machine: {sandbox.why_not()}")
 def test_every_kind_of_hostile_submission_gets_its_row_and_note(graded):
     run, rows = graded.run, graded.rows
