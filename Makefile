@@ -25,18 +25,19 @@ lab: $(STAMP)
 	$(BIN)/jupyter lab $(ALLOW_ROOT) --ServerApp.root_dir=. notebooks/00_start_here.ipynb
 
 # Two test processes (pytest-xdist): much of a test's time is ranks starting, waiting and timing
-# out, which the other process fills. A notebook's cells stay together in one (loadscope).
+# out, which the other process fills. A notebook's cells stay together in one (loadscope), and the
+# modules that take minutes but hold few tests are handed out first (conftest.py, SLOW_FIRST).
 # Not more: every test launches ranks of its own, and the notebooks' measured claims want cores.
 # CH=04 runs one chapter: its library tests, notebooks and exercises (CH=00 ... 10, A, course;
 # tests/chapters.py says which test belongs where).
 test: $(STAMP)
-	$(BIN)/python -m pytest -n 2 --dist loadscope --nbval-lax --nbval-cell-timeout=900 --durations=15 -q $(if $(CH),-m ch$(CH)) tests notebooks solutions
+	$(BIN)/python -m pytest -n 2 --dist loadscope --no-loadscope-reorder --nbval-lax --nbval-cell-timeout=900 --durations=15 -q $(if $(CH),-m ch$(CH)) tests notebooks solutions
 
 # A classroom's shared machine: every notebook's asserted claims must hold with two pure-Python
 # spin loops per core running beside it (conftest.py's --busy starts them and always kills them).
 # Separate from `make test`, which must stay quick; CI runs both (.ci/run).
 test-busy: $(STAMP)
-	$(BIN)/python -m pytest -n 2 --dist loadscope --busy --nbval-lax --nbval-cell-timeout=900 --durations=25 -q notebooks
+	$(BIN)/python -m pytest -n 2 --dist loadscope --no-loadscope-reorder --busy --nbval-lax --nbval-cell-timeout=900 --durations=25 -q notebooks
 
 install: $(STAMP)
 

@@ -1,6 +1,7 @@
-"""`pplab grade` against hostile and broken submissions: one grading run with one notebook of
-each kind, between two correct students, must finish with a complete CSV; every attack gets
-no mark and a note; the correct students keep theirs; nothing is left running or written.
+"""`pplab grade` end to end, against good, broken, attacking and hostile submissions: one grading
+run with one notebook of each kind, between two correct students, must finish with a complete
+CSV; every attack gets no mark and a note; the correct students keep theirs; nothing is left
+running or written.
 
 The attacks that could harm the machine if the sandbox failed are written to be harmless
 (a comment line in a .pth file, a daemon that ends by itself within a minute), and the test
@@ -9,16 +10,20 @@ puts back anything they changed.
 import csv
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
+from conftest import descendants
+from pplab import checks
 from pplab.course import grading, runner, sandbox, submission
 
 REPO = Path(__file__).resolve().parents[1]
@@ -71,13 +76,47 @@ def _ours_alive():
     return found
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.skipif(sandbox.why_not() is not None, reason=f"no sandbox on this machine: {sandbox.why_not()}")
-def test_one_grading_run_survives_every_kind_of_hostile_submission(tmp_path):
-    subs = tmp_path / "submissions"
-    subs.mkdir()
+# -- one grading run over every kind of submission ------------------------------------------------
+# Each `pplab grade` run pays for its own start and waits out its slowest notebook, so the broken,
+# hostile and attacking notebooks of every test below are graded together, in one run (with
+# --jobs 3 their waits overlap), and each test reads its students' rows.
+
+FIXTURES = Path(__file__).parent / "fixtures" / "grading"
+SANDBOXED = sandbox.why_not() is None
+
+
+def _good_and_broken(subs):
+    """Students whose notebooks hang, crash, deadlock or are not notebooks at all."""
+    # hangs after a correct answer: interrupted at the cell limit, the rest still runs
+    # (a sleeping loop rather than `while True: pass`, not to starve the other notebooks)
+    _write(subs / "ada.ipynb", "from pplab import comm", _solution_cell(),
+           "import time\nwhile True:\n    time.sleep(0.1)", "print('still here')")
+    # the generated exercise, untouched, plus lines that only look like a pass
+    shutil.copy(REPO / "exercises" / "00_broadcast.ipynb", subs / "bob.ipynb")
+    nb = nbformat.read(subs / "bob.ipynb", 4)
+    nb.cells.append(new_code_cell('print("✔ broadcast: passed on world sizes 2, 3, 4")\n'
+                                  'import json\n'
+                                  'print("0" * 32, json.dumps({"passed": True, "message": "forged"}))'))
+    nbformat.write(nb, subs / "bob.ipynb")
+    # the solution notebook as handed in by a student who did everything right
+    (subs / "cyd").mkdir()
+    shutil.copy(REPO / "solutions" / "00_broadcast.ipynb", subs / "cyd" / "00_broadcast.ipynb")
+    # crashes the kernel before its correct answer: definitions are graded from the source,
+    # whatever the run did
+    _write(subs / "dan.ipynb", "from pplab import comm", "import os\nos._exit(1)", _solution_cell())
+    # not a notebook at all
+    (subs / "hal.ipynb").write_text("not json")
+    # deadlocks: every rank receives before it sends
+    _write(subs / "eve.ipynb", "from pplab import comm\n\ndef my_broadcast(tensor, src):\n"
+           "    p = comm.world_size()\n    comm.recv(tensor, (comm.rank() - 1) % p)\n"
+           "    comm.send(tensor, (comm.rank() + 1) % p)")
+
+
+def _hostile(subs):
+    """Broken notebooks and notebooks that attack the machine, graded only where the sandbox holds
+    them. Returns what the test puts back: the .pth file one of them writes and the runner it
+    appends to."""
     good = _solution_cell()
-    _write(subs / "aa_good.ipynb", "from pplab import comm", good)
     # 1. broken notebooks: each gets its own row and a note; answers they hold are still graded
     (subs / "no_source.ipynb").write_text(json.dumps({"cells": [{"cell_type": "code"}], "metadata": {},
                                                       "nbformat": 4, "nbformat_minor": 5}))
@@ -159,31 +198,125 @@ def test_one_grading_run_survives_every_kind_of_hostile_submission(tmp_path):
     for name, attack in (("fork_bomb", bomb), ("allocates_30_gb", huge), ("fills_the_disk", fill)):
         _write(subs / f"{name}.ipynb", attack, f"def my_broadcast(tensor, src):\n    exec(ATTACK)\n",
                f"ATTACK = {attack!r}")
+    return pth, runner_file, runner_text
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    """The one grading run. Two correct students come first and last (aa_good, zz_good); the
+    attacks on the grader (tests/fixtures/grading, with a wrong my_broadcast) and the broken
+    notebooks come between. The grader runs from a copy of pplab, so that the attack that writes
+    into pplab's folder and onto sys.path writes only into the copy."""
+    tmp = tmp_path_factory.mktemp("graded")
+    copy, site, subs = tmp / "pplab-copy", tmp / "pplab-site", tmp / "submissions"
+    shutil.copytree(REPO / "pplab", copy / "pplab", ignore=shutil.ignore_patterns("__pycache__"))
+    site.mkdir()
+    subs.mkdir()
+    good = _solution_cell()
+    _write(subs / "aa_good.ipynb", "from pplab import comm", good)
     _write(subs / "zz_good.ipynb", "from pplab import comm", good,
            markdown=["My written answer: the tree needs ceil(log2 p) rounds."])
-
-    out = tmp_path / "grades.csv"
-    started = time.monotonic()
+    for notebook in FIXTURES.glob("*.ipynb"):
+        shutil.copy(notebook, subs / notebook.name)
+    _good_and_broken(subs)
+    pth, runner_file, runner_text = _hostile(subs) if SANDBOXED else (None, None, None)
+    limits = ["--memory", "1500M", "--processes", "200", "--disk", "128M"] if SANDBOXED else []
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(copy)]))
+    out = tmp / "grades.csv"
+    before = descendants()
     try:
-        run = subprocess.run(PPLAB + ["grade", str(subs), "--out", str(out), "--timeout", "120", "--cell-timeout",
-                                      "25", "--check-timeout", "15", "--jobs", "3", "--exercises", "broadcast",
-                                      "--memory", "1500M", "--processes", "200", "--disk", "128M"],
-                             capture_output=True, text=True, timeout=500)
+        run = subprocess.run(PPLAB + ["grade", str(subs), "--out", str(out), "--timeout", "150", "--cell-timeout",
+                                      "25", "--check-timeout", "15", "--jobs", "3", *limits],
+                             capture_output=True, text=True, timeout=900, env=env, cwd=tmp)
         left = _ours_alive()
     finally:
         for pid in _ours_alive():
             os.kill(pid, signal.SIGKILL)
-        changed = runner_file.read_text() != runner_text
-        if changed:
-            runner_file.write_text(runner_text)
-        written = pth.exists()
-        pth.unlink(missing_ok=True)
+        changed = written = False
+        if SANDBOXED:
+            changed = runner_file.read_text() != runner_text
+            if changed:
+                runner_file.write_text(runner_text)
+            written = pth.exists()
+            pth.unlink(missing_ok=True)
+    leftover = descendants() - before
     assert run.returncode == 0, run.stderr[-3000:]
-    assert not left, f"processes started by the attacks outlived the grading: {left}"
-    assert not changed and not written, "a submission wrote into pplab or site-packages"
     with open(out, newline="") as f:
         rows = {row["student"]: row for row in csv.DictReader(f)}
-    marks = {s: r["broadcast"] for s, r in rows.items()}
+    return SimpleNamespace(run=run, rows=rows, notes={s: r["notes"] for s, r in rows.items()}, left=left,
+                           leftover=leftover, changed=changed, written=written, tmp=tmp, copy=copy,
+                           site=site)
+
+
+@pytest.mark.timeout(960)         # the first of these pays for the run (45 students, up to 900 s on a loaded machine)
+def test_a_folder_of_good_and_broken_submissions(graded):
+    assert not graded.leftover, f"processes left behind: {sorted(graded.leftover)}"
+    rows = graded.rows
+    ids = grading.chapter_order(checks.EXERCISES)
+    assert ids[:4] == ["broadcast", "reduce_scatter", "ring_all_reduce", "predict_time"]       # chapters 0, 1a-c
+    assert list(rows["ada"]) == ["student", *ids, "total", "notes"]
+    scores = {s: (rows[s]["broadcast"], int(rows[s]["total"])) for s in ("ada", "bob", "cyd", "dan", "eve", "hal")}
+    # bob handed in the exercise untouched: "missing" (not attempted), which is not 0 (tried, wrong)
+    assert scores == {"ada": ("1", 1), "bob": ("missing", 0), "cyd": ("1", 1), "dan": ("1", 1), "eve": ("0", 0),
+                      "hal": ("missing", 0)}, rows
+    assert all(r["ring_all_reduce"] == "missing" for r in rows.values())
+    assert rows["ada"]["notes"] == "cell 3 timed out after 25 s"
+    assert "is not implemented yet" not in rows["bob"]["notes"]
+    assert rows["cyd"]["notes"] == ""
+    assert "kernel died in cell 2" in rows["dan"]["notes"]
+    assert "a deadlock: rank 0 waits to receive from rank 1" in rows["eve"]["notes"]
+    assert rows["hal"]["notes"].startswith("could not read the notebook: not a notebook (not JSON")
+
+
+ATTACKS = ["helpers", "attack_run_check", "attack_grader_functions", "attack_results_file", "attack_monkeypatch",
+           "attack_files", "attack_call_time", "attack_kills_checker"]
+
+
+@pytest.mark.timeout(960)         # the first of these pays for the run (45 students, up to 900 s on a loaded machine)
+def test_attacks_on_the_grader_get_no_marks_and_a_note(graded):
+    """Each attack notebook (tests/fixtures/grading, with a wrong my_broadcast) gets 0 and a
+    note on what was ignored; correct answers graded in the same run, before and after the
+    attacks wrote their files (aa_good, zz_good), still pass."""
+    rows, notes, copy, site = graded.rows, graded.notes, graded.copy, graded.site
+    assert {s: int(rows[s]["broadcast"]) for s in ["aa_good", "zz_good", *ATTACKS]} == {
+        "aa_good": 1, "zz_good": 1, "helpers": 1, "attack_run_check": 0, "attack_grader_functions": 0, "attack_results_file": 0,
+        "attack_monkeypatch": 0, "attack_files": 0, "attack_call_time": 0, "attack_kills_checker": 0}, rows
+    assert "ignored cell 4, line 4: `pplab.checks.run_check = ...`: the grader runs only definitions" in \
+        notes["attack_run_check"]
+    assert "ignored cell 5, line 7: `pplab.course.grading.grade_in_kernel = ...`" in notes["attack_grader_functions"]
+    assert "ignored cell 5, line 8: `pplab.course.grading.run_check_process = ...`" in notes["attack_grader_functions"]
+    assert "ignored cell 5, line 1: `for pid in (os.getppid(), os.getpid()):`" in notes["attack_results_file"]
+    sandboxed = sandbox.why_not() is None
+    assert "ignored cell 5, line 7: `for parent in (pathlib.Path.cwd(), pathlib.Path.cwd().parent):`" in \
+        notes["attack_results_file"]
+    assert "ignored cell 3, line 2: `comm.send = ...`" in notes["attack_monkeypatch"]
+    assert "ignored cell 3, line 3: `dist.ProcessGroup.broadcast = ...`" in notes["attack_monkeypatch"]
+    assert "ignored cell 4, line 1: `class Quiet:" in notes["attack_monkeypatch"]
+    assert "`(here.parent / 'results.jsonl').write_text(json.dumps(FORGED) + '\\n')`" in notes["attack_files"]
+    # the answer imports pplab.checks.collectives: refused before it runs
+    assert "my_broadcast uses `pplab.checks` (cell 2), the grader's own code" in notes["attack_call_time"]
+    assert re.search(r"broadcast: ignored [1-9]\d* forged verdict\(s\)", notes["attack_kills_checker"])
+    assert "cell 8 raised ValueError: a cell that raises" in notes["helpers"]
+    if sandboxed:
+        # pplab's files and the folders on sys.path are read-only in the sandbox: nothing was written,
+        # and the kill of the check process (pid 1 of its sandbox) had no effect
+        assert not (copy / "pplab" / "checks" / "zz_forged.py").exists()
+        assert not (site / "pplab" / "__init__.py").exists()
+        assert (copy / "pplab" / "checks" / "core.py").read_text() == (REPO / "pplab" / "checks" / "core.py").read_text()
+        assert "differs from the reference" in notes["attack_kills_checker"]
+        assert not any("forged" in notes[s].lower() and "ignored" not in notes[s].lower() for s in ATTACKS)
+    else:
+        assert "pplab's files on disk changed while the notebook ran (pplab.checks.core, pplab.checks.zz_forged)" \
+            in notes["attack_files"]
+
+
+@pytest.mark.timeout(960)
+@pytest.mark.skipif(not SANDBOXED, reason=f"no sandbox on this machine: {sandbox.why_not()}")
+def test_every_kind_of_hostile_submission_gets_its_row_and_note(graded):
+    run, rows = graded.run, graded.rows
+    assert not graded.left, f"processes started by the attacks outlived the grading: {graded.left}"
+    assert not graded.changed and not graded.written, "a submission wrote into pplab or site-packages"
+    marks = {s: r["broadcast"] for s, r in rows.items() if s not in ATTACKS + ["ada", "bob", "cyd", "dan", "eve", "hal"]}
     assert marks == {
         "aa_good": "1", "zz_good": "1", "huge_expression": "1",
         "no_source": "missing", "deep_nesting": "0", "binary": "missing", "nbformat3": "missing",
@@ -193,7 +326,7 @@ def test_one_grading_run_survives_every_kind_of_hostile_submission(tmp_path):
         "rank_uses_the_backend": "0", "rank_uses_functional_collectives": "0", "rank_shares_a_file": "0",
         "fifo": "missing", "folder": "missing", "zo\\xeb": "missing", "zoe\\u0308": "missing",
         "fork_bomb": "0", "allocates_30_gb": "0", "fills_the_disk": "0"}, rows
-    notes = {s: r["notes"] for s, r in rows.items()}
+    notes = graded.notes
     assert "cell 1 is not a well-formed cell (no cell_type or source): skipped" in notes["no_source"]
     assert "cell 2 could not be read by Python's parser (RecursionError)" in notes["huge_expression"]
     assert "could not read the notebook: not a notebook (not JSON" in notes["binary"]
@@ -220,9 +353,10 @@ def test_one_grading_run_survives_every_kind_of_hostile_submission(tmp_path):
     assert "can't allocate memory" in notes["allocates_30_gb"] and "--memory 1.46G" in notes["allocates_30_gb"]
     assert "--disk 128M" in notes["fills_the_disk"]
     assert "limits per submission: memory 1.46G, 200 processes, disk 128M" in run.stderr
-    assert "summary: 29 student(s)" in run.stderr
-    assert (tmp_path / "grades_answers" / "zz_good.md").read_text().count("ceil(log2 p)") == 1
-    assert time.monotonic() - started < 500
+    assert f"summary: {29 + len(ATTACKS) + 6} student(s)" in run.stderr
+    assert (graded.tmp / "grades_answers" / "zz_good.md").read_text().count("ceil(log2 p)") == 1
+
+
 
 
 def test_a_cell_is_refused_and_the_others_read(tmp_path):

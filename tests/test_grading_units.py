@@ -1,5 +1,5 @@
 """Fast unit tests of the grader's parts (pplab/course), for what only the slow end-to-end grading
-runs (tests/test_grading.py, tests/test_grading_hostile.py) used to catch (issue 38): the notes on
+run (tests/test_grading_hostile.py, where there were three) used to catch (issue 38): the notes on
 cells the parser refuses or that hide an answer in a block, a folder named *.ipynb, the order of
 the columns, "missing" against 0 and the best of several notebooks, the written answers' file, and
 the limits named in a note. No notebook runs here."""

@@ -204,7 +204,7 @@ def test_ctrl_c_of_a_script_ends_every_rank(tmp_path):
                 os.kill(int(p.read_text()), signal.SIGKILL)
 
 
-def test_fifty_launches_leak_nothing():
+def test_twenty_launches_leak_nothing():
     def f():
         t = torch.ones(3)
         pplab.comm.all_reduce(t)
@@ -212,7 +212,7 @@ def test_fifty_launches_leak_nothing():
 
     pplab.launch(f, world_size=2)                  # warm-up: lazy imports open their files once
     fds_before = len(os.listdir("/proc/self/fd"))
-    for _ in range(50):
+    for _ in range(20):             # a file leaked by every launch shows at once; 20 also catch most leaks in 1 of 10
         assert pplab.launch(f, world_size=2) == [2.0, 2.0]
     assert len(os.listdir("/proc/self/fd")) == fds_before
     assert not descendants()

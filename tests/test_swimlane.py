@@ -661,19 +661,24 @@ def test_explorer_redraws_an_image_when_schedule_or_m_change():
     assert box.image.value != third and box.timeline.title.startswith("interleaved-1f1b: p=4, m=6")
 
 
-def _shell_messages_sent(source):
+def _shell_messages_sent(source, timeout):
     """Run `source` as a notebook cell under nbclient (what nbconvert --execute uses) and
-    return the message types the client sent on the kernel's shell channel meanwhile."""
+    return the message types the client sent on the kernel's shell channel meanwhile, then
+    "hung" if the client was still awaiting the cell's reply after `timeout` seconds."""
     import nbformat
     from nbclient import NotebookClient
+    from nbclient.exceptions import CellTimeoutError
 
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source)])
-    client = NotebookClient(nb, timeout=300, kernel_name="python3")
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3")
     sent = []
     with client.setup_kernel():
         send = client.kc.shell_channel.send
         client.kc.shell_channel.send = lambda msg: (sent.append(msg["header"]["msg_type"]), send(msg))[1]
-        client.execute_cell(nb.cells[0], 0)
+        try:
+            client.execute_cell(nb.cells[0], 0)
+        except CellTimeoutError:
+            sent.append("hung")
     return sent
 
 
@@ -684,11 +689,12 @@ def test_explorer_under_nbconvert_sends_nothing_back_while_the_cell_runs():
     reply has just arrived (likelier on a loaded machine), the send drains the socket's
     edge-triggered wake-up and the wait never ends. The explorer now shows its figure as
     an Image widget, so the client has nothing to send."""
-    assert _shell_messages_sent("from pplab.pipeline import explore\nexplore(m=4)") == ["execute_request"]
-    # the mechanism, with an Output widget: the client does send while awaiting the reply
+    assert _shell_messages_sent("from pplab.pipeline import explore\nexplore(m=4)", timeout=120) == ["execute_request"]
+    # the mechanism, with an Output widget: the client does send while awaiting the reply, and
+    # may then hang there (on a loaded machine, as under pytest -n 3): 30 s are enough to see it
     output = ("import ipywidgets as w\nfrom IPython.display import display\nout = w.Output()\n"
               "with out:\n    display('a figure')\nout")
-    assert "comm_msg" in _shell_messages_sent(output)
+    assert "comm_msg" in _shell_messages_sent(output, timeout=30)
 
 
 # ----------------------------------------------------------------------------------

@@ -10,12 +10,16 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 import pplab
 from pplab.models import GPTConfig, gpt_layers, gpt_loss, parallel_layers
+from pplab.tensor_parallel import my_range
 from pplab.tensor_parallel import transformer as tpt
+
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
 TOL = 1e-10
 S, B, H, HEADS, FFN, VOCAB = 6, 2, 24, 12, 10, 50        # 12 heads: TP 1, 2, 3, 4; ffn 10: uneven over 3, 4
@@ -184,3 +188,31 @@ def test_training_a_tiny_gpt_matches_one_process_step_by_step(p):
     for losses, param_diff in pplab.launch(train_job, steps, dense, world_size=p):
         assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < TOL
         assert param_diff < 1e-8
+
+
+# -- vocab_parallel_cross_entropy where the numbers are large -----------------------------------------
+#
+# Any constant subtracted from the logits gives the same softmax, so with small logits a wrong
+# constant (the min instead of the max) still gives the right loss. float32 logits spread over
+# hundreds do not: exp(logit - min) overflows where exp(logit - max) <= 1. The reference is
+# torch's F.cross_entropy on the whole logits.
+
+
+def _loss_and_grad(logits, targets):
+    start, end = my_range(logits.shape[-1])
+    shard = logits[:, start:end].clone().requires_grad_()
+    loss = tpt.vocab_parallel_cross_entropy(shard, targets, vocab_size=logits.shape[-1])
+    loss.backward()
+    return loss.detach(), shard.grad, (start, end), dist.get_rank()
+
+
+def test_large_float32_logits_on_three_ranks():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 10, generator=g) * 100                   # spread of hundreds; 10 over 3 ranks: uneven
+    targets = torch.tensor([0, 3, 4, 7, 9])                          # owned by ranks 0, 0, 1, 2, 2
+    full = logits.clone().requires_grad_()
+    want = F.cross_entropy(full, targets)
+    want.backward()
+    for loss, grad, (start, end), rank in pplab.launch(_loss_and_grad, logits, targets, world_size=3, timeout=60):
+        assert torch.isfinite(loss) and torch.allclose(loss, want.detach(), rtol=1e-5), rank
+        assert torch.allclose(grad, full.grad[:, start:end], rtol=1e-5, atol=1e-7), rank

@@ -1,4 +1,5 @@
-"""validate checks a schedule once and remembers it; simulate walks the order validate found.
+"""pplab.pipeline's validate and simulate: validate checks a schedule once and remembers it;
+simulate walks the order validate found.
 
 What changed for speed (pplab/pipeline/simulate.py) and what must not have: times worked out
 by hand, a schedule changed after it passed is checked again, and a deadlocked F&B pair says

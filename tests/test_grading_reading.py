@@ -1,7 +1,7 @@
-"""Issue 34, items 1 and 4: one submission never stops the grading run, and students are told
-apart. Unit tests of the bounded reader (pplab/course/reading.py), the prediction lines
-(pplab/checks/prediction_lines.py) and the students' identities (pplab/course/students.py);
-the one grading run with hostile files is in test_grading_hostile.py.
+"""How the grader reads submissions: one submission never stops the grading run, and students are
+told apart (issue 34, items 1 and 4). Unit tests of the bounded reader (pplab/course/reading.py),
+the prediction lines (pplab/checks/prediction_lines.py) and the students' identities
+(pplab/course/students.py); the one grading run with hostile files is in test_grading_hostile.py.
 """
 import csv
 import json
