@@ -38,13 +38,14 @@ LAYERS = [
 # module used by both goes down to the earlier one, or to the base floor). The chapters in the
 # order of docs/architecture.md's table; each top-level name of the chapters' floor by the chapter
 # that brings it, and a module a later chapter added to an earlier one's folder by its own.
-CHAPTER_ORDER = ["1", "2", "3", "4", "5", "6", "7", "8", "9", "9b", "10a", "10b", "10c", "10d", "10"]
+CHAPTER_ORDER = ["1", "2", "3", "4", "5", "6", "7", "8", "9", "9b", "10a", "10b", "10c", "10d", "10", "11c"]
 CHAPTERS = {
     "collectives": "1", "costmodel": "1", "costfit": "1", "data_parallel": "2", "tensor_parallel": "3",
     "pipeline": "4", "sequence_parallel": "5", "zero": "6", "models": "7", "mesh": "7", "hybrid": "7",
     "planner": "7", "expert_parallel": "8", "zero.offload": "9", "grad_clip": "9", "rng": "9",
     "recompute": "9", "mixed_precision": "9b", "cluster": "10b", "zero.plusplus": "10c",
     "planner.placement": "10d", "planner.at_scale": "10", "planner.closed_forms": "10", "planner.published": "10",
+    "sequence_parallel.packed": "11c", "sequence_parallel.allgather_cp": "11c",
 }
 # A later chapter that taught an earlier module something new, in place (each pair must still be imported):
 LATER_CHAPTER_USES = {
