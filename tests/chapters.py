@@ -64,6 +64,7 @@ TEST_FILES = {
     "test_launch_errors": ["00"],
     "test_launch_hostile": ["00"],
     "test_lone_notebook": ["00", "course"],
+    "test_long_context": ["11"],
     "test_memory": ["09"],
     "test_mesh": ["07"],
     "test_mixed_precision": ["09"],
@@ -109,7 +110,7 @@ TEST_FILES = {
     "test_zero_plus_plus_more": ["10"],
 }
 
-CHAPTERS = [f"{n:02d}" for n in range(11)] + ["A", "course"]
+CHAPTERS = [f"{n:02d}" for n in range(12)] + ["A", "course"]
 
 
 @lru_cache(maxsize=1)
