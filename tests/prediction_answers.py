@@ -105,6 +105,10 @@ ANSWERS = {
         "my_zero3_cross_bytes": "3 * N_NODES * (P - 1) * sum(n // P for n in PADDED) * 2",
         "my_ratio": "sum(36 * (n // P) for n in PADDED) / sum(8 * (n // P) + 40 * math.ceil(n / P / BLOCK) for n in PADDED)",
     },
+    "11c_long_context": {
+        "my_busiest_rank": "3",
+        "my_allgather_bytes": "2 * math.ceil(S / 3) * 2 * ROW",
+    },
 }
 
 

@@ -103,6 +103,10 @@ def test_doc_split_beats_zigzag_on_packed_documents_and_costs_tokens():
 def test_kv_bytes_per_rank_by_hand():
     # 13 tokens over 3 ranks: shards 5, 4, 4; 10 bytes a token
     assert kv_bytes_per_rank(13, 3, 10) == {"forward": 100, "backward": 100, "held": 200}
+    assert kv_bytes_per_rank(13, 3, 10, rank=1)["held"] == 190                  # its own 4 rows and 3 of 5
+    # 59 tokens over 3: contiguous 20, 20, 19; zigzag (chunks 10, 10, 10, 10, 10, 9) 19, 20, 20
+    assert kv_bytes_per_rank(59, 3, 1, "ring", rank=1)["forward"] == 40
+    assert kv_bytes_per_rank(59, 3, 1, "ring", rank=1, layout="zigzag")["forward"] == 39
     assert kv_bytes_per_rank(13, 3, 10, "ring", rank=0) == {"forward": 90, "backward": 220, "held": 150}
     assert kv_bytes_per_rank(13, 3, 10, "ring", rank=2)["forward"] == 80       # its right neighbour holds 5
     assert kv_bytes_per_rank(8, 2, 1, "ring")["held"] == 8                      # two ranks: one visitor
@@ -186,19 +190,21 @@ def test_packed_documents_on_real_ranks_equal_one_process_and_the_formulas(p):
         row = B * kv_heads * D * 8                           # one token of K (or of V), float64
         for r in range(p):
             _, visible, forward, backward, held = res[r][c]
+            # the spans' visible pairs are the work formula
+            assert visible == work_per_rank(DOCS, p, layout, causal)[r], (p, CASES[c], r)
             if method == "ring":
-                # the spans' visible pairs are the work formula; K/V of every block but the right neighbour's
-                assert visible == work_per_rank(DOCS, p, layout, causal)[r], (p, CASES[c], r)
+                # K/V of every block but the right neighbour's, the last one it receives
                 assert (forward, backward) == (2 * (S - n[(r + 1) % p]) * row,
                                                2 * (S - n[(r + 1) % p]) * row + 2 * S * row), (p, CASES[c], r)
+                formula = kv_bytes_per_rank(S, p, 2 * row, "ring", rank=r, layout=layout)
+                assert (forward, backward) == (formula["forward"], formula["backward"]) and held <= formula["held"]
             else:
                 # every shard padded to the longest, gathered, then the gradients reduce-scattered
                 pad = max(n)
                 assert forward == backward == (p - 1) * pad * 2 * row, (p, CASES[c], r)
                 assert held == (n[r] + p * pad) * 2 * row, (p, CASES[c], r)
-                if name != "split":
-                    assert (forward, held) == (kv_bytes_per_rank(S, p, 2 * row)["forward"],
-                                               kv_bytes_per_rank(S, p, 2 * row)["held"] - (pad - n[r]) * 2 * row)
+                formula = kv_bytes_per_rank(S, p, 2 * row, "allgather", rank=r, layout=layout)
+                assert (forward, held) == (formula["forward"], formula["held"])
 
 
 # ----------------------------------------------------------------------------------

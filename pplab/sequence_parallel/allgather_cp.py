@@ -21,7 +21,8 @@ its own K/V's gradient. Grouped-query attention: k and v may have fewer heads th
 a multiple of theirs); only those travel, and each is repeated for its group of query heads
 after the gather.
 
-Per rank, per layer (n = ⌈S/p⌉ tokens, b = bytes of one token's K and V together):
+Per rank, per layer (n = ⌈S/p⌉ tokens, b = bytes of one token's K and V together; exact for the
+rank with the longest shard, `kv_bytes_per_rank` for any):
     sent      forward (p-1)·n·b (the all-gather), backward (p-1)·n·b (the reduce-scatter)
     held      (p+1)·n·b: every rank's K/V, and its own shard; ring attention holds 3·n·b
 Ring attention sends the same K/V forward (2(S - n_right)·row per rank) but hides it under the
@@ -35,8 +36,7 @@ import torch
 
 from .. import trace
 from ..runtime import comm
-from ..split import split_sizes
-from .ring_attention import agree_on_call, document_starts
+from .ring_attention import agree_on_call, document_starts, pieces
 
 
 class _GatherKV(torch.autograd.Function):
@@ -100,8 +100,9 @@ def allgather_attention(q, k, v, group=None, causal: bool = True, layout="zigzag
                          for r, len_r in zip(runs, lengths)])              # -1: a padding row
     visible = _mask(positions(runs[me]), key_pos, causal, documents, seq)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    scores = (q @ k_all.transpose(-1, -2)) * scale
-    out = torch.softmax(scores.masked_fill(~visible, -math.inf), -1) @ v_all
+    with trace.span("F", "attention", visible=int(visible.sum())):   # one local attention, after the gather
+        scores = (q @ k_all.transpose(-1, -2)) * scale
+        out = torch.softmax(scores.masked_fill(~visible, -math.inf), -1) @ v_all
     trace.release([k, v], "K/V")
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
         trace.release(len(ranks) * n_max * (k[..., :1, :].nbytes + v[..., :1, :].nbytes), "K/V")   # none kept
@@ -120,24 +121,27 @@ def _mask(q_pos, key_pos, causal, documents, seq):
     return visible
 
 
-def kv_bytes_per_rank(seq_len: int, p: int, token_bytes: int, method: str = "allgather", rank: int = 0) -> dict:
+def kv_bytes_per_rank(seq_len: int, p: int, token_bytes: int, method: str = "allgather", rank: int = 0,
+                      layout="contiguous") -> dict:
     """What `rank` sends and holds of K/V for one attention layer, by formula: the sequence of seq_len
-    tokens cut over p ranks (n = ⌈S/p⌉), b = token_bytes, the bytes of one token's K and V together.
+    tokens cut over p ranks by `layout` (rank i holds n_i tokens), b = token_bytes, the bytes of one
+    token's K and V together.
 
-    allgather: sends (p-1)·n·b forward (shards padded to n) and as much backward; holds (p+1)·n·b.
+    allgather: sends (p-1)·max(n)·b forward (shards padded to the longest) and as much backward;
+               holds (n_rank + p·max(n))·b: every rank's padded shard, and its own.
     ring:      sends (S - n_right)·b forward (every block but its right neighbour's, the last it
                receives) and (2S - n_right)·b backward (K/V again, then dK/dV of all p blocks, in the
-               inputs' dtype); holds min(3, p)·n·b (its own block and two visitors; equal shards).
+               inputs' dtype); holds at most min(3, p)·max(n)·b (its own block and two visitors).
     """
     if method not in ("allgather", "ring"):
         raise ValueError(f"method must be 'allgather' or 'ring', got {method!r}")
     if min(seq_len, p, token_bytes) < 1 or seq_len < p or not 0 <= rank < p:
         raise ValueError(f"need seq_len >= p >= 1, token_bytes >= 1 and 0 <= rank < p, got seq_len={seq_len}, "
                          f"p={p}, token_bytes={token_bytes}, rank={rank}")
-    n = split_sizes(seq_len, p)
+    n = [sum(b - a for a, b in runs) for runs in pieces(seq_len, p, layout)]
     if method == "allgather":
-        return {"forward": (p - 1) * n[0] * token_bytes, "backward": (p - 1) * n[0] * token_bytes,
-                "held": (p + 1) * n[0] * token_bytes}
+        return {"forward": (p - 1) * max(n) * token_bytes, "backward": (p - 1) * max(n) * token_bytes,
+                "held": (n[rank] + p * max(n)) * token_bytes}
     right = n[(rank + 1) % p]
     return {"forward": (seq_len - right) * token_bytes, "backward": (2 * seq_len - right) * token_bytes,
-            "held": min(3, p) * n[0] * token_bytes}
+            "held": min(3, p) * max(n) * token_bytes}
