@@ -242,3 +242,29 @@ def test_bad_arguments_of_the_formulas():
                        (lambda: kv_bytes_per_rank(2, 4, 8), "seq_len >= p")):
         with pytest.raises(ValueError, match=says):
             call()
+
+
+# ----------------------------------------------------------------------------------
+# The exercise's checker (pplab/checks/doc_split.py): its best against the brute force, its problems
+
+
+def test_the_checkers_best_is_the_brute_force_best():
+    from pplab.checks.doc_split import best_busiest
+    rng = random.Random(5)
+    for _ in range(30):
+        docs, p = [rng.randint(1, 8) for _ in range(rng.randint(1, 4))], rng.choice([2, 3, 4])
+        best, cuts = best_busiest(docs, p)
+        assert best == brute_best(docs, p) == max(range_work(docs, a, b) for a, b in zip(cuts, cuts[1:]))
+
+
+def test_the_checkers_problems_show_every_slip_on_every_seed():
+    from pplab.checks import doc_split as check
+    for seed in range(5):
+        cases = [(docs, p, doc_split(docs, p)) for docs, p in check.problems(seed)]     # the library's best
+        assert {p for _, p, _ in cases} == {2, 3, 4}
+        shown = {slip for slip in check.SLIPS for docs, p, best in cases
+                 if check.busiest(docs, check.slip_answer(docs, p, slip)) > check.busiest(docs, best)}
+        assert shown == set(check.SLIPS), f"seed {seed}: {sorted(set(check.SLIPS) - shown)} never shows"
+        for docs, p, best in cases:               # rounding one cut alone is the best cut: right at p = 2
+            if p == 2:
+                assert check.busiest(docs, check.slip_answer(docs, 2, "cuts_alone")) == check.busiest(docs, best)

@@ -54,6 +54,7 @@ DENIED: dict[str, tuple[str, ...]] = {
     "stage3_unit": ("pplab.zero",),
     "sharded_optimizer": ("pplab.zero",),
     "quantised_gather": ("pplab.zero",),
+    "doc_split": ("pplab.sequence_parallel.packed",),
     "fsdp": ("pplab.zero.fully_sharded", "pplab.zero.flat", "pplab.zero.optimizer", "pplab.zero.plusplus"),
 }
 
