@@ -36,7 +36,7 @@ def costs(docs, slip=None) -> list[int]:
             elif slip == "late_reset" and d > 0 and t == 1:
                 out.append(out[-1] + 1)                 # the first token counted in the document before
             else:
-                out.append(t)
+                out.append(t)  # the t-th token of its document sees t keys
     return out
 
 
