@@ -131,10 +131,10 @@ def one_process(docs, causal, kv_heads):
     return [O.detach(), Q.grad, K.grad, V.grad]
 
 
-CASES = [  # (method, layout, causal, kv heads)
-    ("ring", "zigzag", True, H), ("ring", "contiguous", False, H), ("ring", "split", True, H),
-    ("allgather", "zigzag", True, H), ("allgather", "split", True, H), ("allgather", "zigzag", True, 2),
-    ("allgather", "contiguous", False, 1),
+CASES = [  # (method, layout, causal, kv heads, documents: DOCS, or None for one plain sequence)
+    ("ring", "zigzag", True, H, DOCS), ("ring", "contiguous", False, H, DOCS), ("ring", "split", True, H, DOCS),
+    ("allgather", "zigzag", True, H, DOCS), ("allgather", "split", True, H, DOCS), ("allgather", "zigzag", True, 2, DOCS),
+    ("allgather", "contiguous", False, 1, DOCS), ("allgather", "zigzag", True, H, None),   # padding, no document mask
 ]
 
 
@@ -146,13 +146,13 @@ def run_cases():
     """On each rank, every case: (outputs and gradients, visible pairs of the F spans, bytes sent
     forward and backward, peak K/V bytes held), counted from this rank's own trace."""
     p, results = pplab.comm.world_size(), []
-    for method, name, causal, kv_heads in CASES:
+    for method, name, causal, kv_heads, docs in CASES:
         layout = layout_of(name, p)
         Q, K, V, dO = tensors(sum(DOCS), kv_heads)
         q, k, v, do = (shard_sequence(t, None, layout).requires_grad_() for t in (Q, K, V, dO))
         fn = ring_attention if method == "ring" else allgather_attention
         first = len(trace.events())
-        out = fn(q, k, v, causal=causal, layout=layout, documents=DOCS)
+        out = fn(q, k, v, causal=causal, layout=layout, documents=docs)
         middle = len(trace.events())
         out.backward(do)
         forward, backward = trace.events()[first:middle], trace.events()[middle:]
@@ -179,9 +179,10 @@ def sent(events, p):
 def test_packed_documents_on_real_ranks_equal_one_process_and_the_formulas(p):
     res = pplab.launch(run_cases, world_size=p)
     S = sum(DOCS)
-    for c, (method, name, causal, kv_heads) in enumerate(CASES):
+    for c, (method, name, causal, kv_heads, docs) in enumerate(CASES):
         layout = layout_of(name, p)
-        want = one_process(DOCS, causal, kv_heads)
+        docs = docs or [S]                                   # no mask but the causal one: one document
+        want = one_process(docs, causal, kv_heads)
         for i in range(4):
             got = unshard_sequence([res[r][c][0][i] for r in range(p)], layout)
             err = (got - want[i]).abs().max().item()
@@ -191,7 +192,7 @@ def test_packed_documents_on_real_ranks_equal_one_process_and_the_formulas(p):
         for r in range(p):
             _, visible, forward, backward, held = res[r][c]
             # the spans' visible pairs are the work formula
-            assert visible == work_per_rank(DOCS, p, layout, causal)[r], (p, CASES[c], r)
+            assert visible == work_per_rank(docs, p, layout, causal)[r], (p, CASES[c], r)
             if method == "ring":
                 # K/V of every block but the right neighbour's, the last one it receives
                 assert (forward, backward) == (2 * (S - n[(r + 1) % p]) * row,
