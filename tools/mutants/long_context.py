@@ -1,5 +1,7 @@
 # Chapter 11c's library: packed documents (the work per rank, the best split), the document mask in ring
 # attention, Llama 3's all-gather attention and the bytes formulas; each caught by tests/test_long_context.py.
+# Run (November 2026): 7 / 7 caught by an assertion (the unmasked padding first survived: every case had a
+# document mask, which hid the padding too; a case without documents was added).
 # Run with tools/mutate.py's names in scope (see tools/mutants/README.md).
 
 LONG = T("test_long_context")
