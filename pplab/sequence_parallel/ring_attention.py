@@ -43,10 +43,12 @@ p-1 times: 2(p-1)·N_kv. Backward sends K and V p-1 times and dK, dV p times: (4
 (dK, dV travel in float32 when the inputs are half or bfloat16: they are sums).
 
 The trace shows each block's compute as "F<j>" / "B<j>" (j: the rank whose K/V block it
-is) and the K/V held by this rank as memory events labelled "K/V".
+is; meta "scores": the query-key scores it computed, "visible": those the masks let through)
+and the K/V held by this rank as memory events labelled "K/V".
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -111,7 +113,7 @@ def document_starts(documents, seq_len: int, name: str = "attention") -> list[in
             or sum(docs) != seq_len:
         raise ValueError(f"{name}: documents={docs} must be positive whole lengths that add up to the "
                          f"sequence's {seq_len} tokens (pad the last document, or add a document of padding)")
-    return [sum(docs[:i]) for i in range(len(docs))]
+    return list(itertools.accumulate(docs[:-1], initial=0))
 
 
 def _length(runs) -> int:
