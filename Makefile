@@ -28,7 +28,7 @@ lab: $(STAMP)
 # out, which the other process fills. A notebook's cells stay together in one (loadscope), and the
 # modules that take minutes but hold few tests are handed out first (conftest.py, SLOW_FIRST).
 # Not more: every test launches ranks of its own, and the notebooks' measured claims want cores.
-# CH=04 runs one chapter: its library tests, notebooks and exercises (CH=00 ... 10, A, course;
+# CH=04 runs one chapter: its library tests, notebooks and exercises (CH=00 ... 11, A, course;
 # tests/chapters.py says which test belongs where).
 test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 --dist loadscope --no-loadscope-reorder --nbval-lax --nbval-cell-timeout=900 --durations=15 -q $(if $(CH),-m ch$(CH)) tests notebooks solutions

@@ -63,6 +63,7 @@ TEST_FILES = {
     "test_launch_errors": ["00"],
     "test_launch_hostile": ["00"],
     "test_lone_notebook": ["00", "course"],
+    "test_long_context": ["11"],
     "test_memory": ["09"],
     "test_mesh": ["07"],
     "test_mixed_precision": ["09"],

@@ -113,6 +113,10 @@ ANSWERS = {
         "my_largest_gap": "0.0015",       # e4m3 has 3 mantissa bits: a step of 1/16 relative, averaged away over a matmul
         "my_fp8_gather_bytes": "2 * sum(s + 4 * math.ceil(s / 128) for s in SHARDS)",
     },
+    "11c_long_context": {
+        "my_busiest_rank": "3",
+        "my_allgather_bytes": "2 * math.ceil(S / 3) * 2 * ROW",
+    },
     "11d_experts_at_scale": {
         "my_nodes_reached": "2 * (1 - math.comb(8, 4) / math.comb(16, 4))",
         "my_cross_bytes": "2 * ref[1][2] * (2 * 16 + 8) * 8 + 4 * (2 - 1) * 8",

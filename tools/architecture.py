@@ -66,6 +66,7 @@ CHAPTERS = {
     "overlap": "11a",
     "fp8": "11b", "zero.fp8_gather": "11b",
     "experts_at_scale": "11d",
+    "sequence_parallel.packed": "11c", "sequence_parallel.allgather_cp": "11c",
 }
 # A later chapter that taught an earlier module something new, in place (each pair must still be imported):
 LATER_CHAPTER_USES = {

@@ -14,6 +14,10 @@ Three ways, all taking `group=` (None = every rank) so they can sit inside a lar
   halves: an all-gather of the sequence before the column-parallel layer, a reduce-scatter
   after the row-parallel one.
 
+Beyond these, in their own modules (chapter 11c): packed documents (packed.py: the document mask,
+each rank's work, a split that balances it; ring attention takes `documents=` and explicit runs as
+its layout) and Llama 3's all-gather context parallelism (allgather_cp.py, `allgather_attention`).
+
 Each file's docstring has its algorithm's traffic and memory.
 """
 

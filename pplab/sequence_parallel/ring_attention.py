@@ -31,15 +31,24 @@ The zigzag layout cuts the sequence into 2p chunks and gives rank r chunks r and
 (an early and a late one), so every rank does the same work: in each step, half a block.
 Blocks or halves that the mask hides entirely are skipped, not computed and masked.
 
+**Packed documents** (chapter 11c). `documents=[n_0, n_1, ...]` (lengths that sum to the
+sequence) adds a document mask: a query sees only keys of its own document (and, causal,
+not later ones). Each rank's runs are cut at the documents' starts, and only pieces of the
+same document meet, so a pair of blocks from different documents is skipped like a hidden
+one. `layout=` may also be explicit runs, one list of (start, stop) per rank, as a split
+that knows the documents gives (pplab.sequence_parallel.packed).
+
 Bytes per rank (N_kv = one rank's K block in bytes, equal shards): forward sends K and V
 p-1 times: 2(p-1)·N_kv. Backward sends K and V p-1 times and dK, dV p times: (4p-2)·N_kv
 (dK, dV travel in float32 when the inputs are half or bfloat16: they are sums).
 
 The trace shows each block's compute as "F<j>" / "B<j>" (j: the rank whose K/V block it
-is) and the K/V held by this rank as memory events labelled "K/V".
+is; meta "scores": the query-key scores it computed, "visible": those the masks let through)
+and the K/V held by this rank as memory events labelled "K/V".
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -56,8 +65,12 @@ LAYOUTS = ("contiguous", "zigzag")
 # Layouts: which global positions each rank holds.
 
 
-def pieces(seq_len: int, p: int, layout: str = "contiguous") -> list[list[tuple[int, int]]]:
-    """For each of p ranks, the runs [start, stop) of global positions it holds, in order."""
+def pieces(seq_len: int, p: int, layout="contiguous") -> list[list[tuple[int, int]]]:
+    """For each of p ranks, the runs [start, stop) of global positions it holds, in order.
+
+    layout: "contiguous", "zigzag", or the runs themselves (checked to cover 0..seq_len once)."""
+    if not isinstance(layout, str):
+        return _explicit(seq_len, p, layout)
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}: use one of {', '.join(map(repr, LAYOUTS))}")
     chunks = p if layout == "contiguous" else 2 * p
@@ -66,6 +79,41 @@ def pieces(seq_len: int, p: int, layout: str = "contiguous") -> list[list[tuple[
         bounds.append(bounds[-1] + n)
     run = [(bounds[c], bounds[c + 1]) for c in range(chunks)]
     return [[run[r]] if layout == "contiguous" else [run[r], run[2 * p - 1 - r]] for r in range(p)]
+
+
+def _explicit(seq_len, p, layout):
+    """Explicit runs, checked: p lists of (start, stop) that cover 0..seq_len exactly once."""
+    try:
+        runs = [[(int(a), int(b)) for a, b in rank_runs] for rank_runs in layout]
+    except (TypeError, ValueError):
+        raise ValueError(f"layout must be 'contiguous', 'zigzag' or one list of (start, stop) runs per rank, "
+                         f"got {layout!r}") from None
+    flat = sorted(r for rank_runs in runs for r in rank_runs)
+    if len(runs) != p or any(a >= b for a, b in flat) or \
+            [a for a, _ in flat] != [0] + [b for _, b in flat[:-1]] or (flat[-1][1] if flat else 0) != seq_len:
+        raise ValueError(f"layout {runs} must give each of the {p} ranks its runs [start, stop) (start < stop) "
+                         f"so that together they cover positions 0..{seq_len} exactly once")
+    return runs
+
+
+def _layout_key(layout):
+    """The layout as something every rank can compare (a name, or nested tuples of runs)."""
+    if isinstance(layout, str):
+        return layout
+    try:
+        return tuple(tuple((int(a), int(b)) for a, b in r) for r in layout)
+    except (TypeError, ValueError):
+        return repr(layout)
+
+
+def document_starts(documents, seq_len: int, name: str = "attention") -> list[int]:
+    """The first position of every document, checked: positive lengths that sum to the sequence."""
+    docs = list(documents)
+    if not docs or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in docs) \
+            or sum(docs) != seq_len:
+        raise ValueError(f"{name}: documents={docs} must be positive whole lengths that add up to the "
+                         f"sequence's {seq_len} tokens (pad the last document, or add a document of padding)")
+    return list(itertools.accumulate(docs[:-1], initial=0))
 
 
 def _length(runs) -> int:
@@ -91,7 +139,7 @@ def unshard_sequence(shards: list, layout: str = "contiguous", dim: int = -2) ->
     return torch.cat([t for _, t in sorted(placed, key=lambda x: x[0])], dim)
 
 
-def agree_on_call(name, group, q, k, v, layout, causal):
+def agree_on_call(name, group, q, k, v, layout, causal, documents=None):
     """Check the call on every rank; return (global ranks, my index, every rank's runs).
 
     Every rank hands the others a description of its call (untraced bookkeeping: it is not
@@ -108,10 +156,12 @@ def agree_on_call(name, group, q, k, v, layout, causal):
     elif not (q.shape[:-1] == k.shape[:-1] == v.shape[:-1] and q.shape[-1] == k.shape[-1]):
         problems.append(f"q, k, v must agree in every dimension but v's last (self-attention over the "
                         f"same tokens), got {list(q.shape)}, {list(k.shape)}, {list(v.shape)}")
-    if layout not in LAYOUTS:
-        problems.append(f"unknown layout {layout!r}: use one of {', '.join(map(repr, LAYOUTS))}")
+    if isinstance(layout, str) and layout not in LAYOUTS:
+        problems.append(f"unknown layout {layout!r}: use one of {', '.join(map(repr, LAYOUTS))}, or explicit runs")
+    docs = None if documents is None else tuple(documents)
     mine = {"problems": problems, "n": q.shape[-2] if q.dim() >= 2 else 0,
-            "call": (name, bool(causal), layout, str(q.dtype), tuple(q.shape[:-2]), q.shape[-1], v.shape[-1])}
+            "call": (name, bool(causal), _layout_key(layout), str(q.dtype), tuple(q.shape[:-2]), q.shape[-1],
+                     v.shape[-1], docs)}
     everyone = [mine]
     if len(ranks) > 1:
         everyone = [None] * len(ranks)
@@ -123,8 +173,10 @@ def agree_on_call(name, group, q, k, v, layout, causal):
     if any(d["call"] != mine["call"] for d in everyone):
         listing = "; ".join(f"rank {r}: {d['call'][1:]}" for r, d in zip(ranks, everyone))
         raise ValueError(f"{name}: the ranks disagree on (causal, layout, dtype, batch/head dims, "
-                         f"head_dim, v's head_dim): {listing}; every rank must pass the same")
+                         f"head_dim, v's head_dim, documents): {listing}; every rank must pass the same")
     lengths = [d["n"] for d in everyone]
+    if documents is not None:
+        document_starts(documents, sum(lengths), name)
     runs = pieces(sum(lengths), len(ranks), layout)
     expected = [_length(r) for r in runs]
     if lengths != expected:
@@ -150,29 +202,46 @@ def merge(o1, lse1, o2, lse2):
     return torch.exp(lse1 - ref)[..., None] * o1 + torch.exp(lse2 - ref)[..., None] * o2, lse
 
 
-def _pairs(q_runs, k_runs, causal):
+def _cut(runs, starts):
+    """Runs cut at document starts: (start, stop, document, offset in the rank's rows) for each piece."""
+    out, offset = [], 0
+    for a, b in runs:
+        cuts = [a] + [s for s in starts if a < s < b] + [b]
+        for x, y in zip(cuts, cuts[1:]):
+            if y > x:
+                out.append((x, y, sum(s <= x for s in starts), offset))
+                offset += y - x
+    return out
+
+
+def _pairs(q_runs, k_runs, causal, starts=(0,)):
     """Which (query rows, key rows) of a block to compute, and which need the causal mask.
 
     Runs are disjoint ranges of global positions, so under `causal` a pair of runs is either
     all visible (keys before queries), all hidden (skipped), or the same run (mask a triangle).
+    With documents (their first positions in `starts`), runs are cut where a document starts
+    and only pieces of the same document are paired.
     """
-    nq, nk = _length(q_runs), _length(k_runs)
-    if not causal:
+    if not causal and len(starts) <= 1:
+        nq, nk = _length(q_runs), _length(k_runs)
         return [(slice(0, nq), slice(0, nk), False)] if nq and nk else []
-    out, qo = [], 0
-    for qa, qb in q_runs:
-        ko = 0
-        for ka, kb in k_runs:
-            if qb > qa and kb > ka and ka < qb:             # not hidden: some key at or before a query
-                out.append((slice(qo, qo + qb - qa), slice(ko, ko + kb - ka), kb > qa))
-            ko += kb - ka
-        qo += qb - qa
+    out = []
+    for qa, qb, qdoc, qo in _cut(q_runs, starts):
+        for ka, kb, kdoc, ko in _cut(k_runs, starts):
+            if qdoc == kdoc and (not causal or ka < qb):    # not hidden: same document, a key at or before a query
+                out.append((slice(qo, qo + qb - qa), slice(ko, ko + kb - ka), causal and kb > qa))
     return out
 
 
 def _count(pairs):
     """How many query-key scores a block computes (the work in its trace span)."""
     return sum((qs.stop - qs.start) * (ks.stop - ks.start) for qs, ks, _ in pairs)
+
+
+def _visible(pairs):
+    """How many of them the mask lets through: a masked diagonal piece of n rows keeps n(n+1)/2."""
+    return sum((qs.stop - qs.start) * (qs.stop - qs.start + 1) // 2 if diagonal
+               else (qs.stop - qs.start) * (ks.stop - ks.start) for qs, ks, diagonal in pairs)
 
 
 def _scores(q, k, scale, diagonal):
@@ -207,8 +276,9 @@ def _wait(handles):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, layout, scale):
-        ranks, me, runs = agree_on_call("ring_attention", group, q, k, v, layout, causal)
+    def forward(ctx, q, k, v, group, causal, layout, scale, documents):
+        ranks, me, runs = agree_on_call("ring_attention", group, q, k, v, layout, causal, documents)
+        starts = (0,) if documents is None else tuple(document_starts(documents, sum(map(_length, runs))))
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         p, acc = len(ranks), _acc_dtype(q.dtype)
         right, left = ranks[(me + 1) % p], ranks[(me - 1) % p]
@@ -227,9 +297,9 @@ class _RingAttention(torch.autograd.Function):
                        v.new_empty(v.shape[:-2] + (n_next, v.shape[-1])))
                 trace.hold(list(nxt), "K/V")
                 handles = _post([k_cur, v_cur], nxt, right, left, group)
-            todo = _pairs(runs[me], runs[j], causal)
+            todo = _pairs(runs[me], runs[j], causal, starts)
             if todo:
-                with trace.span("F", microbatch=j, block=j, scores=_count(todo)):
+                with trace.span("F", microbatch=j, block=j, scores=_count(todo), visible=_visible(todo)):
                     for qs, ks, diagonal in todo:
                         sc = _scores(_rows(qa, qs), _rows(k_cur, ks).to(acc), scale, diagonal)
                         part_lse = torch.logsumexp(sc, -1)
@@ -243,13 +313,13 @@ class _RingAttention(torch.autograd.Function):
         del k_cur, v_cur, nxt, handles                      # the last visitor, before the output is made
         trace.release([k, v], "K/V")
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.info = (group, ranks, me, runs, causal, scale)
+        ctx.info = (group, ranks, me, runs, causal, scale, starts)
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        group, ranks, me, runs, causal, scale = ctx.info
+        group, ranks, me, runs, causal, scale, starts = ctx.info
         p, acc = len(ranks), out.dtype
         right, left = ranks[(me + 1) % p], ranks[(me - 1) % p]
         qa, do = q.to(acc), dout.to(acc)
@@ -267,9 +337,9 @@ class _RingAttention(torch.autograd.Function):
                 handles = _post([k_cur, v_cur], nxt, right, left, group)
             dk = torch.zeros(k_cur.shape, dtype=acc, device=k.device)
             dv = torch.zeros(v_cur.shape, dtype=acc, device=v.device)
-            todo = _pairs(runs[me], runs[j], causal)
+            todo = _pairs(runs[me], runs[j], causal, starts)
             if todo:
-                with trace.span("B", microbatch=j, block=j, scores=_count(todo)):
+                with trace.span("B", microbatch=j, block=j, scores=_count(todo), visible=_visible(todo)):
                     for qs, ks, diagonal in todo:
                         kb, vb = _rows(k_cur, ks).to(acc), _rows(v_cur, ks).to(acc)
                         qb, dob = _rows(qa, qs), _rows(do, qs)
@@ -299,18 +369,20 @@ class _RingAttention(torch.autograd.Function):
             dk = dv = None
         _wait(dkv_handles)                                  # after p hops: our own block's dK, dV
         dk, dv = arriving
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
-def ring_attention(q, k, v, group=None, causal: bool = False, layout: str = "contiguous", scale=None):
+def ring_attention(q, k, v, group=None, causal: bool = False, layout="contiguous", scale=None, documents=None):
     """softmax(q·kᵀ·scale)·v over the whole sequence, for this rank's queries; q, k, v: (..., n, d).
 
     Each rank passes its own tokens (`shard_sequence(x, group, layout)`): any sequence
     length, the first ranks get one token more when it does not divide. Returns this
     rank's rows of the output, in the same layout; differentiable with respect to q, k, v.
-    scale defaults to 1/√d, as in torch's scaled_dot_product_attention.
+    scale defaults to 1/√d, as in torch's scaled_dot_product_attention. documents: the
+    lengths of the documents packed in the sequence (a query then sees its own document only).
     """
-    return _RingAttention.apply(q, k, v, group, causal, layout, scale)
+    return _RingAttention.apply(q, k, v, group, causal, layout, scale,
+                                None if documents is None else tuple(documents))
 
 
 # ----------------------------------------------------------------------------------

@@ -57,6 +57,7 @@ DENIED: dict[str, tuple[str, ...]] = {
     "quantised_gather": ("pplab.zero",),
     "overlapped_step": ("pplab.overlap.dualpipe_pair",),
     "node_limited_routing": ("pplab.experts_at_scale",),
+    "doc_split": ("pplab.sequence_parallel.packed",),
     "fsdp": ("pplab.zero.fully_sharded", "pplab.zero.flat", "pplab.zero.optimizer", "pplab.zero.plusplus"),
     "fp8_blocks": ("pplab.fp8", "pplab.zero.fp8_gather"),
 }
