@@ -48,6 +48,7 @@ TEST_FILES = {
     "test_expert_parallel": ["08"],
     "test_expert_parallel_more": ["08"],
     "test_explorer_in_jupyterlab": ["04"],
+    "test_exercise_names": ["course"],
     "test_flops": ["10"],
     "test_flops_more": ["10"],
     "test_fsdp_like_cs336": ["06"],

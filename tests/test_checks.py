@@ -51,7 +51,8 @@ def test_stub_fails_as_not_implemented(exercise_id, capsys):
 CASES = [(ex, fn, patterns, timeout) for ex, cases in WRONG_ANSWERS.items() for fn, patterns, timeout in cases]
 
 
-@pytest.mark.parametrize("exercise_id, fn, patterns, timeout", CASES, ids=[c[1].__name__ for c in CASES])
+@pytest.mark.parametrize("exercise_id, fn, patterns, timeout", CASES,
+                         ids=[f"{c[0]}-{c[1].__name__}" for c in CASES])   # pytest -k <exercise id> selects them
 def test_wrong_answer_fails_with_a_clear_message(exercise_id, fn, patterns, timeout):
     result = checks.run_check(exercise_id, fn, timeout=timeout or 30.0)
     assert not result
@@ -282,7 +283,7 @@ def test_an_answer_scored_on_quality_earns_what_it_is_worth(scored_exercises):
 
 
 def test_a_one_point_exercise_reads_as_before():
-    result = checks.run_check("1f1b_order", 0.5, seed=1)
+    result = checks.run_check("one_f_one_b_order", 0.5, seed=1)
     assert result.points == 1 and result.score in (0, 1) and "points]" not in result.message
 
 

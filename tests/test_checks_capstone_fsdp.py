@@ -21,7 +21,7 @@ def test_the_capstone_registers_one_exercise_with_its_wrong_answers():
     ids = sorted(i for i, ex in checks.EXERCISES.items() if ex.checker.__module__ == capstone.__name__)
     assert ids == ["fsdp"] == sorted(WRONG)
     ex = checks.get_exercise("fsdp")
-    assert ex.notebook == "06e_fsdp" and ex.points == 5 and ex.answer == "FSDP" and ex.sealed
+    assert ex.notebook == "06_fsdp" and ex.points == 5 and ex.answer == "FSDP" and ex.sealed
     assert OnlyRank0Steps in [fn for fn, _, _ in WRONG["fsdp"]]           # wrong on ranks other than 0 only
 
 

@@ -22,7 +22,7 @@ def test_the_capstone_registers_with_its_wrong_answers():
     ids = [i for i, ex in checks.EXERCISES.items() if ex.checker.__module__ == "pplab.checks.hybrid_capstone"]
     assert ids == ["pp_dp_train_step"] and set(WRONG) == set(ids)
     ex = checks.get_exercise("pp_dp_train_step")
-    assert ex.notebook == "07d_pp_dp_trainer" and ex.points == 5
+    assert ex.notebook == "07_pp_dp_train_step" and ex.points == 5
     assert any("rank 0 only" in (fn.__doc__ or "") for fn, _, _ in WRONG["pp_dp_train_step"])
 
 

@@ -19,7 +19,7 @@ def test_the_capstone_registers_with_its_wrong_answers():
            if ex.checker.__module__ == "pplab.checks.ring_attention_capstone"]
     assert ids == ["ring_attention"] and set(WRONG) == set(ids)
     ex = checks.get_exercise("ring_attention")
-    assert ex.notebook == "05e_ring_attention" and ex.points == 4 and ex.sealed
+    assert ex.notebook == "05_ring_attention" and ex.points == 4 and ex.sealed
     assert any("rank 0 only" in (fn.__doc__ or "") for fn, _, _ in WRONG["ring_attention"])
 
 

@@ -23,7 +23,7 @@ def test_the_capstone_registers_with_its_wrong_answers():
     ids = [i for i, ex in checks.EXERCISES.items()
            if ex.checker.__module__ == "pplab.checks.sequence_parallel_capstone"]
     assert ids == ["megatron_sp_block"] and set(WRONG) == set(ids)
-    assert checks.get_exercise("megatron_sp_block").notebook == "05d_megatron_sp_block"
+    assert checks.get_exercise("megatron_sp_block").notebook == "05_megatron_sp_block"
     assert any("rank 0 only" in (fn.__doc__ or "") for fn, _, _ in WRONG["megatron_sp_block"])
 
 

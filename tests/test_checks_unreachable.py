@@ -163,7 +163,7 @@ def test_every_denied_module_of_every_exercise_is_unavailable_through_the_librar
 
 
 # one exercise of each chapter whose denial came after the first eight (those: the tests above)
-_SAMPLE = {"predict_time": "n_bytes, world_size", "ddp_bucketing": "model, cap_bytes", "f_g": "x",
+_SAMPLE = {"predict_time": "n_bytes, world_size", "ddp_from_scratch": "model, cap_bytes", "f_g": "x",
            "gpipe_order": "num_ranks, num_microbatches, chunks", "megatron_sp_block": "x",
            "zero_bytes": "params", "pp_dp_train_step": "stage", "checkpointed_block": "block",
            "find_layout": "problem"}

@@ -408,7 +408,7 @@ def test_gradescope_deadline_writes_results_even_when_nothing_finished(autograde
 @pytest.mark.usefixtures("no_leftover_processes")
 def test_grade_writes_json_junit_and_prairielearn(tmp_path):
     subs = tmp_path / "subs"
-    _write(subs / "ada.ipynb", _answer_cell("03d_linear_traffic", "linear_traffic"))
+    _write(subs / "ada.ipynb", _answer_cell("03_linear_traffic", "linear_traffic"))
     _write(subs / "bob.ipynb", "def linear_traffic(strategy, B, c_in, c_out):\n    return 0")
     out = tmp_path / "grades.json"
     run = subprocess.run(PPLAB + ["grade", str(subs), "--format", "json", "--out", str(out), "--exercises",
@@ -426,7 +426,7 @@ def test_grade_writes_json_junit_and_prairielearn(tmp_path):
     assert formats.prairielearn(bob)["tests"][0]["points"] == 0
     # PrairieLearn's layout: one student's folder in, results.json where it is told
     student = tmp_path / "grade" / "student"
-    _write(student / "submission.ipynb", _answer_cell("03d_linear_traffic", "linear_traffic"))
+    _write(student / "submission.ipynb", _answer_cell("03_linear_traffic", "linear_traffic"))
     pl = tmp_path / "grade" / "results" / "results.json"
     run = subprocess.run(PPLAB + ["grade", str(student), "--format", "prairielearn", "--exercises",
                                   "linear_traffic,broadcast", "--check-timeout", "20"], capture_output=True, text=True,

@@ -9,7 +9,7 @@ import torch
 
 from pplab import comm
 from pplab.pipeline import run_pipeline
-from wrong_solutions_hard import receive as _receive, send as _send   # 4d's notebook helpers
+from wrong_solutions_hard import receive as _receive, send as _send   # pipeline_executor's notebook helpers
 
 
 

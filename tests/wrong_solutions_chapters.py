@@ -830,7 +830,7 @@ WRONG = {
          [r"^exercise 'gpipe_order' asks you to work out GPipe's order yourself; you use pplab\.pipeline's schedules"],
          None),
     ],
-    "1f1b_order": [
+    "one_f_one_b_order": [
         (one_f_one_b_as_gpipe,
          [PIPE, r"rank \d holds \d+ micro-batches' activations at its peak, more than 1F1B's \d: rank \d runs "
           r"min\(p - 1 - r, m\) = \d forwards ahead \(the warm-up\)"], None),

@@ -65,7 +65,7 @@ def topk_in_float64(grad, memory, k):
 
 
 # ----------------------------------------------------------------------------------
-# ddp_bucketing (float64, gradients to 1e-9 relative)
+# ddp_from_scratch (float64, gradients to 1e-9 relative)
 
 
 def bucketed_ddp_float32_factor(model, group, cap_bytes):
@@ -98,7 +98,7 @@ WRONG = {
         (topk_memory_decays,
          [TOPK, r"what was sent so far \+ new_memory should equal the sum of the gradients so far"], None),
     ],
-    "ddp_bucketing": [
+    "ddp_from_scratch": [
         (bucketed_ddp_float32_factor,
          [r"^world_size=3, MLP widths \[[\d, ]+\], cap_bytes=\d+: step 1: rank \d's [\d.]+(weight|bias)\.grad at .* "
           r"is .*, but the single-process gradient of the group's whole batch is"], None),

@@ -268,8 +268,8 @@ def ddp_from_the_library(model, group, cap_bytes):
 
 
 DDP = r"^world_size=[234](, groups \[\[0, 2\], \[1, 3\]\])?, MLP widths \[[\d, ]+\], cap_bytes=\d+: "
-WRONG["ddp_bucketing"] = [
-    (ddp_from_the_library, [r"^exercise 'ddp_bucketing' asks you to work out the buckets and their all-reduces "
+WRONG["ddp_from_scratch"] = [
+    (ddp_from_the_library, [r"^exercise 'ddp_from_scratch' asks you to work out the buckets and their all-reduces "
                             r"yourself; you use a library DDP"], None),
     (ddp_sums_without_averaging,
      [DDP, r"step 1: rank 0's [\d.]+(weight|bias)\.grad at .* is",

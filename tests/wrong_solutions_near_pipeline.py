@@ -112,7 +112,7 @@ WRONG = {
          [LOOPED, r"your schedule takes [\d.]+ time units",
           r"Parts: GPipe ✔ · looped GPipe ✘ \(1 of 2\)"], None),
     ],
-    "1f1b_order": [
+    "one_f_one_b_order": [
         (one_f_one_b_drain_newest_first,
          [r"^p=[3-5] stages, m=\d+ micro-batch(es)?: your schedule takes \d+ time units \(t_f = 1, t_b = 2\), 1F1B "
           r"takes \(m \+ p - 1\)\(t_f \+ t_b\) = \d+\. Rank \d sits idle"], None),

@@ -89,7 +89,7 @@ HINTS = {"no_zero": "ZeRO stage {zero} shards over the dp = {dp} ranks: the opti
 
 
 @exercise("find_layout", "The memory of one GPU of a big layout: model state and activations, by hand",
-          answer="memory_per_gpu", notebook="10b_find_layout", sealed=True)
+          answer="memory_per_gpu", notebook="10_find_layout", sealed=True)
 def check_find_layout(fn, seed: int, timeout: float) -> str:
     """memory_per_gpu(problem) -> bytes on the first pipeline GPU."""
     cases = problems(seed)

@@ -100,7 +100,7 @@ def _read(got, problem, k):
 
 
 @exercise("place_layout", "Place a layout on a two-tier cluster: the bytes each dimension sends between nodes",
-          answer="place_layout", notebook="10a_place_layout", sealed=True, points=len(PARTS),
+          answer="place_layout", notebook="10d_place_layout", sealed=True, points=len(PARTS),
           preload=("pplab.cluster",))
 def check_place_layout(fn, seed: int, timeout: float) -> str:
     """place_layout(problem) -> {"order": ..., "cross_node_bytes": {...}}: 1 point for the bytes of the

@@ -268,7 +268,7 @@ def _check_reduce_scatter(name, trials, seed):
 
 
 @exercise("reduce_scatter", "Ring reduce-scatter from point-to-point messages", answer="my_reduce_scatter",
-          notebook="01a_reduce_scatter", sealed=True)
+          notebook="01_reduce_scatter", sealed=True)
 def check_reduce_scatter(fn, seed: int, timeout: float) -> str:
     """my_reduce_scatter(output, input), on every rank: output <- the sum over ranks of chunk
     `rank` of input (p equal chunks), by a ring of send/recv; input unchanged."""
@@ -323,7 +323,7 @@ def _check_all_reduce(name, trials, seed):
 
 
 @exercise("ring_all_reduce", "Ring all-reduce from point-to-point messages", answer="my_ring_all_reduce",
-          notebook="01b_ring_all_reduce", sealed=True)
+          notebook="01_ring_all_reduce", sealed=True)
 def check_ring_all_reduce(fn, seed: int, timeout: float) -> str:
     """my_ring_all_reduce(tensor), on every rank: tensor <- the sum of every rank's tensor, in
     place, by a reduce-scatter then an all-gather round a ring of send/recv."""
@@ -462,7 +462,7 @@ def _check_prediction(got, a, b, p, n) -> str | None:
 
 
 @exercise("predict_time", "Measure α and β with a ping-pong, then predict a ring all-reduce's time",
-          answer="predict_ring_all_reduce", notebook="01c_predict_time", sealed=True, points=len(PREDICT_PARTS),
+          answer="predict_ring_all_reduce", notebook="01_predict_time", sealed=True, points=len(PREDICT_PARTS),
           preload=("pplab.costfit",))
 def check_predict_time(fn, seed: int, timeout: float) -> str:
     """predict_ring_all_reduce(timings, p, n_bytes) -> (alpha, beta, seconds): α and β fitted to

@@ -161,10 +161,27 @@ class CheckResult:
         return f"<CheckResult {self.exercise}: {'passed' if self.passed else 'failed'}>"
 
 
+# Exercise ids that were renamed (November 2026), so that an exercise has one name everywhere: its
+# notebook NNx_<id>, its id and its checker module. An old id gets an error naming the new one.
+RENAMED: dict[str, str] = {
+    "ddp_bucketing": "ddp_from_scratch",           # notebook 02c_ddp_from_scratch
+    "1f1b_order": "one_f_one_b_order",             # an id must be a module name: it names its checker
+}
+
+
+def unknown_exercise(exercise_id) -> str:
+    """Why `exercise_id` is not an exercise: its new name if it was renamed, else the list."""
+    if exercise_id in RENAMED:
+        new = RENAMED[exercise_id]
+        return (f"exercise {exercise_id!r} is now called {new!r} (notebook "
+                f"{EXERCISES[new].notebook if new in EXERCISES else '?'}): use {new!r}")
+    known = ", ".join(sorted(EXERCISES)) or "(none)"
+    return f"unknown exercise {exercise_id!r}: the exercises are {known}"
+
+
 def get_exercise(exercise_id: str) -> Exercise:
     if exercise_id not in EXERCISES:
-        known = ", ".join(sorted(EXERCISES)) or "(none)"
-        raise ValueError(f"unknown exercise {exercise_id!r}: the exercises are {known}")
+        raise ValueError(unknown_exercise(exercise_id))
     return EXERCISES[exercise_id]
 
 

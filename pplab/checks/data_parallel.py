@@ -167,7 +167,7 @@ def _check_ddp(name, trials, seed):
 
 
 @exercise("ddp_buckets", "DDP's gradient averaging: buckets, hooks, async all-reduce", answer="attach_ddp_hooks",
-          notebook="02a_ddp_buckets", sealed=True)
+          notebook="02_ddp_buckets", sealed=True)
 def check_ddp_buckets(fn, seed: int, timeout: float) -> str:
     """attach_ddp_hooks(model, cap_bytes) -> (buckets, finish): after loss.backward() and
     finish(), every rank's .grad is the mean over ranks (= the global batch's gradient)."""
@@ -237,7 +237,7 @@ def _check_selection(grad, a, chosen, k, where):
 
 
 @exercise("topk_error_feedback", "Top-k gradient compression with error feedback", answer="topk_ef_step",
-          notebook="02b_topk_error_feedback", sealed=True)
+          notebook="02_topk_error_feedback", sealed=True)
 def check_topk_error_feedback(fn, seed: int, timeout: float) -> str:
     """topk_ef_step(grad, memory, k) -> (values, indices, new_memory): the k entries of
     a = grad + memory largest in magnitude, and new_memory = a - what was sent."""

@@ -88,7 +88,7 @@ def _order_hint(order, want, expert, E, p, rank) -> str:
 
 
 @exercise("moe_dispatch", "MoE dispatch: counts per rank and the permutation for the all-to-all",
-          answer="dispatch", notebook="08a_moe_dispatch", sealed=True,
+          answer="dispatch", notebook="08_moe_dispatch", sealed=True,
           preload=('pplab.expert_parallel',))
 def check_moe_dispatch(fn, seed: int, timeout: float) -> str:
     """dispatch(expert, num_experts, world_size) -> (send_counts, order): order = the kept choices
@@ -263,7 +263,7 @@ def _traffic_hint(part, got, r, t, p) -> str:
 
 
 @exercise("moe_bytes", "An MoE layer's bytes per rank under a skewed router with capacity, against the measured layer",
-          answer="moe_bytes", notebook="08b_moe_bytes", sealed=True, points=len(PHASES),
+          answer="moe_bytes", notebook="08_moe_bytes", sealed=True, points=len(PHASES),
           preload=('pplab.expert_parallel',))
 def check_moe_bytes(fn, seed: int, timeout: float) -> str:
     """moe_bytes(choices, num_experts, capacity_factor, hidden, element_size) -> [(counts, dispatch, combine)

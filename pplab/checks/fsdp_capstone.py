@@ -266,7 +266,7 @@ def _describe(t, p, dtype):
 
 
 @exercise("fsdp", "FSDP from scratch: a whole GPT, per-unit gather, free, prefetch, reduce-scatter, mixed precision",
-          answer="FSDP", notebook="06e_fsdp", sealed=True, points=len(PARTS),
+          answer="FSDP", notebook="06_fsdp", sealed=True, points=len(PARTS),
           preload=("pplab.models", "pplab.zero", "pplab.memory", "torch._dynamo"))
 def check_fsdp(fn, seed: int, timeout: float) -> str:
     require_function(fn, "fsdp", "units, compute_dtype=torch.float32", [], torch.float32)

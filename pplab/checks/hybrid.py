@@ -54,7 +54,7 @@ def _diagnose(answers: dict, meshes: dict, sizes) -> str:
 
 
 @exercise("mesh_groups", "The dp, tp and pp groups of a device mesh", answer="mesh_groups",
-          notebook="07a_mesh_groups", sealed=True,
+          notebook="07_mesh_groups", sealed=True,
           preload=('pplab.mesh', 'torch.distributed.device_mesh'))
 def check_mesh_groups(fn, seed: int, timeout: float) -> str:
     """mesh_groups(rank, pp, dp, tp) -> this rank's pp, dp and tp groups as lists of global ranks."""

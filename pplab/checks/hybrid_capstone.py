@@ -281,7 +281,7 @@ def _describe(trial):
 
 
 @exercise("pp_dp_train_step", "A pipeline × data parallel trainer: 1F1B between stages, all-reduce across replicas",
-          answer="pp_dp_train_step", notebook="07d_pp_dp_trainer", sealed=True, points=len(PARTS),
+          answer="pp_dp_train_step", notebook="07_pp_dp_train_step", sealed=True, points=len(PARTS),
           preload=("pplab.pipeline", "pplab.hybrid"))
 def check_pp_dp_train_step(fn, seed: int, timeout: float) -> str:
     require_function(fn, "pp_dp_train_step", "stage, inputs, targets, loss_fn, m, pp_group, dp_group",

@@ -214,7 +214,7 @@ def _judge_gpipe(schedule, p: int, m: int, v: int) -> str | None:
 
 
 @exercise("gpipe_order", "GPipe as data: one stage per rank, then looped over v chunks", answer="gpipe_order",
-          notebook="04a_gpipe_order", sealed=True, points=len(GPIPE_PARTS),
+          notebook="04_gpipe_order", sealed=True, points=len(GPIPE_PARTS),
           preload=('pplab.pipeline',))
 def check_gpipe_order(fn, seed: int, timeout: float) -> str:
     """gpipe_order(num_ranks, num_microbatches, chunks) -> a Schedule (or one list of actions per
@@ -251,12 +251,12 @@ def check_gpipe_order(fn, seed: int, timeout: float) -> str:
                         f"(v·m + p - 1 + (v-1)·max(0, p-m))·(t_f + t_b)/v")
 
 
-@exercise("1f1b_order", "1F1B's order of forwards and backwards", answer="one_f_one_b_order",
-          notebook="04b_1f1b_order", sealed=True,
+@exercise("one_f_one_b_order", "1F1B's order of forwards and backwards", answer="one_f_one_b_order",
+          notebook="04_one_f_one_b_order", sealed=True,
           preload=('pplab.pipeline',))
-def check_1f1b_order(fn, seed: int, timeout: float) -> str:
+def check_one_f_one_b_order(fn, seed: int, timeout: float) -> str:
     """one_f_one_b_order(p, m): rank r runs min(p-1-r, m) forwards, then alternates F and B."""
-    require_function(fn, "1f1b_order", "num_stages, num_microbatches", 2, 2)
+    require_function(fn, "one_f_one_b_order", "num_stages, num_microbatches", 2, 2)
     return _compare(fn, seed, timeout, "1f1b", "1F1B", lambda p, m, r: min(p - r, m),
                     "rank {r} runs min(p - 1 - r, m) = {w} forwards ahead (the warm-up), then one forward, one "
                     "backward, one forward, ..., so it never holds more than min(p - r, m)")
@@ -404,7 +404,7 @@ def _judge_bubble(got, trace, parts: Parts, name: str) -> None:
 
 
 @exercise("bubble_fraction", "Measure the bubble of a pipeline step from its trace", answer="measure_bubble",
-          notebook="04c_bubble_fraction", sealed=True, points=len(BUBBLE_PARTS),
+          notebook="04_bubble_fraction", sealed=True, points=len(BUBBLE_PARTS),
           preload=('pplab.pipeline',))
 def check_bubble_fraction(fn, seed: int, timeout: float) -> str:
     """measure_bubble(timeline) -> {"per_rank": [idle / busy of each rank], "overall": total idle /
@@ -441,7 +441,7 @@ def _zb_cases(seed: int) -> list[tuple[int, int]]:
 
 
 @exercise("zero_bubble", "A zero-bubble schedule: as short as the pipeline allows, in 1F1B's memory",
-          answer="zero_bubble_order", notebook="04e_zero_bubble", sealed=True, points=ZB_POINTS,
+          answer="zero_bubble_order", notebook="04_zero_bubble", sealed=True, points=ZB_POINTS,
           preload=('pplab.pipeline',))
 def check_zero_bubble(fn, seed: int, timeout: float):
     """Valid, at most p micro-batches held on every rank (else 0 points); then 1 point for a

@@ -185,7 +185,7 @@ def _check_executor(trials, seed, stuck):
 
 
 @exercise("pipeline_executor", "The 1F1B executor loop on real ranks", answer="run_actions",
-          notebook="04d_1f1b_executor", sealed=True,
+          notebook="04_pipeline_executor", sealed=True,
           preload=('pplab.pipeline',))
 def check_pipeline_executor(fn, seed: int, timeout: float) -> str:
     """run_actions(actions, stage, microbatches, loss_fn, prev_rank, next_rank) on every rank."""

@@ -105,7 +105,7 @@ def _describe(problem, preds, budget) -> str:
 
 
 @exercise("pick_layout", "Pick the fastest layout that fits, from α, β, layer times and memory",
-          answer="pick_layout", notebook="07b_pick_layout", sealed=True,
+          answer="pick_layout", notebook="07_pick_layout", sealed=True,
           preload=('pplab.planner',))
 def check_pick_layout(fn, seed: int, timeout: float) -> str:
     """pick_layout(problem) -> the index of the fastest of problem['layouts'] that fits, or None."""
@@ -236,7 +236,7 @@ def _which(problem, got):
 
 
 @exercise("design_layout", "Design the fastest layout that fits, among every valid one (scored)",
-          answer="design_layout", notebook="07c_design_layout", sealed=True, points=DESIGN_POINTS,
+          answer="design_layout", notebook="07_design_layout", sealed=True, points=DESIGN_POINTS,
           preload=('pplab.planner',))
 def check_design_layout(fn, seed: int, timeout: float):
     """design_layout(problem) -> a layout {"dp", "tp", "pp", "m"}: 3 points within 5% of

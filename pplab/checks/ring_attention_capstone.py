@@ -228,7 +228,7 @@ def _describe(p, shape):
 
 
 @exercise("ring_attention", "Causal ring attention, forward and backward, zigzag layout", answer="ring_attention",
-          notebook="05e_ring_attention", sealed=True, points=len(PARTS),
+          notebook="05_ring_attention", sealed=True, points=len(PARTS),
           preload=("pplab.sequence_parallel.ring_attention",))
 def check_ring_attention(fn, seed: int, timeout: float) -> str:
     z = torch.zeros(1, 1, 2, 1, dtype=torch.float64)

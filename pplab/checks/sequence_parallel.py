@@ -177,7 +177,7 @@ def _judge_blockwise(name, trial, seen, parts, where):
 
 
 @exercise("online_softmax_merge", "Flash attention's forward: blockwise attention with the online-softmax merge",
-          answer="blockwise_attention", notebook="05a_online_softmax_merge", sealed=True, points=len(BLOCKWISE_PARTS))
+          answer="blockwise_attention", notebook="05_online_softmax_merge", sealed=True, points=len(BLOCKWISE_PARTS))
 def check_online_softmax_merge(fn, seed: int, timeout: float) -> str:
     """blockwise_attention(q, k, v, block, causal) -> (out, lse): softmax(q·kᵀ/√d)·v and each row's
     log-sum-exp, keys visited `block` at a time, never the whole score matrix at once."""
@@ -268,7 +268,7 @@ def _check_ulysses(trials):
 
 
 @exercise("ulysses_all_to_all", "Ulysses' all-to-all: sequence-sharded to head-sharded and back",
-          answer="ulysses_all_to_all", notebook="05b_ulysses_all_to_all", sealed=True)
+          answer="ulysses_all_to_all", notebook="05_ulysses_all_to_all", sealed=True)
 def check_ulysses_all_to_all(fn, seed: int, timeout: float) -> str:
     """ulysses_all_to_all(x, scatter_dim, gather_dim): cut x into p pieces along scatter_dim, piece j to
     rank j; concatenate the pieces received, in rank order, along gather_dim. Point-to-point only."""
@@ -310,7 +310,7 @@ def _ring_qkv(shape, p):
 
 
 @exercise("ring_attention_step", "One step of causal ring attention", answer="ring_step",
-          notebook="05c_ring_attention_step", sealed=True)
+          notebook="05_ring_attention_step", sealed=True)
 def check_ring_attention_step(fn, seed: int, timeout: float) -> str:
     """ring_step(q, k, v, out, lse, step) -> (out, lse, k_next, v_next): merge causal attention of my
     queries over the visiting block (from rank (rank - step) % p) into (out, lse), pass the block on."""

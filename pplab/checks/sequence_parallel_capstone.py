@@ -407,7 +407,7 @@ def _describe(t, members, shape):
 
 
 @exercise("megatron_sp_block", "A Megatron transformer block with sequence parallelism", answer="megatron_sp_block",
-          notebook="05d_megatron_sp_block", sealed=True, points=len(PARTS),
+          notebook="05_megatron_sp_block", sealed=True, points=len(PARTS),
           preload=("pplab.tensor_parallel.transformer", "pplab.sequence_parallel.megatron"))
 def check_megatron_sp_block(fn, seed: int, timeout: float) -> str:
     require_function(fn, "megatron_sp_block", "block, group", nn.Linear(1, 1), None)

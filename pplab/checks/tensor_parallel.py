@@ -94,7 +94,7 @@ def _fg_shape(seed):
     return (1 + seed % 3, 2 + seed % 5)
 
 
-@exercise("f_g", "Megatron's f and g: conjugate autograd operators", answer="f_and_g", notebook="03a_f_g", sealed=True)
+@exercise("f_g", "Megatron's f and g: conjugate autograd operators", answer="f_and_g", notebook="03_f_g", sealed=True)
 def check_f_g(fn, seed: int, timeout: float) -> str:
     require_function(fn, "f_g", "")
     trials = _trials(seed, (2, 3))                  # f and g: 2 and 3 ranks, two sub-groups of 4
@@ -168,7 +168,7 @@ def _row_shapes(seed, p):
 
 
 @exercise("row_parallel_linear", "A row-parallel Linear layer from a dense one", answer="row_parallel_from_dense",
-          notebook="03b_row_parallel", sealed=True,
+          notebook="03_row_parallel_linear", sealed=True,
           preload=('pplab.tensor_parallel',))
 def check_row_parallel(fn, seed: int, timeout: float) -> str:
     require_function(fn, "row_parallel_linear", "dense, group", nn.Linear(1, 1), None)
@@ -243,7 +243,7 @@ def _ce_shapes(seed, big):
 
 
 @exercise("vocab_parallel_ce", "Vocabulary-parallel cross-entropy that never gathers the logits",
-          answer="vocab_parallel_ce", notebook="03c_vocab_parallel_ce", sealed=True,
+          answer="vocab_parallel_ce", notebook="03_vocab_parallel_ce", sealed=True,
           preload=('pplab.tensor_parallel.transformer',))
 def check_vocab_parallel_ce(fn, seed: int, timeout: float) -> str:
     require_function(fn, "vocab_parallel_ce", "logits_shard, targets, vocab_start, group",
@@ -323,7 +323,7 @@ def _hints_apart(strategy, B, c_in, c_out) -> bool:
 
 
 @exercise("linear_traffic", "The lecture's table: what each strategy sends for one Linear layer",
-          answer="linear_traffic", notebook="03d_linear_traffic", sealed=True)
+          answer="linear_traffic", notebook="03_linear_traffic", sealed=True)
 def check_linear_traffic(fn, seed: int, timeout: float) -> str:
     require_function(fn, "linear_traffic", "strategy, B, c_in, c_out", "row", 1, 1, 1)
     rng = random.Random(seed)

@@ -154,7 +154,7 @@ def _judge_traffic(prob, observed, traffic, parts, where):
 
 
 @exercise("linear_3d", "3D tensor parallelism: one linear layer on a 2x2x2 cube", answer="linear_3d",
-          notebook="03e_linear_3d", sealed=True, points=len(PARTS),
+          notebook="03b_linear_3d", sealed=True, points=len(PARTS),
           preload=("pplab.tensor_parallel.tp3d",))
 def check_linear_3d(fn, seed: int, timeout: float) -> str:
     """linear_3d(x, w, cube): Y = XW by 3D tensor parallelism, forward and backward, on every rank."""

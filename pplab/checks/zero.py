@@ -119,7 +119,7 @@ def _zero1_reference(trial, p, steps):
 
 
 @exercise("zero1_step", "ZeRO stage 1: reduce-scatter, step my shard, all-gather", answer="make_zero1",
-          notebook="06a_zero1_step", sealed=True)
+          notebook="06_zero1_step", sealed=True)
 def check_zero1_step(fn, seed: int, timeout: float) -> str:
     """make_zero1(flat_param, optimizer_class) -> step(flat_grad): after each step, flat_param on
     every rank = single-process AdamW on the mean gradient; each optimizer holds one shard."""
@@ -246,7 +246,7 @@ def _state_problem(kind, got, want, want_bytes, trial, p, rank):
 
 
 @exercise("zero_bytes", "ZeRO's model state per rank, stage by stage: build the shards and count their bytes",
-          answer="zero_state", notebook="06b_zero_bytes", sealed=True, points=len(STATE_PARTS))
+          answer="zero_state", notebook="06_zero_bytes", sealed=True, points=len(STATE_PARTS))
 def check_zero_bytes(fn, seed: int, timeout: float) -> str:
     """zero_state(params, grads, stage) -> {"params": [...], "grads": [...], "optimizer": [...]}: the
     tensors this rank holds at ZeRO stage `stage` (0 = DDP), mixed-precision Adam, shards padded."""
@@ -301,7 +301,7 @@ def _unit_data(trial, p):
 
 
 @exercise("stage3_unit", "ZeRO stage 3: gather, compute, free one layer; reduce-scatter its gradient",
-          answer="sharded_linear", notebook="06c_stage3_unit", sealed=True)
+          answer="sharded_linear", notebook="06_stage3_unit", sealed=True)
 def check_stage3_unit(fn, seed: int, timeout: float) -> str:
     """sharded_linear(x, shard, out_features, in_features) -> x @ W.T + b, where [W, b] is gathered
     from every rank's shard for the forward, not kept after it, and gathered again for backward."""

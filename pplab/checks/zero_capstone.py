@@ -402,7 +402,7 @@ def _check_loaded(run, saved_ref, start, grads, observed, saved_held):
 
 
 @exercise("sharded_optimizer", "A sharded optimizer (ZeRO stage 1) for any torch.optim class",
-          answer="ShardedOptimizer", notebook="06d_sharded_optimizer", sealed=True, points=len(_PARTS),
+          answer="ShardedOptimizer", notebook="06_sharded_optimizer", sealed=True, points=len(_PARTS),
           preload=("pplab.zero", "torch._dynamo"))   # an optimizer's first step imports it
 def check_sharded_optimizer(fn, seed: int, timeout: float) -> str:
     """ShardedOptimizer(params, optimizer_class, group=None, **defaults): trains like single-process

@@ -63,17 +63,17 @@ MUTANTS += [
            "diff = first_difference(values, a[indices], atol=1e-4, rtol=1e-4)",
            CHK("topk_error_feedback", "topk_"), "top-k check: values tolerance widened 100x"),
 
-    # ddp_bucketing.py
-    Mutant("pplab/checks/ddp_bucketing.py", "configs = {p: _configs(seed, p) for p in (2, 3, 4)}",
-           "configs = {p: _configs(seed, p) for p in (2, 4)}", CHK("ddp_bucketing", "ddp_ or bucketed_"),
+    # ddp_from_scratch.py
+    Mutant("pplab/checks/ddp_from_scratch.py", "configs = {p: _configs(seed, p) for p in (2, 3, 4)}",
+           "configs = {p: _configs(seed, p) for p in (2, 4)}", CHK("ddp_from_scratch", "ddp_ or bucketed_"),
            "DDP from scratch check: world size 3 dropped"),
-    Mutant("pplab/checks/ddp_bucketing.py", "for rank, seen in sorted(observed.items()):",
-           "for rank, seen in sorted(observed.items())[:1]:", CHK("ddp_bucketing", "ddp_ or bucketed_"),
+    Mutant("pplab/checks/ddp_from_scratch.py", "for rank, seen in sorted(observed.items()):",
+           "for rank, seen in sorted(observed.items())[:1]:", CHK("ddp_from_scratch", "ddp_ or bucketed_"),
            "DDP from scratch check: rank 0 only"),
-    Mutant("pplab/checks/ddp_bucketing.py", "_ATOL, _RTOL = 1e-12, 1e-9", "_ATOL, _RTOL = 1e-10, 1e-7",
-           CHK("ddp_bucketing", "ddp_ or bucketed_"), "DDP from scratch check: gradient tolerance widened 100x"),
-    Mutant("pplab/checks/ddp_bucketing.py", "groups = [[0, 2], [1, 3]] if p == 4 and not small_cap else",
-           "groups = [[0, 2], [1, 3]] if False else", CHK("ddp_bucketing", "ddp_ or bucketed_"),
+    Mutant("pplab/checks/ddp_from_scratch.py", "_ATOL, _RTOL = 1e-12, 1e-9", "_ATOL, _RTOL = 1e-10, 1e-7",
+           CHK("ddp_from_scratch", "ddp_ or bucketed_"), "DDP from scratch check: gradient tolerance widened 100x"),
+    Mutant("pplab/checks/ddp_from_scratch.py", "groups = [[0, 2], [1, 3]] if p == 4 and not small_cap else",
+           "groups = [[0, 2], [1, 3]] if False else", CHK("ddp_from_scratch", "ddp_ or bucketed_"),
            "DDP from scratch check: never on two data-parallel groups"),
 
     # mixed_precision.py: loss_scaler

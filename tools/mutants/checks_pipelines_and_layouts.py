@@ -4,7 +4,7 @@
 # 100x, and the blind spots their wrong answers (tests/wrong_solutions_near_*.py) are there for.
 # Run with tools/mutate.py's names in scope (see README.md).
 
-GPIPE, ONE_F_ONE_B, BUBBLE = CHK("gpipe_order", "gpipe_"), CHK("1f1b_order", "one_f_one_b_"), \
+GPIPE, ONE_F_ONE_B, BUBBLE = CHK("gpipe_order", "gpipe_"), CHK("one_f_one_b_order", "one_f_one_b_"), \
     CHK("bubble_fraction", "bubble_")
 EXECUTOR, MESH = CHK("pipeline_executor", "executor_"), CHK("mesh_groups", "mesh_groups_")
 PPDP, PICK = CHK("pp_dp_train_step", "ppdp_"), CHK("pick_layout", "pick_")
