@@ -13,7 +13,7 @@ Two users:
   It has its own network (only `lo`) and its own process ids; its first process stays
   outside the student's reach as a watchdog and, when it ends, the kernel ends every
   process in the sandbox.
-* a sealed rank (checks/isolation.py) calls `isolate_rank()` in a forked process: its own
+* a sealed rank (checks/sealed/isolate.py) calls `isolate_rank()` in a forked process: its own
   namespaces, every mount read-only, one private tmpfs for /tmp and /dev/shm.
 
 Why hand-written and not bubblewrap (`bwrap`): a sealed rank isolates itself *after a
@@ -206,7 +206,7 @@ def isolate_rank(tmpfs_size: str, hide=()) -> list:
             pass
     if "/" in read_only():
         missing.append("read-only root")
-    kept = {path: os.open(path, os.O_PATH | os.O_DIRECTORY) for path in _needed_under(("/tmp", "/dev/shm"))}
+    kept = {path: os.open(path, os.O_PATH | os.O_DIRECTORY) for path in needed_under(("/tmp", "/dev/shm"))}
     try:
         mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={tmpfs_size},mode=1777")
         os.makedirs("/tmp/.shm", mode=0o1777, exist_ok=True)
@@ -252,7 +252,7 @@ def _hide(path: str, files: dict) -> None:
         mount("/dev/null", path, None, MS_BIND)
 
 
-def _needed_under(hidden) -> list:
+def needed_under(hidden) -> list:
     """Folders a rank must still read that lie in a folder it gets a private copy of (a
     checkout, or a virtual environment, in /tmp): Python's installation, the folders on
     sys.path, and the folder pplab is imported from, outermost first, none inside another."""
@@ -460,7 +460,7 @@ def _watch(command: int, limits: dict, report_write: int) -> None:
         time.sleep(0.1)
 
 
-def _size(n: float) -> str:
+def format_size(n: float) -> str:
     for unit, shift in (("G", 30), ("M", 20), ("K", 10)):
         if n >= 1 << shift:
             return f"{n / (1 << shift):.3g}{unit}"
@@ -495,10 +495,10 @@ def over_limit(limits: dict, page: int, state: dict) -> str:
             except (OSError, StopIteration, ValueError):
                 pss += 0
         if pss > limits["memory"]:
-            return (f"its processes held {_size(pss)}B of memory, more than the limit for a submission "
-                    f"(pplab grade --memory {_size(limits['memory'])})")
+            return (f"its processes held {format_size(pss)}B of memory, more than the limit for a submission "
+                    f"(pplab grade --memory {format_size(limits['memory'])})")
     disk = os.statvfs("/.rw")
     if limits["disk"] and disk.f_bavail * disk.f_frsize < min(1 << 20, limits["disk"] // 100 + 1):
-        return (f"it filled the {_size(limits['disk'])}B its files may take (its folder, /tmp and /dev/shm), "
-                f"the limit for a submission (pplab grade --disk {_size(limits['disk'])})")
+        return (f"it filled the {format_size(limits['disk'])}B its files may take (its folder, /tmp and /dev/shm), "
+                f"the limit for a submission (pplab grade --disk {format_size(limits['disk'])})")
     return ""

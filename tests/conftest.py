@@ -27,7 +27,7 @@ def _launch_timeout_for_tests(monkeypatch):
 
 def descendants(pid=None):
     """Pids of every live process below `pid` (default: this test process), from /proc; but not the
-    template of graded checks' zygotes (pplab/checks/template.py): it is kept for the next check, and
+    template of graded checks' zygotes (pplab/checks/sealed/template.py): it is kept for the next check, and
     tests/test_checks_template.py checks that it ends with this process. Every zygote it forked is
     counted."""
     pid = pid or os.getpid()
@@ -45,7 +45,7 @@ def descendants(pid=None):
     while frontier:
         frontier = {c for c, p in parent.items() if p in frontier} - found
         found |= frontier
-    template = sys.modules.get("pplab.checks.template")          # imported only where a check ran
+    template = sys.modules.get("pplab.checks.sealed.template")          # imported only where a check ran
     running = template and template.Template.running
     return found - ({running.pid} if running else set())
 

@@ -31,6 +31,40 @@ def test_no_import_from_a_later_chapter():
     assert architecture.chapter_problems(EDGES) == []
 
 
+def test_no_import_from_a_grading_floor_above():
+    """The sealed machinery imports no checker and nothing of the course; the course imports the
+    checks, never the reverse (docs/architecture.md's grading floors)."""
+    assert architecture.grading_problems(EDGES) == []
+    drawn = architecture.boxes(EDGES)
+    assert "checks.sealed" in drawn["checks"] and "isolation" in drawn["checks.sealed"]     # the floors are used
+    assert "checks" in drawn["course.grading"]
+
+
+def test_the_grading_floors_catch_an_import_from_above_and_a_module_they_do_not_place():
+    edges = {"pplab.checks.sealed.launch": {"pplab.checks.collectives", "pplab.checks.sealed.rank"},
+             "pplab.checks.sealed.rank": {"pplab.course.grading", "pplab.isolation"},
+             "pplab.checks.collectives": {"pplab.checks.sealed", "pplab.checks.core"},
+             "pplab.checks.core": {"pplab.course.results"}, "pplab.checks.sealed": {"pplab.checks.sealed.launch"},
+             "pplab.course.grading": {"pplab.checks", "pplab.checks.sealed.template", "pplab.course.results"},
+             "pplab.course.results": set(), "pplab.course.newthing": set(), "pplab.isolation": set(),
+             "pplab.checks": set(), "pplab.checks.sealed.template": set(), "pplab.zero.flat": {"pplab.trace"},
+             "pplab.trace": set()}
+    assert architecture.grading_problems(edges) == [
+        "pplab.checks.core imports pplab.course.results: the grading floor checks may not import from grades, "
+        "a floor above it",
+        "pplab.checks.sealed.launch imports pplab.checks.collectives: the grading floor sealed may not import "
+        "from checks, a floor above it",
+        "pplab.checks.sealed.rank imports pplab.course.grading: the grading floor sealed may not import from "
+        "grading, a floor above it",
+        "pplab.course.newthing is on no grading floor: add it to GRADING_FLOORS in tools/architecture.py"]
+    assert [architecture.box(m) for m in ("pplab.checks.sealed.rank", "pplab.checks.sealed", "pplab.checks.core",
+                                          "pplab.course.grading", "pplab.course", "pplab.isolation", "pplab.zero.flat")] \
+        == ["checks.sealed", "checks.sealed", "checks", "course.grading", "course", "isolation", "zero"]
+    drawn = architecture.boxes(edges)
+    assert drawn["checks.sealed"] == {"checks", "course.grading", "isolation"}
+    assert architecture.cycles(drawn) == [["checks", "checks.sealed", "course.grading"]]   # a loop of boxes, too
+
+
 def test_no_import_of_another_box_s_private_name_but_the_listed_ones():
     found = architecture.private_imports(MODULES)
     assert [p for p in found if p not in architecture.ALLOWED_PRIVATE] == [], \

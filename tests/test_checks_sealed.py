@@ -1,4 +1,4 @@
-"""Sealed launches (pplab/checks/sealed.py): attacks on the check from inside the student's
+"""Sealed launches (pplab/checks/sealed/): attacks on the check from inside the student's
 answer get no pass, as a function object (pplab.check in a notebook) and as source (the
 grader's form); the router's record is exact; a deadlock is named at once."""
 import gc
@@ -640,8 +640,8 @@ def test_a_rank_keeps_the_folder_pplab_is_imported_from(monkeypatch):
     sys.path (a notebook's kernel runs in solutions/): the rank must keep pplab's own folder, or a
     checker that imports a chapter module inside the rank fails with ModuleNotFoundError."""
     import pplab
-    from pplab.checks import isolation
+    from pplab import isolation
     root = os.path.dirname(os.path.dirname(os.path.realpath(pplab.__file__)))
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p and os.path.realpath(p) != root])
-    kept = isolation._needed_under((os.path.dirname(root),))
+    kept = isolation.needed_under((os.path.dirname(root),))
     assert any(root == p or root.startswith(p + "/") for p in kept), kept

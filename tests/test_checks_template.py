@@ -1,4 +1,4 @@
-"""The template of graded checks' zygotes (pplab/checks/template.py): one per checking process,
+"""The template of graded checks' zygotes (pplab/checks/sealed/template.py): one per checking process,
 kept across checks, replaced if it died, ended with the process that started it.
 
 That a zygote forked from it holds nothing of the library is tested where the attacks are
@@ -13,7 +13,7 @@ import time
 import pytest
 
 from pplab import checks
-from pplab.checks.template import Template
+from pplab.checks.sealed.template import Template
 from conftest import alive, descendants
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
@@ -38,7 +38,7 @@ def test_graded_checks_share_one_template_and_a_dead_one_is_replaced():
     assert Template.running.pid != first and not alive(first)
 
 
-_STARTS_ONE = ("import sys, time\nfrom pplab.checks.template import Template\n"
+_STARTS_ONE = ("import sys, time\nfrom pplab.checks.sealed.template import Template\n"
                "print(Template.start().pid, flush=True)\ntime.sleep(600)\n")
 
 

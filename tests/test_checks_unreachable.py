@@ -1,5 +1,5 @@
 """Issue 34, item 2: graded, an answer runs where the implementation the exercise asks for does
-not exist (pplab/checks/fresh_zygote.py, library_view.py, denied.py).
+not exist (pplab/checks/sealed/: fresh_zygote.py, library_view.py, denied.py).
 
 Every route from a student's code to the library's own function (tests/wrong_solutions_unreachable.py)
 earns 0 with the note "the library's X is not available while your answer is checked"; the same
@@ -12,7 +12,8 @@ import os
 import pytest
 
 from pplab import checks
-from pplab.checks import SourceAnswer, core, fresh_zygote
+from pplab.checks import SourceAnswer, core
+from pplab.checks.sealed import fresh_zygote
 from wrong_solutions_unreachable import ROUTES, TARGETS, every_route, submission
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
@@ -67,9 +68,10 @@ def test_what_the_ranks_are_served_holds_no_denied_module_and_no_checker():
     assert "pplab.collectives" not in served and "pplab.sequence_parallel.ring_attention" not in served
     assert "pplab.sequence_parallel.ulysses" in served
     checks_served = sorted(n for n in served if n.startswith("pplab.checks."))
-    assert "pplab.checks.collectives_rank" in checks_served and "pplab.checks.sealed_rank" in checks_served
+    assert "pplab.checks.collectives_rank" in checks_served and "pplab.checks.sealed.rank" in checks_served
     assert not [n for n in checks_served if n.rpartition(".")[2] in ("core", "collectives", "ring_attention_capstone",
-                                                                      "expert_parallel", "pipeline", "denied")]
+                                                                      "expert_parallel", "pipeline", "denied",
+                                                                      "fresh_zygote", "template")]
     assert not [n for n in served if n.startswith("pplab.course")]
     assert "import" not in served["pplab.checks"][1]         # the package's face, which imports every checker
 
@@ -89,7 +91,7 @@ def test_the_hidden_folders_keep_only_a_stub_that_says_why():
 # Every exercise: listed in DENIED (or EXEMPT, with why), and its denied modules unreachable
 
 def test_every_exercise_is_denied_its_answer_or_says_why_not():
-    from pplab.checks.denied import DENIED, EXEMPT
+    from pplab.checks.sealed.denied import DENIED, EXEMPT
     assert not set(DENIED) & set(EXEMPT), "an exercise is either denied or exempt"
     missing = sorted(set(checks.EXERCISES) - set(DENIED) - set(EXEMPT))
     assert set(DENIED) | set(EXEMPT) == set(checks.EXERCISES), missing
@@ -104,7 +106,7 @@ def test_no_checker_of_a_denied_exercise_keeps_a_rank_job_or_probe_in_its_own_mo
     graded check's ranks cannot import the checker's (fresh_zygote.py), so a job left there fails
     every correct answer, and a job that imported the checker would bring its references along."""
     import sys
-    from pplab.checks.denied import DENIED
+    from pplab.checks.sealed.denied import DENIED
     for exercise_id in DENIED:
         module = sys.modules[checks.EXERCISES[exercise_id].checker.__module__]
         for name, obj in vars(module).items():
@@ -115,8 +117,9 @@ def test_no_checker_of_a_denied_exercise_keeps_a_rank_job_or_probe_in_its_own_mo
 
 _VIEW_EVERY_EXERCISE = r'''
 import importlib, json, sys
-from pplab.checks import EXERCISES, fresh_zygote, library_view
-from pplab.checks.denied import CHECKS_NOTE, DENIED, note
+from pplab.checks import EXERCISES
+from pplab.checks.sealed import fresh_zygote, library_view
+from pplab.checks.sealed.denied import CHECKS_NOTE, DENIED, note
 plans = {e: (fresh_zygote.served(d), d, fresh_zygote.jobs_of(EXERCISES[e].checker)) for e, d in DENIED.items()}
 found = {}
 for exercise_id, (sources, denies, jobs) in plans.items():
@@ -129,7 +132,7 @@ for exercise_id, (sources, denies, jobs) in plans.items():
             seen[module] = str(err)
         except AttributeError:
             seen[module] = "imported"
-    for module in jobs + ["pplab.checks.sealed_rank", "pplab"]:    # what the ranks run still loads
+    for module in jobs + ["pplab.checks.sealed.rank", "pplab"]:    # what the ranks run still loads
         try:
             importlib.import_module(module)
             seen[module] = "imported"
@@ -146,7 +149,7 @@ def test_every_denied_module_of_every_exercise_is_unavailable_through_the_librar
     import json
     import subprocess
     import sys
-    from pplab.checks.denied import DENIED
+    from pplab.checks.sealed.denied import DENIED
     root = os.path.dirname(os.path.dirname(os.path.abspath(checks.__file__)))
     out = subprocess.run([sys.executable, "-c", _VIEW_EVERY_EXERCISE], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": os.path.dirname(root)}, check=True).stdout
@@ -174,7 +177,7 @@ def _imports_every_denied_module(exercise_id):
     raises what each route met: "REACHED" where one got the module's contents. (A route may
     return the empty stand-in a library module already holds: then any name looked up on it
     raises the note.)"""
-    from pplab.checks.denied import DENIED
+    from pplab.checks.sealed.denied import DENIED
     answer = checks.EXERCISES[exercise_id].answer
     text = (f"import importlib\nMODULES = {DENIED[exercise_id]!r}\n"
             f"def {answer}(*args, **kwargs):\n"
@@ -195,7 +198,7 @@ def _imports_every_denied_module(exercise_id):
 
 @pytest.mark.parametrize("exercise_id", sorted(_SAMPLE))
 def test_an_answer_that_imports_its_denied_modules_earns_nothing(exercise_id):
-    from pplab.checks.denied import DENIED
+    from pplab.checks.sealed.denied import DENIED
     message = _graded(exercise_id, _imports_every_denied_module(exercise_id))
     assert "REACHED" not in message, message
     for module in DENIED[exercise_id]:

@@ -4,7 +4,8 @@
     python tools/architecture.py --write    # rewrite the diagram in docs/architecture.md
 
 tests/test_architecture.py fails when pplab has an import circle, when a module imports from a
-layer above its own or, on the chapters' floor, from a later chapter, when a module imports
+layer above its own or, on the chapters' floor, from a later chapter or, on the course floor, from a
+grading floor above its own (isolation, checks.sealed, checks, then course's modules), when a module imports
 another box's private name (`from pplab.x import _y`, `x._y`), or when the diagram in
 docs/architecture.md is not what the code draws. Every import counts, also one inside a function
 (it is still a dependency: it only comes later).
@@ -33,6 +34,21 @@ LAYERS = [
     ("course", ["isolation", "checks", "course", "__main__"]),
 ]
 
+# The course floor, finer: the grading floors, bottom to top. A box is a module or a package of
+# pplab (its dotted name under pplab), and a module belongs to the longest box naming it or a
+# package above it; every module of pplab.course is a box of its own. A box may import from its own
+# grading floor and those below, never above: the sealed machinery imports no checker and nothing
+# of the course, the chapters' checkers use it; the course uses the checks, never the reverse.
+GRADING_FLOORS = [
+    ("isolation", ["isolation"]),                          # Linux isolation, for sealed ranks and the sandbox
+    ("sealed", ["checks.sealed"]),                         # how a check runs student code in isolation
+    ("checks", ["checks"]),                                # what each exercise asks and how it is judged
+    ("grades", ["course.results", "course.formats"]),      # what a grade holds, and the files it is written to
+    ("submissions", ["course.submission", "course.exercises", "course.reading", "course.students"]),
+    ("processes", ["course.runner", "course.sandbox", "course.check_process"]),   # where student code runs
+    ("grading", ["course.grading", "course.api", "course.gradescope", "course"]),  # `course`: the face
+    ("command line", ["course.cli", "__main__"]),
+]
 
 # The chapters' floor, finer: a chapter may use an earlier chapter's code, never a later one's (a
 # module used by both goes down to the earlier one, or to the base floor). The chapters in the
@@ -58,13 +74,9 @@ ALLOWED_PRIVATE = {
     # the grading floors move next round, issue 39 (pplab/checks and pplab/course are being rewritten)
     "pplab.checks.collectives imports pplab.costfit._fit_line",
     "pplab.checks.collectives_rank imports pplab.costfit._fit_line",
-    "pplab.checks.isolation imports pplab.isolation._needed_under",
     "pplab.checks.pipeline_rank imports pplab.trace._union_length",
-    "pplab.checks.sealed_rank imports pplab.runtime.comm._all_gather_single",
-    "pplab.checks.sealed_rank imports pplab.runtime.comm._reduce_scatter_single",
     "pplab.checks.sequence_parallel_capstone_rank imports pplab.tensor_parallel.layers._all_gather",
     "pplab.checks.sequence_parallel_capstone_rank imports pplab.tensor_parallel.layers._reduce_scatter",
-    "pplab.course.sandbox imports pplab.isolation._size",
 }
 
 
@@ -123,7 +135,8 @@ def imports(mods: dict[str, Path]) -> dict[str, set[str]]:
 def private_imports(mods: dict[str, Path]) -> list[str]:
     """Every import of another box's private name: `from pplab.x import _y`, or `x._y` where x
     names a pplab module imported. Inside one box (pplab.swimlane.figure using
-    pplab.swimlane.layout's helpers) a private name is shared among friends and not counted."""
+    pplab.swimlane.layout's helpers) a private name is shared among friends and not counted. A box
+    here is a top-level name: checks/ (with checks/sealed/) and course/ are one box each for this rule."""
     found = set()
     for mod, file in mods.items():
         bound = {}                                        # name in this module -> the pplab module it is
@@ -240,35 +253,81 @@ def chapter_problems(edges) -> list[str]:
     return problems
 
 
+def box(mod: str) -> str:
+    """The diagram's box a module is drawn in: its top-level name (pplab.zero.flat -> zero), but on
+    the course floor the grading floors' box (pplab.checks.sealed.rank -> checks.sealed,
+    pplab.course.grading -> course.grading)."""
+    if layer_of(top(mod)) != len(LAYERS) - 1:
+        return top(mod)
+    name = mod.partition(".")[2]
+    named = [b for _, members in GRADING_FLOORS for b in members if name == b or name.startswith(b + ".")]
+    return max(named, key=len) if named else top(mod)
+
+
+def grading_floor_of(name: str) -> int | None:
+    for i, (_, members) in enumerate(GRADING_FLOORS):
+        if name in members:
+            return i
+    return None
+
+
+def grading_problems(edges) -> list[str]:
+    """On the course floor: imports from a grading floor above (a checker imported by the sealed
+    machinery, the course by a checker), and modules no grading floor places."""
+    problems = []
+    for mod, targets in sorted(edges.items()):
+        if layer_of(top(mod)) != len(LAYERS) - 1:
+            continue
+        mine = grading_floor_of(box(mod))
+        if mine is None or (top(mod) == "course" and mod != "pplab.course" and box(mod) == "course"):
+            problems.append(f"{mod} is on no grading floor: add it to GRADING_FLOORS in tools/architecture.py")
+            continue
+        for target in sorted(targets):
+            theirs = grading_floor_of(box(target))
+            if theirs is not None and theirs > mine:
+                problems.append(f"{mod} imports {target}: the grading floor {GRADING_FLOORS[mine][0]} may not "
+                                f"import from {GRADING_FLOORS[theirs][0]}, a floor above it")
+    return problems
+
+
 def boxes(edges) -> dict[str, set[str]]:
-    """The diagram's graph: {top-level name: the top-level names it imports}. It has no circle
-    either: two boxes that need each other round a loop of modules hold an idea in the wrong box."""
+    """The diagram's graph: {box: the boxes it imports}, a box being a top-level name or, on the
+    course floor, a grading floor's box (`box`). It has no circle either: two boxes that need each
+    other round a loop of modules hold an idea in the wrong box."""
     tops = {}
     for mod, targets in edges.items():
         if mod == "pplab":
             continue
-        tops.setdefault(top(mod), set())
+        tops.setdefault(box(mod), set())
         for target in targets:
-            a, b = top(mod), top(target)
+            a, b = box(mod), box(target)
             if a != b:
                 tops[a].add(b)
                 tops.setdefault(b, set())
     return tops
 
 
+def _node(name: str) -> str:
+    """A box as mermaid writes it: checks.sealed -> checks_sealed["checks.sealed"] (no dots in an id)."""
+    return f'{name.replace(".", "_")}["{name}"]' if "." in name else name
+
+
 def diagram(edges) -> str:
-    """A mermaid graph of the top-level names, arrows = imports, grouped by layer."""
+    """A mermaid graph of the boxes, arrows = imports, grouped by layer; the course floor drawn as
+    its grading floors, bottom to top."""
     tops = boxes(edges)
+    floors = [(f"floor{i}", name, members) for i, (name, members) in enumerate(LAYERS[:-1])] + \
+        [(f"grading{i}", f"{LAYERS[-1][0]}: {name}", members) for i, (name, members) in enumerate(GRADING_FLOORS)]
     lines = ["```mermaid", "graph BT"]
-    for floor, (name, members) in enumerate(LAYERS):
+    for key, name, members in floors:
         present = [m for m in members if m in tops]
         if present:
-            lines.append(f'  subgraph floor{floor}["{name}"]')
-            lines += [f"    {m}" for m in present]
+            lines.append(f'  subgraph {key}["{name}"]')
+            lines += [f"    {_node(m)}" for m in present]
             lines.append("  end")
     for a in sorted(tops):
         for b in sorted(tops[a]):
-            lines.append(f"  {a} --> {b}")
+            lines.append(f"  {a.replace('.', '_')} --> {b.replace('.', '_')}")
     lines.append("```")
     return "\n".join(lines)
 
@@ -279,7 +338,8 @@ def main() -> int:
     found = cycles(edges)
     problems = [f"import circle: {' <-> '.join(c)}" for c in found] + layer_problems(edges) + \
         [f"circle between boxes: {' <-> '.join(c)}" for c in cycles(boxes(edges))] + \
-        chapter_problems(edges) + [f"private name: {p}" for p in private_imports(mods) if p not in ALLOWED_PRIVATE]
+        chapter_problems(edges) + grading_problems(edges) + \
+        [f"private name: {p}" for p in private_imports(mods) if p not in ALLOWED_PRIVATE]
     text = diagram(edges)
     if "--write" in sys.argv:
         doc = DOC.read_text()

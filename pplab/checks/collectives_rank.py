@@ -4,7 +4,7 @@ Kept apart from the checker, which holds the references: a graded check's ranks 
 this module and nothing of the checker (fresh_zygote.py)."""
 from __future__ import annotations
 
-from .forbidden import refuse_library
+from .sealed.forbidden import refuse_library
 
 import torch
 import torch.distributed as dist

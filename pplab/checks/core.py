@@ -5,7 +5,7 @@
 
 Every exercise is registered once, with `@exercise(id, title, answer=...)` on its
 checker, in the module of its chapter (pplab/checks/<chapter>.py, which imports from
-this module and from sealed.py). `answer` is the name the student defines (the grader looks for it in
+this module and from sealed/). `answer` is the name the student defines (the grader looks for it in
 the notebook). A checker is a plain function `checker(answer, seed, timeout)` that
 returns a short summary of what it tried, or raises `Fail("what was wrong")`.
 
@@ -15,7 +15,7 @@ The contract that keeps a mark honest
 `pplab grade` runs the checker, a `SourceAnswer`: the student's definitions as source
 text, which must never run in the checker's process (the grader runs checkers in a
 fresh process where no student code runs, and believes only what that process says).
-So a checker never calls the answer itself; it goes through one of these (sealed.py):
+So a checker never calls the answer itself; it goes through one of these (the sealed floor, sealed/):
 
 * `sealed.run_sealed(job, answer, inputs, world_size=, timeout=, exercise=, describe=, check=)`
   (register the exercise with `sealed=True`): the way a checker runs the answer on ranks.
@@ -31,7 +31,7 @@ So a checker never calls the answer itself; it goes through one of these (sealed
   "received": [(src, bytes)], "collectives": [...]}}: what each rank really sent and
   received (router.py's Record.traffic). It
   compares every rank with the reference and raises each `Fail` (prefixed with
-  `describe(world_size, i)`). The module docstring of sealed.py has the whole contract.
+  `describe(world_size, i)`). The module docstring of sealed/launch.py has the whole contract.
 * `sealed.call_each(answer, cases, where=, timeout=, probe=)` yields what the answer
   returned for each case (a tuple of arguments), called in one sealed rank (all cases in
   one launch); a raise or a hang in case i is a Fail when the iteration reaches it.
@@ -98,13 +98,13 @@ from typing import Callable
 import torch
 
 from ..runtime import comm  # noqa: F401 - chapters' checkers import comm from here (tensor_parallel)
-from .answers import SourceAnswer, allow_type, decode, encode  # noqa: F401 - what checkers use, in one place
-from .failures import Fail, Forbidden, NotImplementedYet, Scored  # noqa: F401 - Scored: what a graded-on-quality checker returns
-from .forbidden import forbidden_references, refuse_library  # noqa: F401
-from .stage_rank import WatchedStage  # noqa: F401 - run in the ranks, so kept where they may import it
-from .denied import DENIED
-from .fresh_zygote import fresh_zygote, jobs_of   # a graded answer to an exercise in DENIED: ranks from a fresh interpreter
 from .sealed import call_answer, zygote  # noqa: F401 - run_check enters zygote() before the seed exists
+from .sealed.answers import SourceAnswer, allow_type, decode, encode  # noqa: F401 - what checkers use, in one place
+from .sealed.denied import DENIED
+from .sealed.failures import Fail, Forbidden, NotImplementedYet, Scored  # noqa: F401 - Scored: what a graded-on-quality checker returns
+from .sealed.forbidden import forbidden_references, refuse_library  # noqa: F401
+from .sealed.fresh_zygote import fresh_zygote, jobs_of   # a graded answer to an exercise in DENIED: ranks from a fresh interpreter
+from .stage_rank import WatchedStage  # noqa: F401 - run in the ranks, so kept where they may import it
 
 # ----------------------------------------------------------------------------------
 # The registry
@@ -128,7 +128,7 @@ EXERCISES: dict[str, Exercise] = {}
 def exercise(id: str, title: str, answer: str, notebook: str = "", sealed: bool = False, preload: tuple = (),
              points: int = 1):
     """Register the decorated function as the checker of exercise `id` (sealed=True: it
-    launches ranks with run_sealed, see sealed.py; preload: modules its ranks import, such as
+    launches ranks with run_sealed, see sealed/launch.py; preload: modules its ranks import, such as
     the library a probe refuses, imported here once rather than in every rank; points: what a
     whole answer earns, of which a checker may give part: `Fail(..., earned=k)` for an answer
     right in some of its parts, `Scored(summary, earned=k)` for one graded on how good it is)."""

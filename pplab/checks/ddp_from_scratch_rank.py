@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import sealed
-from .failures import Fail
-from .forbidden import refuse_library
+from .sealed.failures import Fail
+from .sealed.forbidden import refuse_library
 
 
 _STEPS = 2                                           # training steps per trial

@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 from . import sealed
-from .forbidden import refuse_library
-from .library_view import unavailable
+from .sealed.forbidden import refuse_library
+from .sealed.library_view import unavailable
 
 PHASES = ("counts", "dispatch", "combine")           # the moe_bytes job's phases, in order
 _DTYPES = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}

@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from . import sealed
-from .failures import Fail
-from .forbidden import _filled, refuse_library   # _filled: a closure's cell that holds a value
-from .library_view import unavailable
+from .sealed.failures import Fail
+from .sealed.forbidden import _filled, refuse_library   # _filled: a closure's cell that holds a value
+from .sealed.library_view import unavailable
 from ..memory import storage_bytes
 from ..models import GPTConfig, gpt_layers, gpt_loss
 

@@ -5,12 +5,12 @@ this module and nothing of the checker (fresh_zygote.py), and there the library 
 exercise asks the student to write are not available at all (denied.py)."""
 from __future__ import annotations
 
-from .library_view import unavailable
+from .sealed.library_view import unavailable
 
 import torch.distributed as dist
 
 from . import sealed
-from .forbidden import refuse_library
+from .sealed.forbidden import refuse_library
 
 
 _LIBRARY = "<used pplab.mesh>"                      # what a rank reports when the answer called pplab.mesh

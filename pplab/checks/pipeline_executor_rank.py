@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import importlib
 
-from .library_view import unavailable
+from .sealed.library_view import unavailable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from . import sealed
-from .forbidden import refuse_library
+from .sealed.forbidden import refuse_library
 from .stage_rank import WatchedStage
 
 

@@ -6,9 +6,9 @@ checker (fresh_zygote.py), and, there, pplab.pipeline's schedules are not availa
 from __future__ import annotations
 
 from . import sealed
-from .answers import allow_type
-from .forbidden import refuse_library
-from .library_view import unavailable
+from .sealed.answers import allow_type
+from .sealed.forbidden import refuse_library
+from .sealed.library_view import unavailable
 
 
 def _refuse_zero_bubble(fn) -> None:

@@ -5,7 +5,7 @@ this module and nothing of the checker (fresh_zygote.py), and there the library 
 exercise asks the student to write are not available at all (denied.py)."""
 from __future__ import annotations
 
-from .forbidden import refuse_library
+from .sealed.forbidden import refuse_library
 
 
 def _refuse_planner(fn) -> None:

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from . import sealed
-from .forbidden import refuse_library
-from .library_view import unavailable
+from .sealed.forbidden import refuse_library
+from .sealed.library_view import unavailable
 
 
 def _ring_rank(fn, trials):

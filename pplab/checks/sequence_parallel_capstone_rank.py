@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import sealed
-from .forbidden import refuse_library
+from .sealed.forbidden import refuse_library
 
 
 def _block_rank(fn, trials):

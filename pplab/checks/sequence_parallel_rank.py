@@ -10,7 +10,7 @@ import math
 import torch
 
 from . import sealed
-from .forbidden import refuse_library
+from .sealed.forbidden import refuse_library
 
 
 def _blockwise_rank(fn, calls):

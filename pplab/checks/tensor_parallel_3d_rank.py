@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib
 
-from .library_view import unavailable
+from .sealed.library_view import unavailable
 
 from types import SimpleNamespace
 
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from . import sealed
-from .forbidden import refuse_library
+from .sealed.forbidden import refuse_library
 
 WORLD, Q = 8, 2                                      # a 2x2x2 cube of ranks
 

@@ -15,8 +15,8 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import sealed
-from .forbidden import refuse_library
-from .library_view import unavailable
+from .sealed.forbidden import refuse_library
+from .sealed.library_view import unavailable
 
 _OPTIMIZERS = {"AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD}
 

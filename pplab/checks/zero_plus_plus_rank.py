@@ -10,8 +10,8 @@ import importlib
 import torch
 
 from . import sealed
-from .forbidden import refuse_library
-from .library_view import unavailable
+from .sealed.forbidden import refuse_library
+from .sealed.library_view import unavailable
 
 
 def _rank_job(fn, trials):

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from . import sandbox
-from ..checks import template
-from .runner import _become_subreaper, _kill_children, _kill_tree, _not_dumpable
+from ..checks.sealed import template
+from .runner import become_subreaper, kill_children, kill_tree, not_dumpable
 
 OUTPUT_LINES, LINE_CHARS = 100, 500          # what the grader keeps of a check's output
 
@@ -91,7 +91,7 @@ def copy_pplab(sources: dict, folder: str | Path) -> dict:
 
 
 # Runs first in a check process (python -I: no current folder, no PYTHONPATH, no user site
-# on sys.path): fork the template of graded checks' zygotes (checks/template.py: torch, no
+# on sys.path): fork the template of graded checks' zygotes (checks/sealed/template.py: torch, no
 # pplab) before the job is read, serve pplab from the copy sent on stdin, then run one check.
 _BOOT = Path(template.__file__).read_text() + r'''
 _TEMPLATE = fork_template()
@@ -225,7 +225,7 @@ def run_check_process(exercise_id: str, answer, sources: dict, check_timeout: fl
             else:
                 forged += 1
         timed_out = proc.poll() is None
-        _kill_tree(proc.pid)
+        kill_tree(proc.pid)
         proc.wait()
         output.thread.join(5)
     text = [line.strip() for line in output.lines if line.strip()]
@@ -276,11 +276,11 @@ def _check_main(job: dict, forked_template: tuple) -> None:
     verdict to the grader's socket."""
     import socket
 
-    from ..checks.template import Template
+    from ..checks.sealed.template import Template
 
     Template.running = Template(*forked_template)
-    _not_dumpable()
-    _become_subreaper()
+    not_dumpable()
+    become_subreaper()
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     started = time.monotonic()
@@ -296,7 +296,7 @@ def _check_main(job: dict, forked_template: tuple) -> None:
         verdict = {"passed": False, "message": f"the check raised {type(exc).__name__}: {exc}", "score": 0.0,
                    "hint": "", "missing": False, "error": True}
     verdict["seconds"] = round(time.monotonic() - started, 2)
-    _kill_children()
+    kill_children()
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as channel:
         channel.connect(job["verdict"])
         channel.sendall(json.dumps(verdict).encode())

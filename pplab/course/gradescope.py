@@ -249,7 +249,7 @@ def _grade_in_child(work: Path, ids, limits, sandboxed: bool, seconds: float, pr
     """Grade in a child process that writes one JSON line per finished check (and per notebook)
     to a pipe; at `seconds` the child and all it started are killed. Returns (the finished
     ExerciseResults, [(notebook name, its notes and status)])."""
-    from .runner import _kill_tree
+    from .runner import kill_tree
 
     read_fd, write_fd = os.pipe()
     job = {"folder": str(work / "submission"), "exercises": ids, "limits": limits, "sandboxed": sandboxed,
@@ -281,7 +281,7 @@ def _grade_in_child(work: Path, ids, limits, sandboxed: bool, seconds: float, pr
     while child.poll() is None and time.monotonic() < end and not STOP.is_set():
         STOP.wait(0.1)
     crashed = child.poll() is not None and child.returncode != 0
-    _kill_tree(child.pid)                                  # the checks and notebooks still running too
+    kill_tree(child.pid)                                  # the checks and notebooks still running too
     child.wait()
     reader.join(5)
     if crashed:                                            # not the deadline: say so, not "timed out"

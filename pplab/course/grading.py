@@ -59,12 +59,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
+from ..isolation import format_size
 from . import formats, results, sandbox
 from .results import MISSING, PASSED, ExerciseResult
 from .check_process import copy_pplab, pplab_sources, run_check_process
 from .students import answers_file_name, find_submissions
 from .reading import MAX_CELL_CHARS, MAX_NOTEBOOK_BYTES, read_cells, read_submission  # noqa: F401 - read_cells: tests
-from .runner import _kill_tree
+from .runner import kill_tree
 
 
 
@@ -339,7 +340,7 @@ def run_notebook(path: Path, notes: list, *, timeout: float, cell_timeout: float
             stopped = False
         except subprocess.TimeoutExpired:
             stopped = True
-        _kill_tree(runner_proc.pid)                  # the kernel, and anything it left running
+        kill_tree(runner_proc.pid)                  # the kernel, and anything it left running
         runner_proc.wait()
         reader.join(5)
         output.thread.join(5)
@@ -368,7 +369,7 @@ def _name_the_limit(note: str, limits: sandbox.Limits) -> str:
     for name, signs in _LIMIT_ERRORS.items():
         if any(sign in note for sign in signs):
             value = getattr(limits, name)
-            shown = value if name == "processes" else sandbox.isolation._size(value)
+            shown = value if name == "processes" else format_size(value)
             return f"{note} (the submission's {name} limit: pplab grade --{name} {shown})"
     return note
 

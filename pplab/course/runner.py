@@ -27,13 +27,13 @@ OUTPUT_LIMIT = 1 << 20          # bytes of printed output kept per cell; the res
 
 def main(argv) -> None:
     path, notes_fd, cell_timeout = Path(argv[0]), int(argv[1]), float(argv[2])
-    _not_dumpable()
-    _become_subreaper()
+    not_dumpable()
+    become_subreaper()
     try:
         with open(notes_fd, "w", buffering=1) as notes:
             _run_cells(path, notes, cell_timeout)
     finally:
-        _kill_children()
+        kill_children()
 
 
 def _bounded_client():
@@ -110,7 +110,7 @@ def _responds(client, index, seconds: float = 30.0) -> bool:
         client.timeout = saved
 
 
-def _kill_tree(pid: int) -> None:
+def kill_tree(pid: int) -> None:
     """Kill a process and every process below it: freeze them all first, so none can
     start another or be orphaned out of reach while we go."""
     import psutil
@@ -136,7 +136,7 @@ def _kill_tree(pid: int) -> None:
     psutil.wait_procs(list(frozen.values()), timeout=10)
 
 
-def _not_dumpable() -> None:
+def not_dumpable() -> None:
     """No process of the same user without privileges can read or trace this one (its pipes)."""
     import ctypes
 
@@ -147,9 +147,9 @@ def _not_dumpable() -> None:
             pass
 
 
-def _become_subreaper() -> None:
+def become_subreaper() -> None:
     """Processes orphaned below this one (a double fork, setsid) become its children, not
-    init's: they stay in its tree, where _kill_tree finds them."""
+    init's: they stay in its tree, where kill_tree finds them."""
     import ctypes
 
     if sys.platform.startswith("linux"):
@@ -159,7 +159,7 @@ def _become_subreaper() -> None:
             pass
 
 
-def _kill_children() -> None:
+def kill_children() -> None:
     import psutil
 
     for _ in range(3):
@@ -167,4 +167,4 @@ def _kill_children() -> None:
         if not children:
             return
         for child in children:
-            _kill_tree(child.pid)
+            kill_tree(child.pid)

@@ -63,8 +63,8 @@ class Limits:
         return limits
 
     def describe(self) -> str:
-        return (f"memory {isolation._size(self.memory)}, {self.processes} processes, "
-                f"disk {isolation._size(self.disk)}")
+        return (f"memory {isolation.format_size(self.memory)}, {self.processes} processes, "
+                f"disk {isolation.format_size(self.disk)}")
 
 
 def wrap(argv: list[str], *, workdir: str, read_only=(), writable=(), denied=(), env: dict | None = None,

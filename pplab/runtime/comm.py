@@ -28,9 +28,13 @@ from . import callboard
 from .. import trace
 from ..trace import Event, now
 
-# torch 2.13 renamed the tensor forms (the old names still work, with a warning)
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+def _entry_point(name: str, old: str):
+    """torch.distributed's function `name`, or `old` before torch 2.13 renamed the tensor forms (the
+    old names still work there, with a warning). Looked up at each call, never kept: a sealed check's
+    rank replaces torch.distributed's functions with its own (pplab/checks/sealed/rank.py)."""
+    return getattr(dist, name, None) or getattr(dist, old)
+
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
         "product": dist.ReduceOp.PRODUCT}
@@ -240,8 +244,8 @@ def all_gather_into_tensor(output, input, group=None, async_op=False):
     p = len(group_ranks(group))
     _check_sizes("all_gather_into_tensor", output, input, input.numel() * p, f"input.numel() * {p} ranks")
     return _collective("all_gather", input, group,
-                       lambda: _all_gather_single(output, input, group=group, async_op=async_op),
-                       async_op)
+                       lambda: _entry_point("all_gather_single", "all_gather_into_tensor")(
+                           output, input, group=group, async_op=async_op), async_op)
 
 
 def reduce_scatter_tensor(output, input, op="sum", group=None, async_op=False):
@@ -252,8 +256,8 @@ def reduce_scatter_tensor(output, input, op="sum", group=None, async_op=False):
                          f"of {p}")
     _check_sizes("reduce_scatter_tensor", output, input, input.numel() // p, f"input.numel() / {p} ranks")
     return _collective("reduce_scatter", input, group,
-                       lambda: _reduce_scatter_single(output, input, op=_op(op), group=group,
-                                                          async_op=async_op), async_op, op=str(op))
+                       lambda: _entry_point("reduce_scatter_single", "reduce_scatter_tensor")(
+                           output, input, op=_op(op), group=group, async_op=async_op), async_op, op=str(op))
 
 
 def gather(tensor, gather_list=None, dst=0, group=None, async_op=False):

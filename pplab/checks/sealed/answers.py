@@ -4,7 +4,7 @@ A checker never runs the student's code in its own process. It hands the answer 
 `sealed.run_sealed(job, answer, ...)` (ranks) or `sealed.call_each(answer, ...)` (one
 call per case), and reads back plain data: numbers, strings, None, lists, tuples, dicts
 and tensors, decoded with `torch.load(weights_only=True)` (never plain pickle), so
-nothing a rank sends can run code in the checker's process. See core.py's docstring for
+nothing a rank sends can run code in the checker's process. See pplab/checks/core.py's docstring for
 the whole contract.
 
 The answer is either the function itself (`pplab.check("broadcast", my_broadcast)` in

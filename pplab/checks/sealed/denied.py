@@ -4,7 +4,8 @@ the implementation the exercise asks for (public and private names alike).
 When `pplab grade` checks an exercise listed here (the answer is a SourceAnswer), its ranks
 are forked from a fresh interpreter that never imported these modules nor any checker
 (fresh_zygote.py), an import of one raises "the library's X is not available while your
-answer is checked" (library_view.py), and their files are hidden (isolation.py's `hide`).
+answer is checked" (library_view.py), and their files are hidden (pplab/isolation.py's `hide`,
+run by isolate.py).
 What an answer may use is what is left: pplab.comm, pplab.split, pplab.trace, torch, and
 every other chapter.
 

@@ -1,9 +1,9 @@
 """What a student may not call: the library collectives an exercise asks them to build
-from point-to-point operations (the router refuses them when called, sealed_rank.py;
+from point-to-point operations (the router refuses them when called, rank.py;
 `forbidden_references` looks in the answer's code for one bound by name before the
 launch), and the library's own answer to an exercise (`refuse_library`). Both look
 inside the answer, so they run where it exists: in the sealed rank (a checker passes
-`probe=` to run_sealed or call_each). core.py re-exports the names checkers use.
+`probe=` to run_sealed or call_each). core.py (pplab/checks) re-exports the names checkers use.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import inspect
 
 import torch.distributed as dist
 
-from ..runtime import comm
+from ...runtime import comm
 from .answers import SourceAnswer
 from .failures import Forbidden
 from .library_view import unavailable

@@ -1,7 +1,7 @@
 """A graded check's zygote: a fresh interpreter, so that what the ranks inherit never held
 the implementation the exercise asks for.
 
-A zygote forked from the checker (zygote.py) carries all the checker ever imported: the
+A zygote forked from the checker (zygotes.py) carries all the checker ever imported: the
 checker module with its references, and through it the library modules, whose function
 objects a rank finds with gc.get_objects() or sys.modules however imports are refused. So
 when `pplab grade` checks an exercise listed in denied.py (the answer is a SourceAnswer),
@@ -12,7 +12,7 @@ minus the denied modules, the sealed machinery and the `*_rank` modules holding 
 checkers' jobs (none holds a reference). Then it serves launches exactly as the forked
 zygote does (`_zygote_main`).
 
-Each rank also hides the files (isolation.py's `hide`, in its mount namespace): every
+Each rank also hides the files (pplab/isolation.py's `hide`, in its mount namespace): every
 folder pplab is found in, and beside it the course's .git and solutions/. Where the system
 gives no namespaces, the files stay readable (a rank could read a denied module's .py and
 run it): the import and the memory are still clean, the files are not.
@@ -35,11 +35,11 @@ import importlib.util
 
 from . import library_view, template
 from .denied import CHECKS_NOTE, note
-from .zygote import Zygote, serving
+from .zygotes import Zygote, serving
 
-# pplab.checks modules the ranks need (and their jobs, the *_rank modules): none holds a reference
-_MACHINERY = {"answers", "failures", "forbidden", "router", "isolation", "sealed_rank", "zygote", "sealed",
-              "library_view"}
+# What the ranks may import of pplab.checks: this floor (the sealed machinery) and the checkers' jobs
+# (the *_rank modules), none holding a reference; but not the modules only the checker's side runs.
+_CHECKER_SIDE = {"pplab.checks.sealed.denied", "pplab.checks.sealed.fresh_zygote", "pplab.checks.sealed.template"}
 
 
 class FreshZygote(Zygote):
@@ -48,7 +48,7 @@ class FreshZygote(Zygote):
 
     def __init__(self, answer, denies, preload=()):
         self.control, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        payload = {"view": [library_view.__file__, _source("pplab.checks.library_view")],
+        payload = {"view": [library_view.__file__, _source("pplab.checks.sealed.library_view")],
                    "sources": served(denies), "denied": {m: note(m) for m in denies}, "checks_note": CHECKS_NOTE,
                    "hide": hidden_paths(denies), "preload": list(preload),
                    "answer": [answer.name, [list(s) for s in answer.statements],
@@ -102,7 +102,7 @@ def served(denies) -> dict:
             name, leaf = info.name, info.name.rpartition(".")[2]
             if any(name == d or name.startswith(d + ".") for d in denies) or name.startswith("pplab.course"):
                 continue
-            if package == "pplab.checks" and leaf not in _MACHINERY and not leaf.endswith("_rank"):
+            if (package == "pplab.checks" and leaf != "sealed" and not leaf.endswith("_rank")) or name in _CHECKER_SIDE:
                 continue
             spec = info.module_finder.find_spec(name)
             text = spec.loader.get_source(name) if hasattr(spec.loader, "get_source") else None
@@ -155,6 +155,6 @@ def jobs_of(checker) -> list:
 
 
 def fresh_zygote(answer, denies, preload=()):
-    """As zygote.zygote(answer), with a fresh interpreter that never loaded `denies`; preload:
+    """As zygotes.zygote(answer), with a fresh interpreter that never loaded `denies`; preload:
     modules it imports before it forks ranks (the checker's jobs, the chapter they run)."""
     return serving(lambda: FreshZygote(answer, tuple(denies), preload))

@@ -29,7 +29,7 @@ group can talk by routes a watch in the rank cannot see. So, in a sealed launch:
    the CPU (a loop) or waiting.
 5. What a rank sends back (observations, its result) is plain data decoded with
    `torch.load(weights_only=True)`; it can forge only what it legitimately controls.
-6. Isolation between ranks (isolation.py, Linux): new user, mount, network and
+6. Isolation between ranks (isolate.py, on pplab/isolation.py; Linux): new user, mount, network and
    PID namespaces, a read-only root, private /tmp, /dev/shm and working folder, locked
    by a nested user namespace; no rank can reach another through files, sockets,
    signals or ptrace. The checker (and the zygote) are made non-dumpable, so a rank
@@ -65,8 +65,8 @@ from .answers import _not_plain, answer_files, decode, encode
 from .failures import Fail, Forbidden, NotImplementedYet, _hang_message, _student_frame
 from .forbidden import _forbidden_message
 from .router import Reader, Router, WireError, pack
-from .sealed_rank import begin, observe, phase, watch_collectives  # noqa: F401 - what a sealed job calls
-from .zygote import _ZYGOTES, zygote  # noqa: F401 - run_check enters zygote()
+from .rank import begin, observe
+from .zygotes import _ZYGOTES, zygote
 
 _ISOLATION = {"missing": None}          # what the last launch's ranks could not isolate ("" = nothing)
 

@@ -30,7 +30,7 @@ import threading
 
 import torch  # noqa: F401 - what every zygote needs, imported once here
 
-_PR_SET_PDEATHSIG, _PR_SET_DUMPABLE = 1, 4
+_PR_SET_PDEATHSIG, _PR_SET_DUMPABLE = 1, 4     # pplab/isolation.py's, repeated: this file runs before pplab exists
 
 
 def _prctl(option: int, value: int) -> None:
@@ -88,23 +88,23 @@ def become_zygote(control: int, payload: int) -> None:
     try:
         with open(payload, "rb") as pipe:
             job = json.loads(pipe.read())
-        view = types.ModuleType("pplab.checks.library_view")
+        view = types.ModuleType("pplab.checks.sealed.library_view")
         exec(compile(job["view"][1], job["view"][0], "exec"), view.__dict__)
         view.install(job.pop("sources"), job["denied"], job["checks_note"])
-        sys.modules["pplab.checks.library_view"] = view
-        from pplab.checks import sealed_rank, zygote
-        from pplab.checks.answers import SourceAnswer
+        sys.modules["pplab.checks.sealed.library_view"] = view
+        from pplab.checks.sealed import rank, zygotes
+        from pplab.checks.sealed.answers import SourceAnswer
         name, statements, params = job["answer"]
         answer = SourceAnswer(name, tuple(tuple(s) for s in statements),
                               None if params is None else tuple(map(tuple, params)))
-        sealed_rank._STATE["hide"] = job["hide"]
+        rank._STATE["hide"] = job["hide"]
         for module in job["preload"]:                    # once here, not compiled again in every rank
             try:
                 __import__(module)
             except ImportError:
                 pass
         del job, view
-        zygote._zygote_main(socket.socket(fileno=control), answer)
+        zygotes._zygote_main(socket.socket(fileno=control), answer)
     finally:
         os._exit(0)                                      # no interpreter teardown: the check waits for this exit
 

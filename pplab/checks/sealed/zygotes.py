@@ -20,8 +20,9 @@ import socket
 import sys
 import warnings
 
-from . import sealed_rank
-from .isolation import _PR_SET_DUMPABLE, _PR_SET_PDEATHSIG, prctl
+from . import rank
+from ...isolation import PR_SET_DUMPABLE, PR_SET_PDEATHSIG
+from .isolate import prctl
 
 _ZYGOTES: list = []                     # the zygote of the check running now (run_check enters one)
 
@@ -77,14 +78,14 @@ class Zygote:
 
 
 def _zygote_main(control: socket.socket, answer) -> None:
-    prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)             # never outlive the checker
-    prctl(_PR_SET_DUMPABLE, 0)
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)             # never outlive the checker
+    prctl(PR_SET_DUMPABLE, 0)
     keep = control.fileno()
     os.closerange(3, keep)
     os.closerange(keep + 1, 1 << 16)
     _forget_the_seed()
-    sealed_rank._STATE["answer"] = answer
-    sealed_rank.preload()                                # once here, not in every rank
+    rank._STATE["answer"] = answer
+    rank.preload()                                # once here, not in every rank
     me, ranks = os.getpid(), []
     while True:
         try:
@@ -100,7 +101,7 @@ def _zygote_main(control: socket.socket, answer) -> None:
                 if pid == 0:
                     control.close()
                     chan, out, err = fds[3 * r:3 * r + 3]
-                    sealed_rank.rank_main(me, chan, out, err)
+                    rank.rank_main(me, chan, out, err)
                 ranks.append(pid)
             for fd in fds:
                 os.close(fd)
@@ -144,7 +145,7 @@ def serving(make):
     """The zygote `make()` starts (a Zygote, or fresh_zygote.py's FreshZygote), known to the
     launches of this check while the block runs, with the checker non-dumpable meanwhile."""
     dumpable = _dumpable()
-    prctl(_PR_SET_DUMPABLE, 0)
+    prctl(PR_SET_DUMPABLE, 0)
     z = make()
     _ZYGOTES.append(z)
     try:
@@ -152,7 +153,7 @@ def serving(make):
     finally:
         _ZYGOTES.remove(z)
         z.close()
-        prctl(_PR_SET_DUMPABLE, dumpable)
+        prctl(PR_SET_DUMPABLE, dumpable)
 
 
 def _dumpable() -> int:

@@ -1,11 +1,11 @@
 """Inside a sealed rank: run the checker's job with every torch.distributed call routed
 over the rank's channel to the checker's router (router.py).
 
-The rank was forked from the zygote (zygote.py), which never saw the seed, the inputs or
+The rank was forked from the zygote (zygotes.py), which never saw the seed, the inputs or
 the references. `rank_main` runs, in order:
 
 1. die with the zygote, keep only the channel and the output pipes (fds 0-2 and 100);
-2. `isolate()` (isolation.py): namespaces, a read-only root, private /tmp and /dev/shm;
+2. `isolate()` (isolate.py): namespaces, a read-only root, private /tmp and /dev/shm;
 3. read the launch message: the job, this rank's number, the world size and this rank's
    inputs only; resolve a SourceAnswer (in /tmp/work) and look in the answer for a
    forbidden collective bound by name (`forbidden_references`);
@@ -35,7 +35,8 @@ import torch.distributed as dist
 from .answers import SourceAnswer, decode, encode
 from .failures import Forbidden
 from .forbidden import _COMM_COLLECTIVES, _TORCH_COLLECTIVES, _collectives_module, forbidden_references
-from .isolation import _PR_SET_DUMPABLE, _PR_SET_PDEATHSIG, isolate, prctl
+from ...isolation import PR_SET_DUMPABLE, PR_SET_PDEATHSIG
+from .isolate import isolate, prctl
 from .router import Reader, pack, tensor_bytes, tensor_meta, to_tensor
 
 # ----------------------------------------------------------------------------------
@@ -339,7 +340,7 @@ def preload() -> None:
 def install(forbidden: list) -> None:
     """Route torch.distributed (and pplab.comm through it) to the router; refuse, at the
     router, the collectives in `forbidden` ("*": all) wherever they are called from."""
-    from ..runtime import comm
+    from ...runtime import comm
 
     c10d = dist.distributed_c10d
     stand_ins = _entry_points()
@@ -357,8 +358,6 @@ def install(forbidden: list) -> None:
         for name, fn in stand_ins.items():
             setattr(module, name, fn)
     c10d._get_default_group = _no_process_group
-    comm._all_gather_single = stand_ins["all_gather_into_tensor"]
-    comm._reduce_scatter_single = stand_ins["reduce_scatter_tensor"]
     for name in _COMM_COLLECTIVES:
         if refuses(name):
             setattr(comm, name, _refused(name, f"pplab.comm.{name}"))
@@ -381,7 +380,7 @@ def install(forbidden: list) -> None:
 
 def rank_main(zygote_pid: int, chan_fd: int, out_fd: int, err_fd: int) -> None:
     """In a freshly forked rank (never returns)."""
-    prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != zygote_pid:
         os._exit(1)
     os.setsid()                                          # kill(0, ...) reaches only this rank
@@ -397,7 +396,7 @@ def rank_main(zygote_pid: int, chan_fd: int, out_fd: int, err_fd: int) -> None:
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
     missing = isolate(_STATE.get("hide", ()))               # hide: set in a fresh zygote (fresh_zygote.py)
-    prctl(_PR_SET_DUMPABLE, 0)                           # no other process may read this one's memory
+    prctl(PR_SET_DUMPABLE, 0)                           # no other process may read this one's memory
     torch.set_num_threads(1)                             # p ranks share the cores
     channel = Channel(socket.socket(fileno=chan))
     try:
@@ -411,7 +410,7 @@ def rank_main(zygote_pid: int, chan_fd: int, out_fd: int, err_fd: int) -> None:
 
 
 def _run(channel: Channel, missing: str) -> None:
-    from .. import trace
+    from ... import trace
 
     while not channel.queue:                              # the launch message, from the checker
         data = channel.sock.recv(1 << 20)

@@ -1,6 +1,6 @@
 """The router of a sealed launch: every message between its ranks passes through here.
 
-A sealed rank (sealed.py) has no process group. Its sends, receives and collectives
+A sealed rank (rank.py, launched by launch.py) has no process group. Its sends, receives and collectives
 become requests over its channel to the checker's process, where one `Router` serves
 them all:
 
