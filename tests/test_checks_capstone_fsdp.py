@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from pplab import checks
-from pplab.checks import fsdp_capstone as capstone
-from pplab.checks.fsdp_capstone_rank import flat_padded, reachable_tensors
-from pplab.checks.fsdp_capstone_reference import _expected
+from pplab.checks.ch06_zero import fsdp as capstone
+from pplab.checks.ch06_zero.fsdp_rank import flat_padded, reachable_tensors
+from pplab.checks.ch06_zero.fsdp_reference import _expected
 from wrong_solutions_capstone_fsdp import WRONG, FlatViews, OnlyRank0Steps
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")

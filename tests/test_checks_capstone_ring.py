@@ -8,7 +8,7 @@ import re
 import pytest
 
 from pplab import checks
-from pplab.checks.ring_attention_capstone import _traffic_problem, traffic_blocks, zigzag_index
+from pplab.checks.ch05_sequence_parallel.ring_attention import _traffic_problem, traffic_blocks, zigzag_index
 from wrong_solutions_capstone_ring import WRONG, ring_by_positions
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
 def test_the_capstone_registers_with_its_wrong_answers():
     ids = [i for i, ex in checks.EXERCISES.items()
-           if ex.checker.__module__ == "pplab.checks.ring_attention_capstone"]
+           if ex.checker.__module__ == "pplab.checks.ch05_sequence_parallel.ring_attention"]
     assert ids == ["ring_attention"] and set(WRONG) == set(ids)
     ex = checks.get_exercise("ring_attention")
     assert ex.notebook == "05_ring_attention" and ex.points == 4 and ex.sealed

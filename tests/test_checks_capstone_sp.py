@@ -13,7 +13,7 @@ from torch import nn
 
 import pplab
 from pplab import checks, trace
-from pplab.checks.sequence_parallel_capstone import traffic_formula
+from pplab.checks.ch05_sequence_parallel.megatron_sp_block import traffic_formula
 from wrong_solutions_capstone_sp import WRONG
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
 def test_the_capstone_registers_with_its_wrong_answers():
     ids = [i for i, ex in checks.EXERCISES.items()
-           if ex.checker.__module__ == "pplab.checks.sequence_parallel_capstone"]
+           if ex.checker.__module__ == "pplab.checks.ch05_sequence_parallel.megatron_sp_block"]
     assert ids == ["megatron_sp_block"] and set(WRONG) == set(ids)
     assert checks.get_exercise("megatron_sp_block").notebook == "05_megatron_sp_block"
     assert any("rank 0 only" in (fn.__doc__ or "") for fn, _, _ in WRONG["megatron_sp_block"])
@@ -175,7 +175,7 @@ def _record(forward, backward):
 ])
 def test_traffic_mistakes_are_named(change, words):
     import re
-    from pplab.checks.sequence_parallel_capstone import _traffic_problem
+    from pplab.checks.ch05_sequence_parallel.megatron_sp_block import _traffic_problem
     t, shape = 2, {"s": 8, "b": 1, "h": 4}
     A = 4 * 8 * 1 * 4                                          # bytes of one whole float32 activation
     ag, rs = ("all_gather", A // t), ("reduce_scatter", A)

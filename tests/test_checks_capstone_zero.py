@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from pplab import checks, comm
 from pplab.checks import sealed
-from pplab.checks import zero_capstone as capstone
+from pplab.checks.ch06_zero import sharded_optimizer as capstone
 from wrong_solutions_capstone_zero import WRONG, OnlyRank0TakesTheUpdates, Owners, StateDictOfMyShard
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")

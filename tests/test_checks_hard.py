@@ -196,7 +196,7 @@ def test_other_correct_ddps_pass(fn):
 
 
 def test_the_all_reduces_are_read_as_buckets_of_whole_parameters():
-    from pplab.checks.ddp_from_scratch import _buckets_of
+    from pplab.checks.ch02_data_parallel.ddp_from_scratch import _buckets_of
     params = [("a", 4, 16), ("b", 2, 8), ("c", 6, 24)]
     assert [[n for n, _, _ in b] for b in _buckets_of([6, 6], params)] == [["a", "b"], ["c"]]
     assert _buckets_of([4, 3, 5], params) is None          # cuts a parameter in two

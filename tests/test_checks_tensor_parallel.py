@@ -14,7 +14,7 @@ from wrong_solutions_tp3d import l3d_within_tolerance
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
-IDS = sorted(i for i, ex in checks.EXERCISES.items() if ex.checker.__module__ == "pplab.checks.tensor_parallel")
+IDS = ["f_g", "linear_traffic", "row_parallel_linear", "vocab_parallel_ce"]
 
 
 def test_the_chapter_registers_its_exercises():

@@ -13,7 +13,7 @@ from wrong_solutions_zero import WRONG
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
-IDS = sorted(i for i, ex in checks.EXERCISES.items() if ex.checker.__module__ == "pplab.checks.zero")
+IDS = ["stage3_unit", "zero1_step", "zero_bytes"]
 
 
 def test_chapter_6_registers_its_exercises():

@@ -285,7 +285,7 @@ def test_attacks_on_the_grader_get_no_marks_and_a_note(tmp_path):
     assert "ignored cell 3, line 3: `dist.ProcessGroup.broadcast = ...`" in notes["attack_monkeypatch"]
     assert "ignored cell 4, line 1: `class Quiet:" in notes["attack_monkeypatch"]
     assert "`(here.parent / 'results.jsonl').write_text(json.dumps(FORGED) + '\\n')`" in notes["attack_files"]
-    # the answer imports pplab.checks.collectives: refused before it runs
+    # the answer imports pplab.checks.ch00_start_here.broadcast: refused before it runs
     assert "my_broadcast uses `pplab.checks` (cell 2), the grader's own code" in notes["attack_call_time"]
     assert re.search(r"broadcast: ignored [1-9]\d* forged verdict\(s\)", notes["attack_kills_checker"])
     assert "cell 8 raised ValueError: a cell that raises" in notes["helpers"]

@@ -1,6 +1,6 @@
 """Wrong answers to chapter 10's exercise, find_layout (memory_per_gpu), each with what its message
 must say: the reference formulas with one plausible slip each."""
-from pplab.checks.at_scale import reference
+from pplab.checks.ch10_at_scale.find_layout import reference
 
 
 def memory_ignores_zero(problem):

@@ -295,7 +295,7 @@ def predict_with_costmodel(timings, p, n_bytes):
 def predict_with_costfit(timings, p, n_bytes):
     from pplab import costfit
     sizes = sorted(timings)
-    alpha, beta = costfit._fit_line(sizes, [_quick(timings[n]) for n in sizes])
+    alpha, beta = costfit.fit_line(sizes, [_quick(timings[n]) for n in sizes])
     return _and_ring_time(alpha, beta, p, n_bytes)
 
 

@@ -1,6 +1,6 @@
 """Wrong answers to chapter 10's exercise (a), place_layout, each with what its message must say.
 
-Each is the right computation with one plausible slip (pplab.checks.cluster's problems include,
+Each is the right computation with one plausible slip (pplab.checks.ch10_at_scale.place_layout's problems include,
 for every seed, one that each slip gets wrong)."""
 import itertools
 

@@ -5,7 +5,7 @@ as in wrong_solutions.py; tests/test_checks.py collects this file with the other
 """
 import itertools
 
-from pplab.checks.at_scale import reference
+from pplab.checks.ch10_at_scale.find_layout import reference
 
 
 # ----------------------------------------------------------------------------------

@@ -1,9 +1,9 @@
 """Wrong answers to chapter 7's exercise (b), pick_layout, each with what its message must say.
 
-Each is the reference formulas (pplab.checks.planner.estimate) with one plausible slip; the
+Each is the reference formulas (pplab.checks.ch07_hybrid.layout_costs.estimate) with one plausible slip; the
 checker's problems include, for every seed, one that each slip gets wrong.
 """
-from pplab.checks.planner import estimate
+from pplab.checks.ch07_hybrid.layout_costs import estimate
 
 
 def _pick(problem, slip=None, check_memory=True):

@@ -179,6 +179,14 @@ def unknown_exercise(exercise_id) -> str:
     return f"unknown exercise {exercise_id!r}: the exercises are {known}"
 
 
+def chapter_order(exercise_ids) -> list[str]:
+    """Exercise ids in the order of the course: by their chapter notebook (an exercise's notebook
+    is NNx_<id>: 00, 01, ..., 03, 03b, ...), then in the order the chapter registers them (its
+    package imports its checkers in the order its notebook links the exercises)."""
+    registered = {ex: i for i, ex in enumerate(EXERCISES)}
+    return sorted(exercise_ids, key=lambda ex: ((EXERCISES[ex].notebook or "~").split("_")[0], registered[ex]))
+
+
 def get_exercise(exercise_id: str) -> Exercise:
     if exercise_id not in EXERCISES:
         raise ValueError(unknown_exercise(exercise_id))

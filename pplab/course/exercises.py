@@ -81,7 +81,7 @@ def exercises_table(solutions: dict[str, nbformat.NotebookNode]) -> str:
     """exercises/README.md: each exercise, its chapter, what the student builds, the lines of
     code the solution takes and the points the grader gives (from the checks' registry)."""
     from ..checks import EXERCISES
-    from .grading import chapter_order
+    from ..checks.core import chapter_order
     by_notebook = {ex.notebook: ex for ex in EXERCISES.values()}
     course = {EXERCISES[ex].notebook: i for i, ex in enumerate(chapter_order(EXERCISES))}
     rows, total = [], 0

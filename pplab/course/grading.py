@@ -92,13 +92,10 @@ class NotebookGrade:
 
 
 def chapter_order(exercise_ids) -> list[str]:
-    """Exercise ids in the order of the course: by their chapter notebook (an exercise's notebook
-    is NNx_<id>: 00, 01, ..., 03, 03b, ...), then in the order the chapter registers them (its
-    package imports its checkers in the order its notebook links the exercises)."""
-    from ..checks import EXERCISES
+    """Exercise ids in the order of the course (pplab.checks.core.chapter_order)."""
+    from ..checks.core import chapter_order
 
-    registered = {ex: i for i, ex in enumerate(EXERCISES)}
-    return sorted(exercise_ids, key=lambda ex: ((EXERCISES[ex].notebook or "~").split("_")[0], registered[ex]))
+    return chapter_order(exercise_ids)
 
 
 def grade(submissions: str | Path, out: str | Path, *, timeout: float = 600.0, cell_timeout: float = 120.0,
