@@ -123,6 +123,30 @@ def exercise_chapters() -> dict[str, str]:
     return found
 
 
+@lru_cache(maxsize=None)
+def _quoted(path: Path) -> frozenset:
+    return frozenset(re.findall(r"[\"'](\w+)[\"']", path.read_text()))
+
+
+def exercises_named(function, path: Path, params: dict | None = None) -> set[str]:
+    """The exercise ids a test of the checkers is about: its parameter that names one, or the ids
+    its function's body names in quotes, or else the one its file names (a file about one capstone)."""
+    import inspect
+    ids = set(exercise_chapters())
+    named = {v for v in (params or {}).values() if isinstance(v, str) and v in ids}
+    if named:
+        return named
+    try:
+        body = inspect.getsource(function).partition("def ")[2] if function else ""
+        named = set(re.findall(r"[\"'](\w+)[\"']", body)) & ids
+    except (OSError, TypeError):
+        named = set()
+    if not named:
+        in_file = _quoted(path) & ids
+        named = in_file if len(in_file) == 1 else set()
+    return named
+
+
 def chapters_of(path: Path, params: dict | None = None) -> list[str]:
     """The chapters of the test file or notebook at `path` ([] for one the table does not know);
     `params`: a test's parameters, where one may name an exercise."""

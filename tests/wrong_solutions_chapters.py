@@ -722,7 +722,7 @@ WRONG = {
         (reduce_scatter_bitmask_ring,
          [r"^world_size=3, ", r"rank \d raised ValueError: (dst|src)=\d is this rank itself"], None),
         (reduce_scatter_in_input,
-         [RS_TRIAL, r"rank \d's input changed at index \d+: like torch\.distributed\.reduce_scatter_tensor, leave "
+         [RS_TRIAL, r"rank \d's input changed at index \d+ \(got .*, expected .*\): like torch\.distributed\.reduce_scatter_tensor, leave "
           r"input as it was"], None),
     ],
     "predict_time": [

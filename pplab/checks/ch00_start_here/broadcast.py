@@ -11,7 +11,6 @@ import torch
 
 from .. import sealed
 from ..core import Fail, exercise, first_difference
-from ..core import _fmt
 from .broadcast_rank import _broadcast_rank
 
 
@@ -76,12 +75,10 @@ def _check_broadcast(name, trials, seed):
                     raise Fail(f"{name} returned the result as a new tensor on rank {rank} but left `tensor` "
                                f"unchanged: write into `tensor` itself, in place, as torch.distributed.broadcast "
                                f"does (recv into it, or tensor.copy_(result)).")
-                index, got, want = diff
                 if rank == trial.src:
-                    raise Fail(f"rank {rank} is the src, so its tensor must stay as it was, but it changed at "
-                               f"index {index} (got {_fmt(got)}, expected {_fmt(want)}).")
+                    raise Fail(f"rank {rank} is the src, so its tensor must stay as it was, but it changed {diff}.")
                 raise Fail(f"rank {rank}'s result differs from the reference (rank {trial.src}'s tensor, the src) "
-                           f"at index {index} (got {_fmt(got)}, expected {_fmt(want)}).")
+                           f"{diff}.")
             if rank != trial.src and _received(traffic, rank) < n_bytes:
                 raise Fail(f"rank {rank} ended with the right values but received {_received(traffic, rank):,} "
                            f"bytes by point-to-point messages, less than its tensor's {n_bytes:,}: the data must "

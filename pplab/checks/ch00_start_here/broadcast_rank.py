@@ -1,7 +1,5 @@
-"""What runs in the sealed ranks of chapter 1's collective exercises (collectives.py judges).
-
-Kept apart from the checker, which holds the references: a graded check's ranks may import
-this module and nothing of the checker (fresh_zygote.py)."""
+"""What exercise broadcast's checker (broadcast.py) runs in its sealed ranks, and the check that
+an answer returned a new tensor, which chapter 1's ring collectives use too."""
 from __future__ import annotations
 
 import torch

@@ -7,7 +7,6 @@ from __future__ import annotations
 import torch
 
 from ..core import Fail, exercise, first_difference, require_function
-from ..core import _fmt
 from ..ch00_start_here.broadcast import _received
 from .reduce_scatter_rank import _reduce_scatter_rank
 from .ring_checks import _check_ring_traffic, _inputs, _returned_new, _run, _same_kind, _tolerance
@@ -28,10 +27,8 @@ def _check_reduce_scatter(name, trials, seed):
             diff = first_difference(output, expected, **tol)
             if diff is not None:
                 _returned_new(name, rank, seen["returned"], expected, "output")
-                index, got, want = diff
                 message = (f"rank {rank}'s output differs from the sum over ranks of chunk {rank} (input elements "
-                           f"{rank * n}..{rank * n + n - 1}) at index {index} (got {_fmt(got)}, expected "
-                           f"{_fmt(want)}).")
+                           f"{rank * n}..{rank * n + n - 1}) {diff}.")
                 other = [j for j in range(p) if j != rank and first_difference(output, chunk_sums[j], **tol) is None]
                 alone = [k for k in range(p) if first_difference(output, inputs[k].view(p, n)[rank], **tol) is None]
                 if (output == -7777).all():
@@ -44,8 +41,9 @@ def _check_reduce_scatter(name, trials, seed):
                                 f"to your partial sum, so that every rank's part gets in.")
                 raise Fail(message)
             _same_kind(rank, input, inputs[rank], "input")
-            if first_difference(input, inputs[rank]) is not None:
-                raise Fail(f"rank {rank}'s input changed at index {first_difference(input, inputs[rank])[0]}: like "
+            changed = first_difference(input, inputs[rank])
+            if changed is not None:
+                raise Fail(f"rank {rank}'s input changed {changed}: like "
                            f"torch.distributed.reduce_scatter_tensor, leave input as it was (add up partial sums "
                            f"in a copy, input.clone()).")
             n_bytes = input.numel() * input.element_size()

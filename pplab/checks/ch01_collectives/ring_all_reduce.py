@@ -8,7 +8,6 @@ import math
 import torch
 
 from ..core import Fail, exercise, first_difference, require_function
-from ..core import _fmt
 from ..ch00_start_here.broadcast import _received
 from .ring_all_reduce_rank import _all_reduce_rank
 from .ring_checks import _check_ring_traffic, _inputs, _returned_new, _run, _same_kind, _tolerance
@@ -30,9 +29,7 @@ def _check_all_reduce(name, trials, seed):
             diff = first_difference(tensor, expected, **_tolerance(expected.dtype))
             if diff is not None:
                 _returned_new(name, rank, seen["returned"], expected)
-                index, got, want = diff
-                message = (f"rank {rank}'s result differs from the sum over all ranks at index {index} "
-                           f"(got {_fmt(got)}, expected {_fmt(want)}).")
+                message = (f"rank {rank}'s result differs from the sum over all ranks {diff}.")
                 pieces = list(zip(tensor.view(-1).tensor_split(p), expected.view(-1).tensor_split(p)))
                 right = [j for j, (a, b) in enumerate(pieces)
                          if a.numel() and first_difference(a, b, **_tolerance(b.dtype)) is None]

@@ -1,7 +1,4 @@
-"""What runs in the sealed ranks of chapter 1's collective exercises (collectives.py judges).
-
-Kept apart from the checker, which holds the references: a graded check's ranks may import
-this module and nothing of the checker (fresh_zygote.py)."""
+"""What exercise ring_all_reduce's checker (ring_all_reduce.py) runs in its sealed ranks."""
 from __future__ import annotations
 
 from .. import sealed

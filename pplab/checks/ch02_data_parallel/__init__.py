@@ -1,10 +1,3 @@
-"""The checkers of chapter 2's exercises (notebooks 02_data_parallel): one module per exercise,
-named by its id (exercises/NNx_<id>.ipynb), and its rank-side jobs in <id>_rank.py.
+"""Chapter 2's checkers (notebooks 02_data_parallel): <id>.py, and <id>_rank.py for its sealed ranks."""
 
-Imported in the order the chapter links them: the course's order (`pplab grade`'s CSV columns)."""
-from importlib import import_module
-
-ORDER = ("ddp_buckets", "topk_error_feedback", "ddp_from_scratch")
-
-for _exercise in ORDER:
-    import_module(f"{__name__}.{_exercise}")
+ORDER = ("ddp_buckets", "topk_error_feedback", "ddp_from_scratch")   # as the notebooks link them: the course's order

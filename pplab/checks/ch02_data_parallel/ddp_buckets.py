@@ -20,7 +20,7 @@ from torch import nn
 
 from .. import sealed
 from ..core import Fail, exercise, first_difference, require_function
-from ..core import _fmt, random_mlp_and_cap
+from ..core import random_mlp_and_cap
 from .ddp_buckets_rank import _ddp_rank, _mlp
 
 
@@ -131,14 +131,12 @@ def _check_grads(step, rank, p, grads, single, local):
         diff = first_difference(grad, ref.grad, atol=1e-5, rtol=1e-4)
         if diff is None:
             continue
-        index, got, want = diff
         hint = ""
         if torch.allclose(grad, p * ref.grad, atol=1e-5, rtol=1e-4):
             hint = f" It is {p} times that: the all-reduce sums the ranks' gradients; divide by the world size."
         elif torch.allclose(grad, mine.grad, atol=1e-6, rtol=1e-5):
             hint = " It is this rank's own gradient: the averaged bucket never made it back into .grad."
-        raise Fail(f"{where} differs from the single-process gradient of the whole global batch at index "
-                   f"{index} (got {_fmt(got)}, expected {_fmt(want)}).{hint}")
+        raise Fail(f"{where} differs from the single-process gradient of the whole global batch {diff}.{hint}")
 
 
 def _check_ddp(name, trials, seed):

@@ -1,11 +1,5 @@
-"""The checkers of chapter 3's exercises (notebooks 03_tensor_parallel and 03b_tensor_parallel_2_5d_3d): one module per exercise,
-named by its id (exercises/NNx_<id>.ipynb), and its rank-side jobs in <id>_rank.py; tp_groups_rank.py, tp_trials.py:
-what several of them share.
+"""Chapter 3's checkers (notebooks 03_tensor_parallel and 03b_tensor_parallel_2_5d_3d): <id>.py, and
+<id>_rank.py for its sealed ranks; tp_groups_rank, tp_trials: what they share."""
 
-Imported in the order the chapter links them: the course's order (`pplab grade`'s CSV columns)."""
-from importlib import import_module
-
+# as the notebooks link them: the course's order
 ORDER = ("f_g", "row_parallel_linear", "vocab_parallel_ce", "linear_traffic", "linear_3d")
-
-for _exercise in ORDER:
-    import_module(f"{__name__}.{_exercise}")

@@ -23,7 +23,6 @@ import torch
 
 from .. import sealed
 from ..core import Fail, Parts, exercise, first_difference, require_function
-from ..core import _fmt
 from .linear_3d_rank import Q, WORLD, _place, _rank_job, _refuse_tp3d
 
 
@@ -118,12 +117,10 @@ def _judge_values(prob, observed, parts, where):
                 else:
                     diff = first_difference(got, want[name], atol=TOL)
                     if diff is not None:
-                        index, g, e = diff
                         hint = ""
                         if torch.allclose(got, own[name], atol=TOL, rtol=0):
                             hint = f" It is {_SUM_HINT[name]}."
-                        problem = (f"{name} differs from the single-process value at index {index} (got {_fmt(g)}, "
-                                   f"expected {_fmt(e)}).{hint}")
+                        problem = (f"{name} differs from the single-process value {diff}.{hint}")
                 if problem:
                     break
             if problem:

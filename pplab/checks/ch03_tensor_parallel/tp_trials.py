@@ -18,7 +18,6 @@ import torch
 
 from .. import sealed
 from ..core import Fail, first_difference
-from ..core import _fmt
 
 
 TOL = 1e-10
@@ -67,9 +66,7 @@ def _close(got, want, what, where, hint=""):
         raise Fail(f"{where}: {what} has shape {list(got.shape)}, expected {list(want.shape)}.")
     diff = first_difference(got, want, atol=TOL, rtol=0)
     if diff is not None:
-        index, g, w = diff
-        raise Fail(f"{where}: {what} differs from the single-process value at index {index} "
-                   f"(got {_fmt(g)}, expected {_fmt(w)}).{hint}")
+        raise Fail(f"{where}: {what} differs from the single-process value {diff}.{hint}")
 
 
 def _comm(calls, phase):

@@ -1,11 +1,5 @@
-"""The checkers of chapter 4's exercises (notebooks 04_pipeline): one module per exercise,
-named by its id (exercises/NNx_<id>.ipynb), and its rank-side jobs in <id>_rank.py; schedule_cases.py:
-what several of them share.
+"""Chapter 4's checkers (notebooks 04_pipeline): <id>.py, and <id>_rank.py for its sealed ranks;
+schedule_cases, schedules_refused_rank: what they share."""
 
-Imported in the order the chapter links them: the course's order (`pplab grade`'s CSV columns)."""
-from importlib import import_module
-
+# as the notebooks link them: the course's order
 ORDER = ("gpipe_order", "one_f_one_b_order", "bubble_fraction", "pipeline_executor", "zero_bubble")
-
-for _exercise in ORDER:
-    import_module(f"{__name__}.{_exercise}")

@@ -1,26 +1,14 @@
-"""What runs in the sealed ranks of the pipeline-order and bubble exercises (pipeline.py judges).
-
-Kept apart from the checker: a graded check's rank may import this module and nothing of the
-checker (fresh_zygote.py), and, there, pplab.pipeline's schedules are not available at all
-(denied.py), so the probe only lets pplab.pipeline.Action come back as plain data."""
+"""What exercise gpipe_order's checker (gpipe_order.py) runs in its sealed ranks."""
 from __future__ import annotations
 
 from .. import sealed
 from ..sealed.answers import allow_type
-from ..sealed.forbidden import refuse_library
-from ..sealed.library_view import unavailable
+from .schedules_refused_rank import refuse_schedules
 
 
 def _refuse_gpipe(fn) -> None:
     """In the sealed rank: Forbidden if the answer asks the library for GPipe."""
-    import importlib
-    from ...pipeline import Action
-    allow_type(Action)
-    schedules = importlib.import_module("pplab.pipeline.schedules")
-    if unavailable(schedules):                              # a graded check: the answer cannot reach them
-        return
-    refuse_library(fn, "gpipe_order", "GPipe's order", {"make_schedule": schedules.make_schedule,
-                                                        "gpipe": schedules.gpipe}, "pplab.pipeline's schedules")
+    refuse_schedules(fn, "gpipe_order", "GPipe's order", ("make_schedule", "gpipe"))
 
 
 def _gpipe_rank(fn, calls):

@@ -1,8 +1,7 @@
-"""What runs in the sealed ranks of the pipeline-order and bubble exercises (pipeline.py judges).
+"""What exercise one_f_one_b_order's checker (one_f_one_b_order.py) runs in its sealed ranks.
 
-Kept apart from the checker: a graded check's rank may import this module and nothing of the
-checker (fresh_zygote.py), and, there, pplab.pipeline's schedules are not available at all
-(denied.py), so the probe only lets pplab.pipeline.Action come back as plain data."""
+In a graded check pplab.pipeline's schedules are not available at all (denied.py), so the probe only
+lets pplab.pipeline.Action come back as plain data."""
 from __future__ import annotations
 
 from ..sealed.answers import allow_type

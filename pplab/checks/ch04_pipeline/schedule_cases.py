@@ -7,8 +7,8 @@ chunks takes ("F", i, chunk) / "F3.1" (stage = chunk·p + rank). The checks need
 they play the schedule out with pplab.pipeline.validate (every F and B once, on the right
 rank, no deadlock) and simulate (t_f = 1, t_b = 2) for a few seeded (p, m), m < p and m
 not a multiple of p among them, and compare the step's length and each rank's peak
-activations with the library's GPipe and 1F1B (looped GPipe: the checker's own, below).
-bubble_fraction's answer runs on seeded simulated traces (see its section).
+activations with the library's GPipe and 1F1B (looped GPipe: gpipe_order.py's own).
+bubble_fraction's answer runs on seeded simulated traces (bubble_fraction.py).
 
 """
 from __future__ import annotations

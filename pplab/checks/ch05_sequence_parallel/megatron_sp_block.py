@@ -37,7 +37,6 @@ from torch import nn
 
 from .. import sealed
 from ..core import Fail, Parts, exercise, first_difference, require_function
-from ..core import _fmt
 from .megatron_sp_block_rank import _block_rank, _refuse_library_block
 
 
@@ -232,7 +231,6 @@ def _forward_problem(res, want, biased, layout, foreign):
     diff = _close(res["y"], want)
     if diff is None:
         return None
-    index, g, w = diff
     hint = ""
     if foreign:
         hint = f" {foreign}"
@@ -244,8 +242,7 @@ def _forward_problem(res, want, biased, layout, foreign):
                 hint = (f" It is the output of a block whose {what} bias{'es are' if ' and ' in what else ' is'} t "
                         f"times larger: every rank added the row layer's bias to its partial sum before the "
                         f"reduce-scatter. Add it once, after the reduce-scatter, to this rank's tokens.")
-    return (f"the output differs from the single-process block's at index {index} (got {_fmt(g)}, expected "
-            f"{_fmt(w)}).{hint}")
+    return f"the output differs from the single-process block's {diff}.{hint}"
 
 
 def _input_grad_problem(res, want, calls):
@@ -255,14 +252,12 @@ def _input_grad_problem(res, want, calls):
     diff = _close(got, want)
     if diff is None:
         return None
-    index, g, w = diff
     hint = ""
     if not any(k == "reduce_scatter" for ph, k, _ in calls if ph == "backward"):
         hint = (" Your backward made no reduce-scatter: every rank's column layers give a partial gradient of the "
                 "whole gathered sequence, so g's backward must sum them over the ranks and keep this rank's tokens "
                 "(a reduce-scatter), not just take its own slice.")
-    return (f"x.grad differs from the single-process gradient at index {index} (got {_fmt(g)}, expected "
-            f"{_fmt(w)}).{hint}")
+    return f"x.grad differs from the single-process gradient {diff}.{hint}"
 
 
 def _param_grad_problem(res, ref, mine, shape, t, r):
@@ -280,7 +275,6 @@ def _param_grad_problem(res, ref, mine, shape, t, r):
         diff = _close(got, want)
         if diff is None:
             continue
-        index, g, w = diff
         hint = rule
         if shared:
             own = ref["per_token"][name][mine].sum((0, 1))
@@ -291,8 +285,7 @@ def _param_grad_problem(res, ref, mine, shape, t, r):
                 hint = f" It is zero on this rank, which uses {name} too.{rule}"
             elif _close(got, want / t) is None:
                 hint = f" It is the gradient divided by {t}: sum over the ranks, do not average."
-        return f"{name}.grad differs from its share of the single-process gradient at index {index} " \
-               f"(got {_fmt(g)}, expected {_fmt(w)}).{hint}"
+        return f"{name}.grad differs from its share of the single-process gradient {diff}.{hint}"
     return None
 
 

@@ -31,7 +31,6 @@ import torch.nn.functional as F
 
 from .. import sealed
 from ..core import Parts, exercise, first_difference, require_function
-from ..core import _fmt
 from .ring_attention_rank import _refuse_library_ring, _ring_rank
 
 
@@ -102,8 +101,7 @@ def _differs(what, got, want, hint=""):
         return f"{what} is None after backward: the answer's backward must return a gradient for q, k and v."
     if diff[0] is None:
         return f"{what} has shape {list(got.shape)}, expected {list(want.shape)}."
-    index, g, w = diff
-    return f"{what} differs from the single-process value at index {index} (got {_fmt(g)}, expected {_fmt(w)}).{hint}"
+    return f"{what} differs from the single-process value {diff}.{hint}"
 
 
 def _forward_problem(res, ref, p, c, rank):

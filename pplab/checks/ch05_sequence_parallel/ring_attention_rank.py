@@ -1,9 +1,7 @@
-"""What runs in the sealed ranks of the ring attention capstone (ring_attention_capstone.py judges).
+"""What exercise ring_attention's checker (ring_attention.py) runs in its sealed ranks.
 
-Kept apart from the checker, which holds the references (torch's attention on the whole
-sequence): a graded check's ranks may import this module and nothing of the checker
-(fresh_zygote.py), and, there, pplab.sequence_parallel.ring_attention is not available at
-all (denied.py), so the probe has nothing to refuse."""
+In a graded check pplab.sequence_parallel.ring_attention is not available at all (denied.py), so the
+probe has nothing to refuse."""
 from __future__ import annotations
 
 import torch

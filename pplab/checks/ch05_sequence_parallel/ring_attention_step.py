@@ -16,7 +16,6 @@ import torch
 
 from .. import sealed
 from ..core import Fail, exercise, first_difference, require_function
-from ..core import _fmt
 from .ring_attention_step_rank import _ring_rank
 from .tolerance import TOL
 
@@ -40,8 +39,7 @@ def _compare(got, want, what, where, hint=""):
     diff = first_difference(torch.where(same_inf, torch.zeros_like(got), got),
                             torch.where(same_inf, torch.zeros_like(want), want), atol=TOL, rtol=TOL)
     if diff is not None:
-        index, g, w = diff
-        raise Fail(f"{where}{what} differs at index {index} (got {_fmt(g)}, expected {_fmt(w)}).{hint}")
+        raise Fail(f"{where}{what} differs {diff}.{hint}")
 
 
 def _ring_trials(seed, p):

@@ -1,11 +1,5 @@
-"""The checkers of chapter 6's exercises (notebooks 06_zero): one module per exercise,
-named by its id (exercises/NNx_<id>.ipynb), and its rank-side jobs in <id>_rank.py; fsdp_reference.py, tolerance.py:
-what several of them share.
+"""Chapter 6's checkers (notebooks 06_zero): <id>.py, and <id>_rank.py for its sealed ranks; fsdp_reference,
+tolerance: what they share."""
 
-Imported in the order the chapter links them: the course's order (`pplab grade`'s CSV columns)."""
-from importlib import import_module
-
+# as the notebooks link them: the course's order
 ORDER = ("zero1_step", "zero_bytes", "stage3_unit", "sharded_optimizer", "fsdp")
-
-for _exercise in ORDER:
-    import_module(f"{__name__}.{_exercise}")

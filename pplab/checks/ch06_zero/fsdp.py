@@ -10,8 +10,8 @@ after loss.backward() shards[k].grad must be the rank's piece of the mean gradie
 
 Two sealed launches, N = 2 then 3 (a GPT drawn from the seed, with a unit that N does not
 divide), every rank on a batch of its own: 3 steps in fp32, then 3 from a fresh model with
-compute_dtype fp16 (N = 2) or bf16 (N = 3). fsdp_capstone_rank.py holds what runs in the
-ranks, fsdp_capstone_reference.py what they should give. Five parts, each judged on every rank
+compute_dtype fp16 (N = 2) or bf16 (N = 3). fsdp_rank.py holds what runs in the
+ranks, fsdp_reference.py what they should give. Five parts, each judged on every rank
 and step (the fp32 runs give the first four, the others the fifth); the first rank, unit and
 parameter that differ are named:
 

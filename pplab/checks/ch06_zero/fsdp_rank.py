@@ -1,11 +1,11 @@
-"""What runs in the sealed ranks of the FSDP capstone (fsdp_capstone.py): the job, and what it measures.
+"""What exercise fsdp's checker (fsdp.py) runs in its sealed ranks: the job, and
+what it measures.
 
 The answer gets the GPT's layers each wrapped in a `_Unit`, a module that tells the router
 where the rank is (sealed.phase: "0:F2" = step 0, unit 2's forward compute begins; "0:F2/" it
 ended; "0:B2" / "0:B2/" the same in backward) and, where a unit's compute begins, counts the
 full parameters the rank holds then. After every optimizer.step() the job counts what the rank
-holds between steps. It only records; fsdp_capstone.py judges.
-"""
+holds between steps. It only records; fsdp.py judges."""
 from __future__ import annotations
 
 import functools

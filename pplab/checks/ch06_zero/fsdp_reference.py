@@ -1,4 +1,4 @@
-"""What the ranks of the FSDP capstone (fsdp_capstone.py) should give, worked out in the checker's
+"""What the ranks of the FSDP capstone (fsdp.py) should give, worked out in the checker's
 process: single-process AdamW on the whole batch in fp32, and one step from the masters the
 ranks hold, cast as compute_dtype asks, with the difference allowed at each element."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from ...models import gpt_layers, gpt_loss
 from .fsdp_rank import flat_padded
 
 
-TOL = {torch.float32: 1e-6, torch.float16: 2**-9, torch.bfloat16: 2**-6}     # gradients: fsdp_capstone's docstring
+TOL = {torch.float32: 1e-6, torch.float16: 2**-9, torch.bfloat16: 2**-6}     # gradients: fsdp.py's docstring
 
 
 LOSS_TOL = {torch.float32: 1e-6, torch.float16: 1e-5, torch.bfloat16: 1e-5}
@@ -78,7 +78,7 @@ def reference(t, p, steps):
 
 def one_step(t, p, dtype, masters):
     """One step's losses and gradients from the fp32 masters the ranks hold, cast to dtype as
-    fsdp_capstone's docstring says (so a drift within tolerance does not pile up over the steps)."""
+    fsdp.py's docstring says (so a drift within tolerance does not pile up over the steps)."""
     layers = gpt_layers(t["cfg"], seed=t["model_seed"], dtype=torch.float32)
     with torch.no_grad():
         for layer, flat in zip(layers, masters):

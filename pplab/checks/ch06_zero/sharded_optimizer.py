@@ -43,7 +43,7 @@ import random
 import torch
 
 from .. import sealed
-from ..core import Fail, Forbidden, exercise, first_difference, require_function
+from ..core import Fail, Forbidden, Parts, exercise, first_difference, require_function
 from ..core import _fmt
 from .sharded_optimizer_rank import _OPTIMIZERS, _rank_job, _refuse_library_optimizers, torch
 
@@ -150,36 +150,6 @@ class _Reference:
                     if torch.is_tensor(v) and v.dim() > 0) for p in self.params]
 
 
-class _Verdicts:
-    """Each part: None (not reached), True (right so far) or the message of its first problem."""
-
-    def __init__(self):
-        self.parts = {key: None for key, _ in _PARTS}
-
-    def judge(self, key, problem):
-        if problem is None:
-            if self.parts[key] is None:
-                self.parts[key] = True
-        elif not isinstance(self.parts[key], str):
-            self.parts[key] = problem
-
-    def judged(self) -> bool:
-        return any(v is not None for v in self.parts.values())
-
-    def breakdown(self) -> str:
-        """'Parts: steps = single process ✔ · add_param_group ✘ · ... (3 of 5)'"""
-        def mark(v):
-            return "not reached" if v is None else "✔" if v is True else "✘"
-        marks = " · ".join(f"{label} {mark(self.parts[key])}" for key, label in _PARTS)
-        return f"Parts: {marks} ({self.earned()} of {len(_PARTS)})"
-
-    def earned(self) -> int:
-        return sum(v is True for v in self.parts.values())
-
-    def first_problem(self):
-        return next((v for v in self.parts.values() if isinstance(v, str)), None)
-
-
 def _where(p, j, run):
     """'parameter 4 (group 1, shape [3, 4])'."""
     groups = run["groups"] + [run["added"]]
@@ -253,15 +223,15 @@ def _check_fresh(run, trial_observed, verdicts):
         first, added = [j for g, _ in run["groups"] for j in g], run["added"][0]
         wrong_steps = (_compare(observed, ref, run, members, first, range(STEPS), alternatives, held)
                        or _compare(observed, ref, run, members, added, range(ADD_AT), alternatives, held))
-        verdicts.judge("steps", wrong_steps)
+        verdicts.note("steps", wrong_steps)
         wrong_added = _compare(observed, ref, run, members, added, range(ADD_AT, STEPS), alternatives, held)
         if wrong_added and "did not move" in wrong_added:
             wrong_added += (" Parameters of a group added with add_param_group need an owner and a place in that "
                             "owner's optimizer (optimizer.add_param_group) like the others.")
-        verdicts.judge("add_param_group", wrong_added)
-        verdicts.judge("zero_grad", _check_zero_grad(observed, members, first))
+        verdicts.note("add_param_group", wrong_added)
+        verdicts.note("zero_grad", _check_zero_grad(observed, members, first))
         # All the state must be somewhere only if all the parameters were stepped right.
-        verdicts.judge("sharded", _check_sharded(observed, ref, run, members, whole=not (wrong_steps or wrong_added)))
+        verdicts.note("sharded", _check_sharded(observed, ref, run, members, whole=not (wrong_steps or wrong_added)))
 
 
 def _check_zero_grad(observed, members, params):
@@ -402,7 +372,7 @@ def check_sharded_optimizer(fn, seed: int, timeout: float) -> str:
     require_function(fn, "sharded_optimizer", "params, optimizer_class, group=None, **defaults",
                      [torch.zeros(1)], torch.optim.SGD)
     rng = random.Random(seed)
-    verdicts = _Verdicts()
+    verdicts = Parts([key for key, _ in _PARTS], labels=dict(_PARTS), must_reach=True)
     everyone = [list(range(SAVE_AT))]
     runs = [_run(rng, "AdamW", everyone), _run(rng, "SGD", everyone),
             _run(rng, rng.choice(["AdamW", "SGD"]), [[0, 2], [1]])]
@@ -419,7 +389,7 @@ def check_sharded_optimizer(fn, seed: int, timeout: float) -> str:
         if i < 2:
             problem = _check_saved(observed, list(range(p)))
             if problem is not None:                        # right only once loaded and trained on, at 2 ranks
-                verdicts.judge("state_dict", problem)
+                verdicts.note("state_dict", problem)
             else:
                 saved[i] = (observed[0]["state_dict"], {r: observed[r]["held"] for r in observed})
 
@@ -441,21 +411,19 @@ def check_sharded_optimizer(fn, seed: int, timeout: float) -> str:
             _check_fresh(fresh[i], observed, verdicts)
         else:
             run, saved_ref, start, grads, _, saved_held = loads[i - len(fresh)]
-            verdicts.judge("state_dict", _check_loaded(run, saved_ref, start, grads, observed, saved_held))
+            verdicts.note("state_dict", _check_loaded(run, saved_ref, start, grads, observed, saved_held))
 
     inputs = [[_rank_input(run, r) for r in range(LOAD_AT)] for run in fresh]
     inputs += [[_rank_input(run, r, resume=start, grads=grads, state_dict=sd) for r in range(LOAD_AT)]
                for run, _, start, grads, sd, _ in loads]
     _launch(fn, inputs, LOAD_AT, timeout, runs_here, describe, check_load, verdicts)
 
-    if verdicts.first_problem() is not None:
-        raise Fail(f"{verdicts.first_problem()} {verdicts.breakdown()}.", earned=verdicts.earned())
-    return (f"on world sizes {SAVE_AT} and {LOAD_AT} (AdamW and SGD with momentum, 7 fp32 parameters in 3 groups with "
-            f"their own options, the third added by add_param_group after step {ADD_AT}, {STEPS} steps; and two "
-            f"process groups [0, 2] and [1]): every parameter on every rank = single-process to {ATOL:g} + "
-            f"{RTOL:g}·|x|, zero_grad clears every .grad, optimizer state per rank <= total/N + the largest "
-            f"parameter's, a state_dict saved at {SAVE_AT} ranks and loaded at {LOAD_AT} trains on identically). "
-            f"{verdicts.breakdown()}")
+    return verdicts.finish(f"on world sizes {SAVE_AT} and {LOAD_AT} (AdamW and SGD with momentum, 7 fp32 parameters in 3 "
+                           f"groups with their own options, the third added by add_param_group after step {ADD_AT}, "
+                           f"{STEPS} steps; and two process groups [0, 2] and [1]): every parameter on every rank = "
+                           f"single-process to {ATOL:g} + {RTOL:g}·|x|, zero_grad clears every .grad, optimizer state "
+                           f"per rank <= total/N + the largest parameter's, a state_dict saved at {SAVE_AT} ranks and "
+                           f"loaded at {LOAD_AT} trains on identically)")
 
 
 def _launch(fn, inputs, p, timeout, runs_here, describe, check, verdicts):
@@ -464,19 +432,19 @@ def _launch(fn, inputs, p, timeout, runs_here, describe, check, verdicts):
     def judged(world_size, i, observed, traffic):
         if len(observed) < world_size:                     # the launch failed in this trial: said below
             return
-        before = dict(verdicts.parts)
+        before = dict(verdicts.problems)
         check(world_size, i, observed, traffic)
-        for key, value in verdicts.parts.items():         # a new problem says where it was found
-            if isinstance(value, str) and value != before[key]:
-                verdicts.parts[key] = f"{describe(world_size, i, runs_here)}: {value}"
+        for key, value in verdicts.problems.items():      # a new problem says where it was found
+            if value and value != before[key]:
+                verdicts.problems[key] = f"{describe(world_size, i, runs_here)}: {value}"
     try:
         sealed.run_sealed(_rank_job, fn, inputs, world_size=p, timeout=timeout,
                           exercise=("sharded_optimizer", "a sharded optimizer"), forbidden=(),
                           probe=_refuse_library_optimizers, describe=lambda w, i: describe(w, i, runs_here),
                           check=judged)
     except Fail as failure:
-        if verdicts.judged() and not isinstance(failure, Forbidden):
-            earlier = f" Before that: {verdicts.first_problem()}" if verdicts.first_problem() else ""
+        if verdicts.reached and not isinstance(failure, Forbidden):
+            earlier = f" Before that: {verdicts.first()}" if verdicts.first() else ""
             raise Fail(f"{failure}{earlier} {verdicts.breakdown()}.", failure.seed_matters,
                        earned=verdicts.earned()) from None
         raise

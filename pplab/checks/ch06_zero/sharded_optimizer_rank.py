@@ -1,10 +1,8 @@
-"""What runs in the sealed ranks of the sharded-optimizer capstone (zero_capstone.py judges): the
-job records the parameters after each step, what zero_grad left, and the optimizer state the
-rank really holds.
+"""What exercise sharded_optimizer's checker (sharded_optimizer.py) runs in its sealed ranks. The job records
+the parameters after each step, what zero_grad left, and the optimizer state the rank really holds.
 
-Kept apart from the checker, which holds the references: a graded check's ranks may import
-this module and nothing of the checker (fresh_zygote.py), and, there, pplab.zero is not
-available at all (denied.py), so the probe has nothing to refuse."""
+In a graded check pplab.zero is not available at all (denied.py), so the probe has nothing to
+refuse."""
 from __future__ import annotations
 
 import sys

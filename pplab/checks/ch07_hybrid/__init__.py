@@ -1,11 +1,5 @@
-"""The checkers of chapter 7's exercises (notebooks 07_hybrid): one module per exercise,
-named by its id (exercises/NNx_<id>.ipynb), and its rank-side jobs in <id>_rank.py; layout_costs.py, refuse_planner_rank.py:
-what several of them share.
+"""Chapter 7's checkers (notebooks 07_hybrid): <id>.py, and <id>_rank.py for its sealed ranks; layout_costs,
+refuse_planner_rank: what they share."""
 
-Imported in the order the chapter links them: the course's order (`pplab grade`'s CSV columns)."""
-from importlib import import_module
-
+# as the notebooks link them: the course's order
 ORDER = ("mesh_groups", "pick_layout", "design_layout", "pp_dp_train_step")
-
-for _exercise in ORDER:
-    import_module(f"{__name__}.{_exercise}")

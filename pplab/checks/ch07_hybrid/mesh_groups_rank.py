@@ -1,8 +1,4 @@
-"""The jobs and probes that mesh_groups.py runs in its sealed ranks.
-
-Kept apart from the checker, which holds the references: a graded check's ranks may import
-this module and nothing of the checker (fresh_zygote.py), and there the library modules the
-exercise asks the student to write are not available at all (denied.py)."""
+"""What exercise mesh_groups's checker (mesh_groups.py) runs in its sealed ranks."""
 from __future__ import annotations
 
 from ..sealed.library_view import unavailable

@@ -1,8 +1,5 @@
-"""The jobs and probes that refuse_planner.py runs in its sealed ranks.
-
-Kept apart from the checker, which holds the references: a graded check's ranks may import
-this module and nothing of the checker (fresh_zygote.py), and there the library modules the
-exercise asks the student to write are not available at all (denied.py)."""
+"""The probe pick_layout and design_layout run in their sealed rank: the answer may not ask
+pplab.planner for the layouts' times and memory."""
 from __future__ import annotations
 
 from ..sealed.forbidden import refuse_library

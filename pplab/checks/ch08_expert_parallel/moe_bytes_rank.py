@@ -1,8 +1,7 @@
-"""What runs in the sealed ranks of the MoE dispatch exercise (expert_parallel.py judges).
+"""What exercise moe_bytes's checker (moe_bytes.py) runs in its sealed ranks.
 
-Kept apart from the checker, which holds the references: a graded check's ranks may import
-this module and nothing of the checker (fresh_zygote.py), and, there, pplab.expert_parallel
-is not available at all (denied.py), so the probe has nothing to refuse."""
+In a graded check pplab.expert_parallel is not available at all (denied.py), so the probe has
+nothing to refuse."""
 from __future__ import annotations
 
 import torch

@@ -32,7 +32,6 @@ from torch import nn
 
 from .. import sealed
 from ..core import Fail, Parts, exercise, first_difference, require_function
-from ..core import _fmt
 from .checkpointed_block_rank import _rank_job, _refuse_library_recompute
 
 
@@ -60,8 +59,7 @@ def _exact_problem(plain, mine):
         return f"the module returned {mine['y_shape']}, not a tensor shaped like its input [s, b, h]."
     diff = first_difference(mine["y"].float(), plain["y"].float())
     if diff is not None:
-        index, g, w = diff
-        return (f"the output differs from the block's at index {index} (got {_fmt(g)}, expected {_fmt(w)}): "
+        return (f"the output differs from the block's {diff}: "
                 f"recomputation must not change what the forward computes.")
     tensors = [("x.grad", mine["x_grad"], plain["x_grad"])] + \
         [(f"{n}.grad", mine["grads"].get(n), g) for n, g in plain["grads"].items()]
@@ -70,8 +68,7 @@ def _exact_problem(plain, mine):
             return f"{name} is {'missing' if got is None else list(got.shape)} after backward."
         diff = first_difference(got.float(), want.float())
         if diff is not None:
-            index, g, w = diff
-            return (f"the output is exact but {name} differs at index {index} (got {_fmt(g)}, expected {_fmt(w)}): "
+            return (f"the output is exact but {name} differs {diff}: "
                     f"backward used recomputed tensors that are not the forward's. Dropout drew a new mask when "
                     f"it ran again: put the random state of the forward back before recomputing (torch's "
                     f"checkpoint does it with preserve_rng_state=True).")
