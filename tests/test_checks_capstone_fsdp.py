@@ -1,6 +1,6 @@
 """Chapter 6's FSDP capstone check: registered with its wrong answers, its helpers against values
 worked out by hand, and another correct design passing every part. The solution passing, the
-stub failing and every wrong answer of wrong_solutions_capstone_fsdp.py failing with its message
+stub failing and every wrong answer of wrong_solutions_ch06_fsdp.py failing with its message
 are run by tests/test_checks.py, the solution as source by tests/test_checks_sealed.py."""
 import re
 
@@ -12,7 +12,7 @@ from pplab import checks
 from pplab.checks.ch06_zero import fsdp as capstone
 from pplab.checks.ch06_zero.fsdp_rank import flat_padded, reachable_tensors
 from pplab.checks.ch06_zero.fsdp_reference import _expected
-from wrong_solutions_capstone_fsdp import WRONG, FlatViews, OnlyRank0Steps
+from wrong_solutions_ch06_fsdp import WRONG, FlatViews, OnlyRank0Steps
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 

@@ -1,7 +1,7 @@
 """The capstone of chapter 7, `pp_dp_train_step`: registered, its helpers against hand values and
 pplab.pipeline's own schedules, another correct answer passing (the check asks for values, traffic
 and memory, not for one way of writing it), and the traffic mistakes named. The solution passing,
-the stub failing and every wrong answer of wrong_solutions_capstone_hybrid.py failing with its
+the stub failing and every wrong answer of wrong_solutions_ch07_pp_dp_train_step.py failing with its
 message are run from tests/test_checks.py."""
 import re
 
@@ -14,7 +14,7 @@ from pplab.checks.ch07_hybrid.pp_dp_train_step import _dp_problem, _traffic_prob
 from pplab.checks.ch07_hybrid.pp_dp_train_step_rank import layout
 from pplab.mesh import groups
 from pplab.pipeline import make_schedule
-from wrong_solutions_capstone_hybrid import WRONG
+from wrong_solutions_ch07_pp_dp_train_step import WRONG
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 

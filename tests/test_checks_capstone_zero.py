@@ -1,7 +1,7 @@
 """Chapter 6's capstone check (a sharded optimizer): other correct designs pass, what the check
 computes agrees with values worked out by hand, and the router's `reduce` (which the solution
 uses) sums onto dst only. The solution passing, the stub failing and every wrong answer in
-wrong_solutions_capstone_zero.py failing with its message are run by tests/test_checks.py, and
+wrong_solutions_ch06_sharded_optimizer.py failing with its message are run by tests/test_checks.py, and
 the solution as source by tests/test_checks_sealed.py."""
 import re
 
@@ -12,7 +12,7 @@ import torch.distributed as dist
 from pplab import checks, comm
 from pplab.checks import sealed
 from pplab.checks.ch06_zero import sharded_optimizer as capstone
-from wrong_solutions_capstone_zero import WRONG, OnlyRank0TakesTheUpdates, Owners, StateDictOfMyShard
+from wrong_solutions_ch06_sharded_optimizer import WRONG, OnlyRank0TakesTheUpdates, Owners, StateDictOfMyShard
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 

@@ -1,6 +1,6 @@
 """The exercises of chapter 8 (expert parallelism): registered with their wrong answers, and other
 correct answers pass too (the checks ask for a result, not one way to write it). Every solution
-passing, every stub failing and every wrong answer of wrong_solutions_experts.py failing with its
+passing, every stub failing and every wrong answer of wrong_solutions_ch08_expert_parallel.py failing with its
 message: tests/test_checks.py runs those."""
 import math
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pplab import checks
-from wrong_solutions_experts import WRONG
+from wrong_solutions_ch08_expert_parallel import WRONG
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 

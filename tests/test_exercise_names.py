@@ -62,11 +62,20 @@ def test_rank_modules_are_named_for_their_exercise_or_what_they_share():
             assert (folder / f"{owner}.py").is_file() or owner not in checks.EXERCISES, path
 
 
-def test_wrong_answers_are_registered_under_current_ids():
+# wrong-answer files that hold several chapters' answers, by theme (each other one: wrong_solutions_chNN_<subject>)
+SEVERAL_CHAPTERS = {"chapters", "collectives", "hard", "near_layouts", "scored", "unreachable"}
+
+
+def test_wrong_answers_are_registered_under_current_ids_in_files_named_by_chapter():
     from test_checks import WRONG_ANSWERS, CASES
     assert set(WRONG_ANSWERS) <= set(checks.EXERCISES), set(WRONG_ANSWERS) - set(checks.EXERCISES)
-    for path in sorted((REPO / "tests").glob("wrong_solutions*.py")):     # named by chapter or exercise
-        assert re.fullmatch(r"wrong_solutions(_[a-z0-9_]+)?", path.stem), path.name
+    for path in sorted((REPO / "tests").glob("wrong_solutions*.py")):
+        subject = path.stem.removeprefix("wrong_solutions_")
+        assert subject in SEVERAL_CHAPTERS or re.fullmatch(r"ch[0-9]{2}_[a-z0-9_]+", subject), path.name
+        if subject not in SEVERAL_CHAPTERS:             # its exercises are that chapter's
+            module = importlib.import_module(path.stem)
+            for ex in getattr(module, "WRONG", {}):
+                assert checks.EXERCISES[ex].checker.__module__.startswith(f"pplab.checks.{subject[:4]}_"), (path.name, ex)
     ids = [f"{ex}-{fn.__name__}" for ex, fn, _, _ in CASES]
     assert all(i.split("-")[0] in checks.EXERCISES for i in ids)
 

@@ -2,7 +2,7 @@
 bucketing from scratch), each a mistake a student could make.
 
 WRONG[exercise_id] lists (function, regular expressions the check's message must match,
-timeout for the check or None for the default), as in wrong_solutions.py:
+timeout for the check or None for the default), as in wrong_solutions_ch00_broadcast.py:
 tests/test_checks.py checks that every one of them fails with that message.
 """
 import torch

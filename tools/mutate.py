@@ -835,7 +835,7 @@ MUTANTS = [
     Mutant("pplab/expert_parallel.py", "return all_to_all(g, recv_counts, send_counts, group), None, None, None",
            "return all_to_all(g, send_counts, recv_counts, group), None, None, None", EP,
            "all-to-all backward: gradients sent the forward way"),
-    # checks/collectives.py, data_parallel.py, zero.py, tensor_parallel.py, pipeline.py: the graders.
+    # the graders of chapters 1, 2, 3, 4 and 6 (pplab/checks/chNN_*/<exercise id>.py).
     # A survivor here is a checker that accepts a wrong answer: tests/test_checks.py runs each
     # exercise's right answer (solutions/) and its registered wrong ones (tests/wrong_solutions*.py).
     Mutant("pplab/checks/ch00_start_here/broadcast.py", "sizes = (2, 3, 4)                                    # 3: not a power",

@@ -1,7 +1,7 @@
 # The loosenings of chapter 6's and 10c's checkers (issue 38): for each, a world size dropped, rank 0
 # only, the tolerance widened 100 times, and the blind spots. Each is caught by a near-miss wrong
-# answer in tests/wrong_solutions_zero.py, wrong_solutions_capstone_zero.py,
-# wrong_solutions_capstone_fsdp.py or wrong_solutions_quantised_gather.py (named after each).
+# answer in tests/wrong_solutions_ch06_zero.py, wrong_solutions_ch06_sharded_optimizer.py,
+# wrong_solutions_ch06_fsdp.py or wrong_solutions_ch10_quantised_gather.py (named after each).
 # Run with tools/mutate.py's names in scope (see tools/mutants/README.md).
 
 ZERO1, BYTES, UNIT = CHK("zero1_step", "zero1_"), CHK("zero_bytes", "state_"), CHK("stage3_unit", "linear_")

@@ -2,7 +2,7 @@
 each one mistake a student could make, one of them wrong on ranks other than 0 only.
 
 WRONG[exercise_id] lists (function, regular expressions the check's message must match, timeout
-for the check or None for the default), as in wrong_solutions.py. Every answer here is one
+for the check or None for the default), as in wrong_solutions_ch00_broadcast.py. Every answer here is one
 implementation, `_step`, with one switch turned.
 """
 import torch

@@ -2,7 +2,7 @@
 student could make, among them answers right on rank 0 and wrong on another rank only.
 
 WRONG[exercise_id] lists (function, regular expressions the check's message must match,
-timeout for the check or None for the default), as in wrong_solutions.py.
+timeout for the check or None for the default), as in wrong_solutions_ch00_broadcast.py.
 """
 import torch
 import torch.distributed as dist

@@ -2,7 +2,7 @@
 scores only), each one mistake a student could make, one of them wrong on rank 1 only.
 
 WRONG[exercise_id] lists (function, regular expressions the check's message must match, timeout
-for the check or None for the default), as in wrong_solutions.py.
+for the check or None for the default), as in wrong_solutions_ch00_broadcast.py.
 """
 import torch
 import torch.distributed as dist

@@ -1,7 +1,7 @@
 """Near-miss wrong answers to chapter 2's DDP and top-k exercises (issue 38): right at p = 2 and
 wrong at p = 3, or just outside the checker's tolerance. Each is a correct answer with one thing
 changed; tools/mutants/checks_collectives_dp_clip.py loosens the checker the matching way, and
-only these answers catch it. As in wrong_solutions.py: WRONG[exercise_id] lists (answer, regular
+only these answers catch it. As in wrong_solutions_ch00_broadcast.py: WRONG[exercise_id] lists (answer, regular
 expressions the check's message must match, timeout or None).
 
 CLOSE_BUT_RIGHT lists answers that differ from the reference by far less than the tolerance: they

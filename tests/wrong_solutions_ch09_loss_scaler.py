@@ -1,4 +1,4 @@
-"""Plausible wrong answers to chapter 9b's loss scaler, as in wrong_solutions.py: WRONG[exercise_id]
+"""Plausible wrong answers to chapter 9b's loss scaler, as in wrong_solutions_ch00_broadcast.py: WRONG[exercise_id]
 lists (answer, regular expressions the check's message must match, timeout or None);
 tests/test_checks.py checks that each fails with its message.
 

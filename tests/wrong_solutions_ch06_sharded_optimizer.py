@@ -1,5 +1,5 @@
 """Plausible wrong answers to chapter 6's capstone (a sharded optimizer), each a mistake a student
-could make, as in wrong_solutions.py: WRONG[exercise_id] lists (answer, regular expressions the
+could make, as in wrong_solutions_ch00_broadcast.py: WRONG[exercise_id] lists (answer, regular expressions the
 check's message must match, timeout or None). tests/test_checks.py checks that each fails with
 its message.
 

@@ -2,7 +2,7 @@
 backward, zigzag layout), each one mistake a student could make, one of them wrong on rank 1 only.
 
 WRONG[exercise_id] lists (function, regular expressions the check's message must match, timeout
-for the check or None for the default), as in wrong_solutions.py. Every ring answer here is one
+for the check or None for the default), as in wrong_solutions_ch00_broadcast.py. Every ring answer here is one
 implementation, `_Ring` (masks by global positions, torch.distributed's isend/irecv), with one
 switch turned; with none turned it is right (tests/test_checks_capstone_ring.py).
 """

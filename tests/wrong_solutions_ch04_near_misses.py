@@ -1,7 +1,7 @@
 """Near misses of chapter 4's exercises (issue 38): wrong answers that are right at p = 2, wrong on
 one rank other than 0 only, or off by a little more than the check's tolerance, each a plausible
 student slip. WRONG[exercise_id] lists (function, regexes the message must match, timeout or None),
-as in wrong_solutions.py; tests/test_checks.py collects this file with the others.
+as in wrong_solutions_ch00_broadcast.py; tests/test_checks.py collects this file with the others.
 """
 import torch
 

@@ -1,7 +1,7 @@
 """Plausible wrong answers to the exercises of chapter 5, each a mistake a student could make.
 
 WRONG[exercise_id] lists (function, regular expressions the check's message must match,
-timeout for the check or None for the default), as in wrong_solutions.py.
+timeout for the check or None for the default), as in wrong_solutions_ch00_broadcast.py.
 """
 import math
 

@@ -2,7 +2,7 @@
 sequence parallelism), each one mistake a student could make, one of them wrong on rank 1 only.
 
 WRONG[exercise_id] lists (function, regular expressions the check's message must match, timeout
-for the check or None for the default), as in wrong_solutions.py. Every answer here is one
+for the check or None for the default), as in wrong_solutions_ch00_broadcast.py. Every answer here is one
 implementation, `_block`, with one switch turned.
 """
 import copy

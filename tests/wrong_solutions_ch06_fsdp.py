@@ -1,5 +1,5 @@
 """Plausible wrong answers to chapter 6's FSDP capstone (`FSDP`), each a mistake a student could
-make, as in wrong_solutions.py: WRONG[exercise_id] lists (answer, regular expressions the check's
+make, as in wrong_solutions_ch00_broadcast.py: WRONG[exercise_id] lists (answer, regular expressions the check's
 message must match, timeout or None). tests/test_checks.py checks that each fails with its message.
 
 Each wrong answer is `FlatViews` (a correct answer written apart from the solution notebook's:

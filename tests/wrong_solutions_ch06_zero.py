@@ -1,7 +1,7 @@
 """Plausible wrong answers to chapter 6's exercises (ZeRO), each a mistake a student could make.
 
 WRONG[exercise_id] lists (function, regular expressions the check's message must match,
-timeout for the check or None for the default), as in wrong_solutions.py:
+timeout for the check or None for the default), as in wrong_solutions_ch00_broadcast.py:
 tests/test_checks.py checks that every one of them fails with that message.
 """
 import torch
