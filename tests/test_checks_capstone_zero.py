@@ -175,14 +175,14 @@ def test_where_two_state_dicts_differ():
 
 
 def test_the_breakdown_names_each_part():
-    verdicts = capstone._Verdicts()
-    verdicts.judge("steps", None)
-    verdicts.judge("sharded", "rank 1 holds too much")
-    verdicts.judge("sharded", None)                                      # a problem stays a problem
+    verdicts = capstone._verdicts()
+    verdicts.note("steps", None)
+    verdicts.note("sharded", "rank 1 holds too much")
+    verdicts.note("sharded", None)                                       # a problem stays a problem
     assert verdicts.breakdown() == ("Parts: steps = single process ✔ · add_param_group not reached · zero_grad not "
                                     "reached · state split over the ranks ✘ · state_dict 3 → 2 ranks not reached "
                                     "(1 of 5)")
-    assert verdicts.first_problem() == "rank 1 holds too much"
+    assert verdicts.first() == "rank 1 holds too much" and verdicts.earned() == 1
 
 
 class CrashesOnLoad(Owners):

@@ -150,6 +150,12 @@ class _Reference:
                     if torch.is_tensor(v) and v.dim() > 0) for p in self.params]
 
 
+def _verdicts() -> Parts:
+    """The check's parts: each earns once judged without a problem; one the run never reached
+    (a crash before it) shows "not reached" and earns nothing."""
+    return Parts([key for key, _ in _PARTS], labels=dict(_PARTS), must_reach=True)
+
+
 def _where(p, j, run):
     """'parameter 4 (group 1, shape [3, 4])'."""
     groups = run["groups"] + [run["added"]]
@@ -372,7 +378,7 @@ def check_sharded_optimizer(fn, seed: int, timeout: float) -> str:
     require_function(fn, "sharded_optimizer", "params, optimizer_class, group=None, **defaults",
                      [torch.zeros(1)], torch.optim.SGD)
     rng = random.Random(seed)
-    verdicts = Parts([key for key, _ in _PARTS], labels=dict(_PARTS), must_reach=True)
+    verdicts = _verdicts()
     everyone = [list(range(SAVE_AT))]
     runs = [_run(rng, "AdamW", everyone), _run(rng, "SGD", everyone),
             _run(rng, rng.choice(["AdamW", "SGD"]), [[0, 2], [1]])]
