@@ -322,4 +322,4 @@ def test_solution_lines_count_the_code_between_the_markers():
     assert exercises.solution_lines(nb) == 3
     table = exercises.exercises_table({"02_ddp_from_scratch.ipynb": nb, "09z_unknown.ipynb": nb})
     assert "| `02_ddp_from_scratch` | 2 | DDP from scratch" in table and "| 3 | 1 |" in table
-    assert "| `09z_unknown` | 9 | (no check) | 3 | - |" in table and "6 lines of solution code" in table
+    assert "| `09z_unknown` | 9z | (no check) | 3 | - |" in table and "6 lines of solution code" in table
