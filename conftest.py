@@ -27,12 +27,14 @@ def pytest_configure(config):
 
 @pytest.hookimpl(tryfirst=True)          # before -m picks the items by their markers
 def pytest_collection_modifyitems(config, items):
-    from chapters import chapters_of
+    from chapters import chapters_of, exercises_named
     from prediction_answers import fill_in
     for item in items:
         params = item.callspec.params if hasattr(item, "callspec") else None
         for chapter in chapters_of(Path(str(item.path)), params):
             item.add_marker(getattr(pytest.mark, f"ch{chapter}"))
+        if item.path.name.startswith("test_checks"):     # pytest -k <exercise id> selects its checker's tests
+            item.extra_keyword_matches.update(exercises_named(getattr(item, "function", None), item.path, params))
         if type(item).__name__ == "IPyNbCell" and item.cell.cell_type == "code":
             item.cell.source = fill_in(item.path.stem, item.cell.source)
     if hasattr(config, "workerinput"):                  # an xdist process: in the order make test wants

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-NOTEBOOKS = ["00_broadcast", "01b_ring_all_reduce", "03d_linear_traffic"]   # 1 point each, then and now
+NOTEBOOKS = ["00_broadcast", "01_ring_all_reduce", "03_linear_traffic"]   # 1 point each, then and now
 BASELINE = "3958f32"          # main before the sandbox (session 5)
 
 

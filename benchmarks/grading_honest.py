@@ -2,7 +2,7 @@
 complete correct notebook, this tree against the grader of commit 32a48b1 (before them).
 
     python benchmarks/grading_honest.py                          # 00_broadcast, 3 rounds each
-    python benchmarks/grading_honest.py --notebook 06d_sharded_optimizer --rounds 5
+    python benchmarks/grading_honest.py --notebook 06_sharded_optimizer --rounds 5
     python benchmarks/grading_honest.py --side-by-side     # each round: old and new at the same time
 
 Goal: at most 1.1x the old grader's time. Both graders grade the same folder (one solution

@@ -256,7 +256,7 @@ class Timings:
     pair_tries: list = field(default_factory=list)       # per size, every try of two exchanges back to back
 
 
-def _fit_line(sizes, times):
+def fit_line(sizes, times):
     """α, β minimising the *relative* error Σ((α + βn - t)/t)²: small and large sizes count alike."""
     w = [1 / t ** 2 for t in times]
     sw, sn = sum(w), sum(wi * n for wi, n in zip(w, sizes))
@@ -273,8 +273,8 @@ def _fit_line(sizes, times):
 
 def fit_timings(t: Timings) -> Fit:
     """Fit the model's parameters to measured (or made-up) timings. No ranks, no clock."""
-    alpha, beta = _fit_line(t.sizes, t.one_way)
-    alpha2, beta2 = _fit_line(t.sizes, t.exchange)
+    alpha, beta = fit_line(t.sizes, t.one_way)
+    alpha2, beta2 = fit_line(t.sizes, t.exchange)
     delta, sigma = max(0.0, t.start), {}
     if t.cores and t.tiny_ranks > t.cores:      # a tiny step on b = 2c ranks takes s·α' + σ'·w (+ its share of δ)
         s, w, steps = t.tiny_ranks / t.cores, 1 - t.cores / t.tiny_ranks, 2 * (t.tiny_ranks - 1)

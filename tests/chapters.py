@@ -47,6 +47,7 @@ TEST_FILES = {
     "test_experts_at_scale": ["11"],
     "test_expert_parallel": ["08"],
     "test_explorer_in_jupyterlab": ["04"],
+    "test_exercise_names": ["course"],
     "test_flops": ["10"],
     "test_fp8": ["11"],
     "test_fsdp_like_cs336": ["06"],
@@ -117,6 +118,30 @@ def exercise_chapters() -> dict[str, str]:
         for exercise in re.findall(r'check\(\\"(\w+)\\"', path.read_text()):
             found[exercise] = chapters_of(path)[0]
     return found
+
+
+@lru_cache(maxsize=None)
+def _quoted(path: Path) -> frozenset:
+    return frozenset(re.findall(r"[\"'](\w+)[\"']", path.read_text()))
+
+
+def exercises_named(function, path: Path, params: dict | None = None) -> set[str]:
+    """The exercise ids a test of the checkers is about: its parameter that names one, or the ids
+    its function's body names in quotes, or else the one its file names (a file about one capstone)."""
+    import inspect
+    ids = set(exercise_chapters())
+    named = {v for v in (params or {}).values() if isinstance(v, str) and v in ids}
+    if named:
+        return named
+    try:
+        body = inspect.getsource(function).partition("def ")[2] if function else ""
+        named = set(re.findall(r"[\"'](\w+)[\"']", body)) & ids
+    except (OSError, TypeError):
+        named = set()
+    if not named:
+        in_file = _quoted(path) & ids
+        named = in_file if len(in_file) == 1 else set()
+    return named
 
 
 def chapters_of(path: Path, params: dict | None = None) -> list[str]:

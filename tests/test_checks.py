@@ -51,7 +51,8 @@ def test_stub_fails_as_not_implemented(exercise_id, capsys):
 CASES = [(ex, fn, patterns, timeout) for ex, cases in WRONG_ANSWERS.items() for fn, patterns, timeout in cases]
 
 
-@pytest.mark.parametrize("exercise_id, fn, patterns, timeout", CASES, ids=[c[1].__name__ for c in CASES])
+@pytest.mark.parametrize("exercise_id, fn, patterns, timeout", CASES,
+                         ids=[f"{c[0]}-{c[1].__name__}" for c in CASES])   # pytest -k <exercise id> selects them
 def test_wrong_answer_fails_with_a_clear_message(exercise_id, fn, patterns, timeout):
     result = checks.run_check(exercise_id, fn, timeout=timeout or 30.0)
     assert not result
@@ -117,7 +118,7 @@ def test_course_collectives_are_refused_too():
 # -- the check itself -------------------------------------------------------------
 
 def test_the_seed_reproduces_a_failure():
-    from wrong_solutions import broadcast_to_next_only
+    from wrong_solutions_ch00_broadcast import broadcast_to_next_only
 
     first = checks.run_check("broadcast", broadcast_to_next_only, seed=12345)
     again = checks.run_check("broadcast", broadcast_to_next_only, seed=12345)
@@ -128,12 +129,13 @@ def test_the_seed_reproduces_a_failure():
 
 
 def test_trials_cover_every_src_dtype_and_shape():
+    from pplab.checks.ch00_start_here import broadcast
     for p in (2, 3, 4):
-        trials = checks.collectives._broadcast_trials(7, p)
+        trials = broadcast._broadcast_trials(7, p)
         assert {t.src for t in trials} == set(range(p))
-        assert {(t.dtype, t.shape) for t in trials} == set(checks.collectives._BROADCAST_CASES)
+        assert {(t.dtype, t.shape) for t in trials} == set(broadcast._BROADCAST_CASES)
         assert any(t.shape == (1,) for t in trials) and any(t.src != 0 for t in trials)
-    assert checks.collectives._broadcast_trials(1, 4) != checks.collectives._broadcast_trials(2, 4)
+    assert broadcast._broadcast_trials(1, 4) != broadcast._broadcast_trials(2, 4)
 
 
 def test_unknown_exercise_lists_the_known_ones():
@@ -149,7 +151,7 @@ def test_wrong_signature_and_missing_answer():
 
 
 def test_result_prints_once_and_is_truthy_only_on_pass(capsys):
-    from wrong_solutions import broadcast_with_library
+    from wrong_solutions_ch00_broadcast import broadcast_with_library
 
     result = pplab.checks.check("broadcast", broadcast_with_library)
     out = capsys.readouterr().out
@@ -282,15 +284,15 @@ def test_an_answer_scored_on_quality_earns_what_it_is_worth(scored_exercises):
 
 
 def test_a_one_point_exercise_reads_as_before():
-    result = checks.run_check("1f1b_order", 0.5, seed=1)
+    result = checks.run_check("one_f_one_b_order", 0.5, seed=1)
     assert result.points == 1 and result.score in (0, 1) and "points]" not in result.message
 
 
 def test_other_correct_chapter_10_answers_pass():
     """Chapter 10's checks pass right answers written apart from the solutions: a gather by direct
-    sends (wrong_solutions_quantised_gather), the bytes counted group by group (wrong_solutions_cluster)."""
-    from wrong_solutions_cluster import _place
-    from wrong_solutions_quantised_gather import quantised_gather
+    sends (wrong_solutions_ch10_quantised_gather), the bytes counted group by group (wrong_solutions_ch10_place_layout)."""
+    from wrong_solutions_ch10_place_layout import _place
+    from wrong_solutions_ch10_quantised_gather import quantised_gather
     for exercise_id, fn in (("quantised_gather", quantised_gather), ("place_layout", _place)):
         result = checks.run_check(exercise_id, fn)
         assert result, result.message

@@ -1,6 +1,6 @@
 """Chapter 6's FSDP capstone check: registered with its wrong answers, its helpers against values
 worked out by hand, and another correct design passing every part. The solution passing, the
-stub failing and every wrong answer of wrong_solutions_capstone_fsdp.py failing with its message
+stub failing and every wrong answer of wrong_solutions_ch06_fsdp.py failing with its message
 are run by tests/test_checks.py, the solution as source by tests/test_checks_sealed.py."""
 import re
 
@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 from pplab import checks
-from pplab.checks import fsdp_capstone as capstone
-from pplab.checks.fsdp_capstone_rank import flat_padded, reachable_tensors
-from pplab.checks.fsdp_capstone_reference import _expected
-from wrong_solutions_capstone_fsdp import WRONG, FlatViews, OnlyRank0Steps
+from pplab.checks.ch06_zero import fsdp as capstone
+from pplab.checks.ch06_zero.fsdp_rank import flat_padded, reachable_tensors
+from pplab.checks.ch06_zero.fsdp_reference import _expected
+from wrong_solutions_ch06_fsdp import WRONG, FlatViews, OnlyRank0Steps
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
@@ -21,7 +21,7 @@ def test_the_capstone_registers_one_exercise_with_its_wrong_answers():
     ids = sorted(i for i, ex in checks.EXERCISES.items() if ex.checker.__module__ == capstone.__name__)
     assert ids == ["fsdp"] == sorted(WRONG)
     ex = checks.get_exercise("fsdp")
-    assert ex.notebook == "06e_fsdp" and ex.points == 5 and ex.answer == "FSDP" and ex.sealed
+    assert ex.notebook == "06_fsdp" and ex.points == 5 and ex.answer == "FSDP" and ex.sealed
     assert OnlyRank0Steps in [fn for fn, _, _ in WRONG["fsdp"]]           # wrong on ranks other than 0 only
 
 

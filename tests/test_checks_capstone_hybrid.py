@@ -1,7 +1,7 @@
 """The capstone of chapter 7, `pp_dp_train_step`: registered, its helpers against hand values and
 pplab.pipeline's own schedules, another correct answer passing (the check asks for values, traffic
 and memory, not for one way of writing it), and the traffic mistakes named. The solution passing,
-the stub failing and every wrong answer of wrong_solutions_capstone_hybrid.py failing with its
+the stub failing and every wrong answer of wrong_solutions_ch07_pp_dp_train_step.py failing with its
 message are run from tests/test_checks.py."""
 import re
 
@@ -10,19 +10,20 @@ import torch
 import torch.distributed as dist
 
 from pplab import checks
-from pplab.checks.hybrid_capstone import _dp_problem, _traffic_problem, layout, peak_held
+from pplab.checks.ch07_hybrid.pp_dp_train_step import _dp_problem, _traffic_problem, peak_held
+from pplab.checks.ch07_hybrid.pp_dp_train_step_rank import layout
 from pplab.mesh import groups
 from pplab.pipeline import make_schedule
-from wrong_solutions_capstone_hybrid import WRONG
+from wrong_solutions_ch07_pp_dp_train_step import WRONG
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
 
 def test_the_capstone_registers_with_its_wrong_answers():
-    ids = [i for i, ex in checks.EXERCISES.items() if ex.checker.__module__ == "pplab.checks.hybrid_capstone"]
+    ids = [i for i, ex in checks.EXERCISES.items() if ex.checker.__module__ == "pplab.checks.ch07_hybrid.pp_dp_train_step"]
     assert ids == ["pp_dp_train_step"] and set(WRONG) == set(ids)
     ex = checks.get_exercise("pp_dp_train_step")
-    assert ex.notebook == "07d_pp_dp_trainer" and ex.points == 5
+    assert ex.notebook == "07_pp_dp_train_step" and ex.points == 5
     assert any("rank 0 only" in (fn.__doc__ or "") for fn, _, _ in WRONG["pp_dp_train_step"])
 
 
@@ -155,6 +156,6 @@ def _one_f_one_b(m, warmup):
     (0, _one_f_one_b(4, 2), r"^it ran 4 forwards and 4 backwards of its stage; the step has m = 5"),
 ])
 def test_1f1b_memory_wants_pp_minus_s_at_the_peak(s, events, words):
-    from pplab.checks.hybrid_capstone import _memory_problem
+    from pplab.checks.ch07_hybrid.pp_dp_train_step import _memory_problem
     problem = _memory_problem({"events": events}, {"m": 5, "pp": 3}, s)
     assert problem is None if words is None else re.search(words, problem), problem

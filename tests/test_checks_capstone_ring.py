@@ -2,24 +2,24 @@
 registered, its layout and traffic counts against hand values, another correct answer passing
 (the check asks for values and traffic, not for one way of writing it), and the traffic
 mistakes worded from hand-made records. The solution passing, the stub failing and every wrong
-answer of wrong_solutions_capstone_ring.py failing with its message are run from tests/test_checks.py."""
+answer of wrong_solutions_ch05_ring_attention.py failing with its message are run from tests/test_checks.py."""
 import re
 
 import pytest
 
 from pplab import checks
-from pplab.checks.ring_attention_capstone import _traffic_problem, traffic_blocks, zigzag_index
-from wrong_solutions_capstone_ring import WRONG, ring_by_positions
+from pplab.checks.ch05_sequence_parallel.ring_attention import _traffic_problem, traffic_blocks, zigzag_index
+from wrong_solutions_ch05_ring_attention import WRONG, ring_by_positions
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
 
 def test_the_capstone_registers_with_its_wrong_answers():
     ids = [i for i, ex in checks.EXERCISES.items()
-           if ex.checker.__module__ == "pplab.checks.ring_attention_capstone"]
+           if ex.checker.__module__ == "pplab.checks.ch05_sequence_parallel.ring_attention"]
     assert ids == ["ring_attention"] and set(WRONG) == set(ids)
     ex = checks.get_exercise("ring_attention")
-    assert ex.notebook == "05e_ring_attention" and ex.points == 4 and ex.sealed
+    assert ex.notebook == "05_ring_attention" and ex.points == 4 and ex.sealed
     assert any("rank 0 only" in (fn.__doc__ or "") for fn, _, _ in WRONG["ring_attention"])
 
 
@@ -41,9 +41,9 @@ def test_another_correct_answer_passes_with_every_part():
 
 
 def test_an_answer_within_the_tolerance_passes():
-    """The merge normalised with an epsilon of 1e-12 (wrong_solutions_capstone_ring's near miss has
+    """The merge normalised with an epsilon of 1e-12 (wrong_solutions_ch05_ring_attention's near miss has
     1e-8): far inside the tolerance 1e-9, so it passes with every part."""
-    from wrong_solutions_capstone_ring import _ring
+    from wrong_solutions_ch05_ring_attention import _ring
     result = checks.run_check("ring_attention", _ring(eps=1e-12))
     assert result, result.message
 

@@ -1,7 +1,7 @@
 """The capstone of chapter 5, `megatron_sp_block`: registered, its traffic formula against hand
 values and against the bytes the library's own Megatron-SP block really sends, and another correct
 answer passing (the check asks for values and traffic, not for one way of writing it). The
-solution passing, the stub failing and every wrong answer of wrong_solutions_capstone_sp.py
+solution passing, the stub failing and every wrong answer of wrong_solutions_ch05_megatron_sp_block.py
 failing with its message are run from tests/test_checks.py."""
 import copy
 
@@ -13,17 +13,17 @@ from torch import nn
 
 import pplab
 from pplab import checks, trace
-from pplab.checks.sequence_parallel_capstone import traffic_formula
-from wrong_solutions_capstone_sp import WRONG
+from pplab.checks.ch05_sequence_parallel.megatron_sp_block import traffic_formula
+from wrong_solutions_ch05_megatron_sp_block import WRONG
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
 
 def test_the_capstone_registers_with_its_wrong_answers():
     ids = [i for i, ex in checks.EXERCISES.items()
-           if ex.checker.__module__ == "pplab.checks.sequence_parallel_capstone"]
+           if ex.checker.__module__ == "pplab.checks.ch05_sequence_parallel.megatron_sp_block"]
     assert ids == ["megatron_sp_block"] and set(WRONG) == set(ids)
-    assert checks.get_exercise("megatron_sp_block").notebook == "05d_megatron_sp_block"
+    assert checks.get_exercise("megatron_sp_block").notebook == "05_megatron_sp_block"
     assert any("rank 0 only" in (fn.__doc__ or "") for fn, _, _ in WRONG["megatron_sp_block"])
 
 
@@ -146,8 +146,8 @@ def test_another_correct_answer_passes_with_every_part():
 
 def test_attention_in_float64_passes_within_the_float32_tolerance():
     """Attention's core in float64 and cast back: about 1e-7 from the float32 reference, inside the
-    tolerance 1e-4 (the near miss in bfloat16, about 1e-3, fails: wrong_solutions_capstone_sp.py)."""
-    from wrong_solutions_capstone_sp import _Block
+    tolerance 1e-4 (the near miss in bfloat16, about 1e-3, fails: wrong_solutions_ch05_megatron_sp_block.py)."""
+    from wrong_solutions_ch05_megatron_sp_block import _Block
     result = checks.run_check("megatron_sp_block", lambda block, group=None: _Block(block, group,
                                                                                     attention_dtype=torch.float64))
     assert result, result.message
@@ -175,7 +175,7 @@ def _record(forward, backward):
 ])
 def test_traffic_mistakes_are_named(change, words):
     import re
-    from pplab.checks.sequence_parallel_capstone import _traffic_problem
+    from pplab.checks.ch05_sequence_parallel.megatron_sp_block import _traffic_problem
     t, shape = 2, {"s": 8, "b": 1, "h": 4}
     A = 4 * 8 * 1 * 4                                          # bytes of one whole float32 activation
     ag, rs = ("all_gather", A // t), ("reduce_scatter", A)

@@ -1,7 +1,7 @@
 """Chapter 6's capstone check (a sharded optimizer): other correct designs pass, what the check
 computes agrees with values worked out by hand, and the router's `reduce` (which the solution
 uses) sums onto dst only. The solution passing, the stub failing and every wrong answer in
-wrong_solutions_capstone_zero.py failing with its message are run by tests/test_checks.py, and
+wrong_solutions_ch06_sharded_optimizer.py failing with its message are run by tests/test_checks.py, and
 the solution as source by tests/test_checks_sealed.py."""
 import re
 
@@ -11,8 +11,8 @@ import torch.distributed as dist
 
 from pplab import checks, comm
 from pplab.checks import sealed
-from pplab.checks import zero_capstone as capstone
-from wrong_solutions_capstone_zero import WRONG, OnlyRank0TakesTheUpdates, Owners, StateDictOfMyShard
+from pplab.checks.ch06_zero import sharded_optimizer as capstone
+from wrong_solutions_ch06_sharded_optimizer import WRONG, OnlyRank0TakesTheUpdates, Owners, StateDictOfMyShard
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
@@ -175,14 +175,14 @@ def test_where_two_state_dicts_differ():
 
 
 def test_the_breakdown_names_each_part():
-    verdicts = capstone._Verdicts()
-    verdicts.judge("steps", None)
-    verdicts.judge("sharded", "rank 1 holds too much")
-    verdicts.judge("sharded", None)                                      # a problem stays a problem
+    verdicts = capstone._verdicts()
+    verdicts.note("steps", None)
+    verdicts.note("sharded", "rank 1 holds too much")
+    verdicts.note("sharded", None)                                       # a problem stays a problem
     assert verdicts.breakdown() == ("Parts: steps = single process ✔ · add_param_group not reached · zero_grad not "
                                     "reached · state split over the ranks ✘ · state_dict 3 → 2 ranks not reached "
                                     "(1 of 5)")
-    assert verdicts.first_problem() == "rank 1 holds too much"
+    assert verdicts.first() == "rank 1 holds too much" and verdicts.earned() == 1
 
 
 class CrashesOnLoad(Owners):

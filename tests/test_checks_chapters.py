@@ -14,13 +14,14 @@ from wrong_solutions_scored import WRONG as WRONG_SCORED
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
-MODULES = ("pplab.checks.collectives", "pplab.checks.data_parallel", "pplab.checks.pipeline")
-IDS = sorted(i for i, ex in checks.EXERCISES.items() if ex.checker.__module__ in MODULES and i != "broadcast")
+IDS = sorted(i for i, ex in checks.EXERCISES.items()       # chapters 1, 2 and 4 but their two harder ones
+             if ex.checker.__module__.split(".")[2] in ("ch01_collectives", "ch02_data_parallel", "ch04_pipeline")
+             and i not in ("ddp_from_scratch", "pipeline_executor"))
 
 
 def test_the_chapters_register_their_exercises():
     assert IDS == sorted(["ring_all_reduce", "reduce_scatter", "predict_time", "ddp_buckets",
-                          "topk_error_feedback", "gpipe_order", "1f1b_order", "bubble_fraction", "zero_bubble"])
+                          "topk_error_feedback", "gpipe_order", "one_f_one_b_order", "bubble_fraction", "zero_bubble"])
     assert set(WRONG) | {"zero_bubble"} == set(IDS) and "zero_bubble" in WRONG_SCORED
 
 
@@ -119,7 +120,7 @@ def predict_from_medians_and_two_sizes(timings, p, n_bytes):
     ("ring_all_reduce", ring_all_reduce_baidu_order),
     ("topk_error_feedback", topk_int32_any_order),
     ("gpipe_order", gpipe_as_strings_backwards_newest_first),
-    ("1f1b_order", one_f_one_b_from_the_library),
+    ("one_f_one_b_order", one_f_one_b_from_the_library),
     ("ddp_buckets", ddp_with_torch_distributed),
 ])
 def test_other_correct_answers_pass(exercise_id, fn):
@@ -131,7 +132,7 @@ def test_other_correct_answers_pass(exercise_id, fn):
 
 @pytest.mark.parametrize("exercise_id, wrong", [("ring_all_reduce", "all_reduce_off_by_one"),
                                                 ("predict_time", "predict_forgets_factor_two"),
-                                                ("1f1b_order", "one_f_one_b_warmup_one_too_many")])
+                                                ("one_f_one_b_order", "one_f_one_b_warmup_one_too_many")])
 def test_the_seed_reproduces_a_failure(exercise_id, wrong):
     import wrong_solutions_chapters
 
@@ -166,7 +167,7 @@ def test_wrong_signatures_and_answers_that_are_not_numbers():
     assert "must return a dict with 'per_rank', 'overall' and 'idle'; got '3/8'" in message
     message = checks.run_check("predict_time", lambda timings, p, n_bytes: 1 / 0).message
     assert re.search(r"raised ZeroDivisionError: division by zero \(in <lambda>, line \d+", message)
-    message = checks.run_check("1f1b_order", lambda p, m: [["F0"]] * (p - 1)).message
+    message = checks.run_check("one_f_one_b_order", lambda p, m: [["F0"]] * (p - 1)).message
     assert "must return one list of actions per rank" in message
     message = checks.run_check("gpipe_order", lambda p, m, v: [[("X", 0)]] * p).message
     assert "('X', 0) is not an action: write ('F', i) or ('F', i, chunk)" in message

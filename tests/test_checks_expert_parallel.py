@@ -1,6 +1,6 @@
 """The exercises of chapter 8 (expert parallelism): registered with their wrong answers, and other
 correct answers pass too (the checks ask for a result, not one way to write it). Every solution
-passing, every stub failing and every wrong answer of wrong_solutions_experts.py failing with its
+passing, every stub failing and every wrong answer of wrong_solutions_ch08_expert_parallel.py failing with its
 message: tests/test_checks.py runs those."""
 import math
 
@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from pplab import checks
-from wrong_solutions_experts import WRONG
+from wrong_solutions_ch08_expert_parallel import WRONG
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
-IDS = sorted(i for i, ex in checks.EXERCISES.items() if ex.checker.__module__ == "pplab.checks.expert_parallel")
+IDS = sorted(i for i, ex in checks.EXERCISES.items() if ex.checker.__module__.startswith("pplab.checks.ch08_expert_parallel."))
 
 
 def test_chapter_8_registers_its_exercises():

@@ -1,4 +1,4 @@
-"""The two harder exercises (4d: the executor loop on real ranks, 2c: DDP bucketing from
+"""The two harder exercises (pipeline_executor: the executor loop on real ranks, ddp_from_scratch: DDP from
 scratch): other correct answers pass too (the checks ask for a result, not one way of
 writing it), and the bucket reading the DDP check relies on. Every solution passing, every
 stub failing and every wrong answer in wrong_solutions_hard.py failing with its message
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
 
 def test_the_hard_exercises_are_registered_with_their_wrong_answers():
-    assert {checks.get_exercise(i).notebook for i in WRONG} == {"04d_1f1b_executor", "02c_ddp_from_scratch"}
+    assert {checks.get_exercise(i).notebook for i in WRONG} == {"04_pipeline_executor", "02_ddp_from_scratch"}
     for cases in WRONG.values():
         assert len(cases) >= 6
 
@@ -191,12 +191,12 @@ def ddp_as_a_class(model, group, cap_bytes):
 
 @pytest.mark.parametrize("fn", [ddp_tensor_hooks_and_torch_distributed, ddp_as_a_class])
 def test_other_correct_ddps_pass(fn):
-    result = checks.run_check("ddp_bucketing", fn)
+    result = checks.run_check("ddp_from_scratch", fn)
     assert result, result.message
 
 
 def test_the_all_reduces_are_read_as_buckets_of_whole_parameters():
-    from pplab.checks.ddp_bucketing import _buckets_of
+    from pplab.checks.ch02_data_parallel.ddp_from_scratch import _buckets_of
     params = [("a", 4, 16), ("b", 2, 8), ("c", 6, 24)]
     assert [[n for n, _, _ in b] for b in _buckets_of([6, 6], params)] == [["a", "b"], ["c"]]
     assert _buckets_of([4, 3, 5], params) is None          # cuts a parameter in two

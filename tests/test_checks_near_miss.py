@@ -23,7 +23,7 @@ def _close_but_right() -> list:
 CASES = _close_but_right()
 
 
-@pytest.mark.parametrize("exercise_id, fn", CASES, ids=[fn.__name__ for _, fn in CASES])
+@pytest.mark.parametrize("exercise_id, fn", CASES, ids=[f"{ex}-{fn.__name__}" for ex, fn in CASES])
 def test_a_right_answer_rounded_differently_passes(exercise_id, fn):
     assert exercise_id in checks.EXERCISES
     result = checks.run_check(exercise_id, fn)

@@ -5,8 +5,8 @@ import pytest
 
 from notebook_answers import solution
 from pplab import checks
-from wrong_solutions_capstone_hybrid import _step
-from wrong_solutions_near_pipeline import executor_scaled
+from wrong_solutions_ch07_pp_dp_train_step import _step
+from wrong_solutions_ch04_near_misses import executor_scaled
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 

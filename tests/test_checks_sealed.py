@@ -62,7 +62,7 @@ def _token(tensor, src):
 def steals_from_frames(tensor, src):
     """Look for the seed, the trials and another rank's input in the stack and the heap,
     write src's tensor without sending it; then a token message."""
-    import pplab.checks.collectives as c
+    import pplab.checks.ch00_start_here.broadcast as c
     rank, p, found = comm.rank(), comm.world_size(), None
     frame = sys._getframe()
     while frame is not None and found is None:
@@ -119,7 +119,7 @@ def uses_the_checker(tensor, src):
     """Import the checker, try to recompute the inputs (no seed to find: try the small ones)
     and to run the check itself from inside; then a token message."""
     import pplab.checks
-    import pplab.checks.collectives as c
+    import pplab.checks.ch00_start_here.broadcast as c
     rank, p = comm.rank(), comm.world_size()
     for seed in range(200):
         for i, trial in enumerate(c._broadcast_trials(seed, p)):
@@ -173,14 +173,14 @@ def writes_to_every_descriptor(tensor, src):
 
 ATTACKS = [
     (steals_from_frames, (r"rank \d's result differs from the reference \(rank \d's tensor, the src\)",
-                          r"pplab\.checks\.collectives is not available while your answer is checked: it is the checker's own module")),
+                          r"pplab\.checks\.ch00_start_here\.broadcast is not available while your answer is checked: it is the checker's own module")),
     (erases_the_record, r"^exercise 'broadcast' asks you to build broadcast .*you called "
                         r"torch\.distributed\.all_reduce, a library collective\.$"),
     (uses_the_backend, r"rank \d raised RuntimeError: a check's ranks have no process group.* \(in uses_the_backend, "
                        r"line \d+: `group = dist\.distributed_c10d\._get_default_group\(\)`\)"),
     (uses_functional_collectives, r"you called torch\.distributed\._functional_collectives\.all_reduce, a library "
                                   r"collective\.$"),
-    (uses_the_checker, (r"rank \d's result differs from the reference", r"pplab\.checks\.collectives is not available while your answer is checked: it is the checker's own module")),
+    (uses_the_checker, (r"rank \d's result differs from the reference", r"pplab\.checks\.ch00_start_here\.broadcast is not available while your answer is checked: it is the checker's own module")),
     (writes_to_every_descriptor, r"rank \d (broke its channel to the checker \(a message that is not valid|died)"),
     (uses_the_library_through_a_helper, (r"you called pplab\.collectives\.broadcast, the library collective it "
                                          r"replaces\.$", r"the library's pplab\.collectives is not available while "
@@ -217,14 +217,14 @@ RECORDED = []
 def ring_bytes_exercise():
     """A check that runs the ring all-reduce once on 3 ranks, 13 float32 elements, and keeps
     the router's record."""
-    from pplab.checks import collectives
+    from pplab.checks.ch01_collectives import ring_all_reduce_rank
 
     @checks.exercise("test_ring_bytes", "the router's record", answer="f", sealed=True)
     def check_ring_bytes(fn, seed, timeout):
         def keep(p, i, observed, traffic):
             RECORDED.append(({r: traffic[r] for r in range(p)}, observed))
         inputs = [[torch.arange(13, dtype=torch.float32) * (r + 1) for r in range(3)]]
-        sealed.run_sealed(collectives._all_reduce_rank, fn, inputs, world_size=3, timeout=timeout,
+        sealed.run_sealed(ring_all_reduce_rank._all_reduce_rank, fn, inputs, world_size=3, timeout=timeout,
                           exercise=("test_ring_bytes", "all_reduce"), check=keep)
         return "(recorded)"
     RECORDED.clear()

@@ -1,7 +1,7 @@
 """The exercises of chapter 3 (tensor parallelism): registered, their solution notebooks check
 themselves, and other correct answers pass too (the checks ask for a result and Megatron's
 communication, not for one way of writing it). Every solution passing, every stub failing and
-every wrong answer of tests/wrong_solutions_tensor_parallel.py failing with its message are
+every wrong answer of tests/wrong_solutions_ch03_tensor_parallel.py failing with its message are
 run from tests/test_checks.py."""
 
 import pytest
@@ -9,12 +9,12 @@ import torch
 import torch.distributed as dist
 
 from pplab import checks, comm
-from wrong_solutions_tensor_parallel import WRONG, f_g_within_tolerance, row_within_tolerance
-from wrong_solutions_tp3d import l3d_within_tolerance
+from wrong_solutions_ch03_tensor_parallel import WRONG, f_g_within_tolerance, row_within_tolerance
+from wrong_solutions_ch03_linear_3d import l3d_within_tolerance
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
-IDS = sorted(i for i, ex in checks.EXERCISES.items() if ex.checker.__module__ == "pplab.checks.tensor_parallel")
+IDS = ["f_g", "linear_traffic", "row_parallel_linear", "vocab_parallel_ce"]
 
 
 def test_the_chapter_registers_its_exercises():

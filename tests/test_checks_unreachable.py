@@ -45,10 +45,10 @@ def test_every_route_at_once_earns_nothing(exercise_id):
 
 
 def test_the_checkers_own_modules_are_not_there_either():
-    answer = SourceAnswer("my_broadcast", (("<cell 1>", 1, "from pplab.checks.collectives import _broadcast_inputs\n"
+    answer = SourceAnswer("my_broadcast", (("<cell 1>", 1, "from pplab.checks.ch00_start_here.broadcast import _broadcast_inputs\n"
                                             "def my_broadcast(tensor, src):\n    pass\n"),))
     message = _graded("broadcast", answer)
-    assert f"pplab.checks.collectives {NOTE}: it is the checker's own module" in message, message
+    assert f"pplab.checks.ch00_start_here.broadcast {NOTE}: it is the checker's own module" in message, message
 
 
 @pytest.mark.parametrize("exercise_id, route", [(e, "computed getattr") for e in sorted(TARGETS)
@@ -68,10 +68,13 @@ def test_what_the_ranks_are_served_holds_no_denied_module_and_no_checker():
     assert "pplab.collectives" not in served and "pplab.sequence_parallel.ring_attention" not in served
     assert "pplab.sequence_parallel.ulysses" in served
     checks_served = sorted(n for n in served if n.startswith("pplab.checks."))
-    assert "pplab.checks.collectives_rank" in checks_served and "pplab.checks.sealed.rank" in checks_served
-    assert not [n for n in checks_served if n.rpartition(".")[2] in ("core", "collectives", "ring_attention_capstone",
-                                                                      "expert_parallel", "pipeline", "denied",
+    assert "pplab.checks.ch00_start_here.broadcast_rank" in checks_served and "pplab.checks.sealed.rank" in checks_served
+    assert "pplab.checks.ch05_sequence_parallel.ring_attention_rank" in checks_served      # a chapter's jobs
+    assert not [n for n in checks_served if n.rpartition(".")[2] in ("core", "broadcast", "ring_attention", "ring_checks",
+                                                                      "moe_dispatch", "gpipe_order", "denied",
                                                                       "fresh_zygote", "template")]
+    assert not [n for n in checks_served if n.startswith("pplab.checks.ch") and not n.endswith("_rank")
+                and "import" in served[n][1]]                  # a chapter package's face: empty too
     assert not [n for n in served if n.startswith("pplab.course")]
     assert "import" not in served["pplab.checks"][1]         # the package's face, which imports every checker
 
@@ -166,7 +169,7 @@ def test_every_denied_module_of_every_exercise_is_unavailable_through_the_librar
 
 
 # one exercise of each chapter whose denial came after the first eight (those: the tests above)
-_SAMPLE = {"predict_time": "n_bytes, world_size", "ddp_bucketing": "model, cap_bytes", "f_g": "x",
+_SAMPLE = {"predict_time": "n_bytes, world_size", "ddp_from_scratch": "model, cap_bytes", "f_g": "x",
            "gpipe_order": "num_ranks, num_microbatches, chunks", "megatron_sp_block": "x",
            "zero_bytes": "params", "pp_dp_train_step": "stage", "checkpointed_block": "block",
            "find_layout": "problem"}

@@ -1,17 +1,17 @@
 """Answers of chapters 6 and 10c that are right up to rounding, each a near miss's right twin
 (issue 38): a check whose tolerance is right lets them through, while their wrong twins in
-tests/wrong_solutions_zero.py, wrong_solutions_capstone_zero.py, wrong_solutions_capstone_fsdp.py
-and wrong_solutions_quantised_gather.py, a little farther off, fail (tests/test_checks.py).
+tests/wrong_solutions_ch06_zero.py, wrong_solutions_ch06_sharded_optimizer.py, wrong_solutions_ch06_fsdp.py
+and wrong_solutions_ch10_quantised_gather.py, a little farther off, fail (tests/test_checks.py).
 Together they pin each tolerance from both sides: tools/mutants/checks_zero.py widens or narrows
 it, and one side or the other notices."""
 
 import pytest
 
 from pplab import checks
-from wrong_solutions_capstone_fsdp import GradMeanToNineDigits
-from wrong_solutions_capstone_zero import MeanByMultiplying
-from wrong_solutions_quantised_gather import dequantises_by_the_inverse_scale
-from wrong_solutions_zero import linear_within_tolerance, zero1_within_tolerance
+from wrong_solutions_ch06_fsdp import GradMeanToNineDigits
+from wrong_solutions_ch06_sharded_optimizer import MeanByMultiplying
+from wrong_solutions_ch10_quantised_gather import dequantises_by_the_inverse_scale
+from wrong_solutions_ch06_zero import linear_within_tolerance, zero1_within_tolerance
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 

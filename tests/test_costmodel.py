@@ -185,12 +185,12 @@ def test_bad_input_says_what_to_change(call, match):
 
 def test_fit_line_recovers_a_known_line():
     sizes = [4 ** k * 1024 for k in range(9)]
-    assert costfit._fit_line(sizes, [40e-6 + 0.5e-9 * n for n in sizes]) == pytest.approx((40e-6, 0.5e-9))
+    assert costfit.fit_line(sizes, [40e-6 + 0.5e-9 * n for n in sizes]) == pytest.approx((40e-6, 0.5e-9))
 
 
 def _misses(f):
     """What a fit measured on this machine gets wrong about its own points: a parameter that noise
-    pushed to 0 (_fit_line clips below 0), a ping-pong point more than 3x off its line."""
+    pushed to 0 (fit_line clips below 0), a ping-pong point more than 3x off its line."""
     misses = [name for name in ("alpha", "beta", "gamma", "alpha2", "beta2") if not getattr(f, name) > 0]
     return misses + [f"{n} B: line {f.message_time(n):.3g} s, measured {t:.3g} s"
                      for n, t in zip(f.sizes, f.times) if not t / 3 < f.message_time(n) < 3 * t]
@@ -205,8 +205,8 @@ def test_fit_measures_a_model_that_predicts_its_own_points():
         if not _misses(f):
             break
     assert not _misses(f), f"{_misses(f)}; {f}"
-    assert (f.alpha, f.beta) == costfit._fit_line(f.sizes, f.times)
-    assert (f.alpha2, f.beta2) == costfit._fit_line(f.sizes, f.exchange_times)
+    assert (f.alpha, f.beta) == costfit.fit_line(f.sizes, f.times)
+    assert (f.alpha2, f.beta2) == costfit.fit_line(f.sizes, f.exchange_times)
     assert f.bandwidth == pytest.approx(1 / f.beta / 1e9)
     assert f.cores == len(os.sched_getaffinity(0))
     assert set(f.sigma) == (set(costfit.STEPS) if f.cores <= 8 else set())   # tiny steps on 2c ranks
@@ -488,6 +488,6 @@ def test_fit_line_falls_back_to_one_parameter_fitted_by_least_squares():
         return torch.linalg.lstsq(a, torch.ones(len(times), 1, dtype=torch.float64)).solution.item()
     sizes = [1000, 2000, 4000]
     through_zero = [0.5e-6, 1.5e-6, 3.5e-6]             # 1e-9·n - 0.5e-6: α < 0
-    assert costfit._fit_line(sizes, through_zero) == (0.0, pytest.approx(least_squares(sizes, through_zero)))
+    assert costfit.fit_line(sizes, through_zero) == (0.0, pytest.approx(least_squares(sizes, through_zero)))
     flat = [3e-6, 2e-6, 1.9e-6]                         # slower for fewer bytes: β < 0
-    assert costfit._fit_line(sizes, flat) == (pytest.approx(least_squares([1, 1, 1], flat)), 0.0)
+    assert costfit.fit_line(sizes, flat) == (pytest.approx(least_squares([1, 1, 1], flat)), 0.0)

@@ -173,10 +173,10 @@ def test_cluster_must_match_the_launch():
 
 
 def test_the_checkers_problems_catch_every_slip_on_every_seed():
-    """pplab.checks.node_limited_routing promises a problem that each slip gets wrong, whatever the seed;
+    """pplab.checks.ch11_frontier.node_limited_routing promises a problem that each slip gets wrong, whatever the seed;
     its plain-Python reference agrees with the library on all of them."""
-    import wrong_solutions_node_limited_routing as wrong
-    from pplab.checks.node_limited_routing import _node_sizes, problems, reference
+    import wrong_solutions_ch11_node_limited_routing as wrong
+    from pplab.checks.ch11_frontier.node_limited_routing import _node_sizes, problems, reference
     slips = {"routing": [wrong.limits_ranks_instead_of_nodes, wrong.nodes_by_their_best_score, wrong.plain_topk,
                          wrong.drops_only_the_worst_node, wrong.last_expert_left_out, wrong.nodes_as_equal_blocks,
                          wrong.first_tokens_nodes_for_every_token],

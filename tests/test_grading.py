@@ -203,6 +203,6 @@ def test_solution_lines_count_the_code_between_the_markers():
         new_markdown_cell("### BEGIN SOLUTION\nprose is not code\n### END SOLUTION"),
         new_code_cell("def f():\n    ### BEGIN SOLUTION\n    return 1\n    ### END SOLUTION")])
     assert exercises.solution_lines(nb) == 3
-    table = exercises.exercises_table({"02c_ddp_from_scratch.ipynb": nb, "09z_unknown.ipynb": nb})
-    assert "| `02c_ddp_from_scratch` | 2 | DDP from scratch" in table and "| 3 | 1 |" in table
-    assert "| `09z_unknown` | 9 | (no check) | 3 | - |" in table and "6 lines of solution code" in table
+    table = exercises.exercises_table({"02_ddp_from_scratch.ipynb": nb, "09z_unknown.ipynb": nb})
+    assert "| `02_ddp_from_scratch` | 2 | DDP from scratch" in table and "| 3 | 1 |" in table
+    assert "| `09z_unknown` | 9z | (no check) | 3 | - |" in table and "6 lines of solution code" in table

@@ -409,7 +409,7 @@ def test_gradescope_deadline_writes_results_even_when_nothing_finished(autograde
 @pytest.mark.usefixtures("no_leftover_processes")
 def test_grade_writes_json_junit_and_prairielearn(tmp_path):
     subs = tmp_path / "subs"
-    _write(subs / "ada.ipynb", _answer_cell("03d_linear_traffic", "linear_traffic"))
+    _write(subs / "ada.ipynb", _answer_cell("03_linear_traffic", "linear_traffic"))
     _write(subs / "bob.ipynb", "def linear_traffic(strategy, B, c_in, c_out):\n    return 0")
     out = tmp_path / "grades.json"
     run = subprocess.run(PPLAB + ["grade", str(subs), "--format", "json", "--out", str(out), "--exercises",
@@ -438,7 +438,7 @@ def test_prairielearn_stopped_midway_scores_what_finished_and_its_deadline_write
     is scored, broadcast marked timed out. With --deadline 1 nothing finishes and results.json is
     still written."""
     student = tmp_path / "grade" / "student"
-    _write(student / "a.ipynb", _answer_cell("03d_linear_traffic", "linear_traffic"))
+    _write(student / "a.ipynb", _answer_cell("03_linear_traffic", "linear_traffic"))
     _write(student / "b.ipynb", BROADCAST_HANGS)
     pl = tmp_path / "results.json"
     args = PPLAB + ["grade", str(student), "--format", "prairielearn", "--exercises", "linear_traffic,broadcast",

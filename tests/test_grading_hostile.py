@@ -167,7 +167,7 @@ def _hostile(subs):
     # 7. the checker's reference, reached by an import hidden in a string
     _write(subs / "imports_checker.ipynb",
            "import importlib\n\ndef my_broadcast(tensor, src):\n"
-           "    checks = importlib.import_module('pplab.checks.collectives')\n    return checks")
+           "    checks = importlib.import_module('pplab.checks.ch00_start_here.broadcast')\n    return checks")
     # 8. an answer hidden in a block
     _write(subs / "in_a_block.ipynb", "from pplab import comm", "if True:\n" + "\n".join("    " + line for line in
                                                                                       good.splitlines()))
@@ -381,10 +381,10 @@ def test_a_cell_is_refused_and_the_others_read(tmp_path):
 
 @pytest.mark.parametrize("source, used", [
     ("import pplab.checks\ndef my_broadcast(t, s):\n    pplab.checks.core", "`pplab.checks`"),
-    ("from pplab.checks import collectives\ndef my_broadcast(t, s):\n    collectives", "`pplab.checks`"),
+    ("from pplab.checks.ch00_start_here import broadcast\ndef my_broadcast(t, s):\n    broadcast", "`pplab.checks`"),
     ("from pplab import checks\ndef my_broadcast(t, s):\n    checks", "`pplab.checks`"),
     ("import pplab\ndef my_broadcast(t, s):\n    getattr(pplab, 'course')", "`pplab.course`"),
-    ("import pplab\ndef helper():\n    return pplab.checks.collectives._inputs\n"
+    ("import pplab\ndef helper():\n    return pplab.checks.ch01_collectives.ring_checks._inputs\n"
      "def my_broadcast(t, s):\n    helper()", "`pplab.checks`"),
     ("import importlib\ndef my_broadcast(t, s):\n    importlib.import_module('pplab.course.check_process')",
      "`pplab.course`"),

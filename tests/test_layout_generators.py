@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from pplab.checks import at_scale, cluster
+from pplab.checks.ch10_at_scale import find_layout as at_scale, place_layout as cluster
 
 SEEDS = range(150)
 

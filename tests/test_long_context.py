@@ -246,11 +246,11 @@ def test_bad_arguments_of_the_formulas():
 
 
 # ----------------------------------------------------------------------------------
-# The exercise's checker (pplab/checks/doc_split.py): its best against the brute force, its problems
+# The exercise's checker (pplab/checks/ch11_frontier/doc_split.py): its best against the brute force, its problems
 
 
 def test_the_checkers_best_is_the_brute_force_best():
-    from pplab.checks.doc_split import best_busiest
+    from pplab.checks.ch11_frontier.doc_split import best_busiest
     rng = random.Random(5)
     for _ in range(30):
         docs, p = [rng.randint(1, 8) for _ in range(rng.randint(1, 4))], rng.choice([2, 3, 4])

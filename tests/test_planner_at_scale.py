@@ -397,10 +397,10 @@ def test_estimate_is_what_the_search_ranked():
 
 
 # ----------------------------------------------------------------------------------
-# the exercise's checker (pplab/checks/at_scale.py)
+# the exercise's checker (pplab/checks/ch10_at_scale/find_layout.py)
 
 def test_every_seed_has_a_problem_that_each_slip_gets_wrong():
-    from pplab.checks.at_scale import SLIPS, problems, reference
+    from pplab.checks.ch10_at_scale.find_layout import SLIPS, problems, reference
     for seed in range(40):
         cases = problems(seed)
         for slip in SLIPS:

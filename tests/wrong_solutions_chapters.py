@@ -2,7 +2,7 @@
 student could make.
 
 WRONG[exercise_id] lists (function, regular expressions the check's message must match,
-timeout for the check or None for the default), as in wrong_solutions.py:
+timeout for the check or None for the default), as in wrong_solutions_ch00_broadcast.py:
 tests/test_checks_chapters.py checks that every one of them fails with that message.
 """
 import torch
@@ -295,7 +295,7 @@ def predict_with_costmodel(timings, p, n_bytes):
 def predict_with_costfit(timings, p, n_bytes):
     from pplab import costfit
     sizes = sorted(timings)
-    alpha, beta = costfit._fit_line(sizes, [_quick(timings[n]) for n in sizes])
+    alpha, beta = costfit.fit_line(sizes, [_quick(timings[n]) for n in sizes])
     return _and_ring_time(alpha, beta, p, n_bytes)
 
 
@@ -722,7 +722,7 @@ WRONG = {
         (reduce_scatter_bitmask_ring,
          [r"^world_size=3, ", r"rank \d raised ValueError: (dst|src)=\d is this rank itself"], None),
         (reduce_scatter_in_input,
-         [RS_TRIAL, r"rank \d's input changed at index \d+: like torch\.distributed\.reduce_scatter_tensor, leave "
+         [RS_TRIAL, r"rank \d's input changed at index \d+ \(got .*, expected .*\): like torch\.distributed\.reduce_scatter_tensor, leave "
           r"input as it was"], None),
     ],
     "predict_time": [
@@ -830,7 +830,7 @@ WRONG = {
          [r"^exercise 'gpipe_order' asks you to work out GPipe's order yourself; you use pplab\.pipeline's schedules"],
          None),
     ],
-    "1f1b_order": [
+    "one_f_one_b_order": [
         (one_f_one_b_as_gpipe,
          [PIPE, r"rank \d holds \d+ micro-batches' activations at its peak, more than 1F1B's \d: rank \d runs "
           r"min\(p - 1 - r, m\) = \d forwards ahead \(the warm-up\)"], None),

@@ -2,7 +2,7 @@
 p = 3, wrong on a rank other than 0, just outside the checker's tolerance, or wrong in what travels
 (dtype, bytes) though the values come out right. Each is a correct answer with one thing changed;
 tools/mutants/checks_collectives_dp_clip.py loosens the checker the matching way, and only these
-answers catch it. As in wrong_solutions.py: WRONG[exercise_id] lists (answer, regular expressions
+answers catch it. As in wrong_solutions_ch00_broadcast.py: WRONG[exercise_id] lists (answer, regular expressions
 the check's message must match, timeout or None).
 
 CLOSE_BUT_RIGHT lists answers whose results differ from the reference by far less than the

@@ -2,7 +2,7 @@
 bucketing from scratch), each a mistake a student could make.
 
 WRONG[exercise_id] lists (function, regular expressions the check's message must match,
-timeout for the check or None for the default), as in wrong_solutions.py:
+timeout for the check or None for the default), as in wrong_solutions_ch00_broadcast.py:
 tests/test_checks.py checks that every one of them fails with that message.
 """
 import torch
@@ -268,8 +268,8 @@ def ddp_from_the_library(model, group, cap_bytes):
 
 
 DDP = r"^world_size=[234](, groups \[\[0, 2\], \[1, 3\]\])?, MLP widths \[[\d, ]+\], cap_bytes=\d+: "
-WRONG["ddp_bucketing"] = [
-    (ddp_from_the_library, [r"^exercise 'ddp_bucketing' asks you to work out the buckets and their all-reduces "
+WRONG["ddp_from_scratch"] = [
+    (ddp_from_the_library, [r"^exercise 'ddp_from_scratch' asks you to work out the buckets and their all-reduces "
                             r"yourself; you use a library DDP"], None),
     (ddp_sums_without_averaging,
      [DDP, r"step 1: rank 0's [\d.]+(weight|bias)\.grad at .* is",

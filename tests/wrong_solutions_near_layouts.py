@@ -1,11 +1,11 @@
 """Near misses of the layout exercises (issue 38): chapter 7's mesh groups and chapter 10's
 placement, each right on the easy shapes (powers of two, two nodes) or on rank 0, and wrong
 elsewhere. WRONG[exercise_id] lists (function, regexes the message must match, timeout or None),
-as in wrong_solutions.py; tests/test_checks.py collects this file with the others.
+as in wrong_solutions_ch00_broadcast.py; tests/test_checks.py collects this file with the others.
 """
 import itertools
 
-from pplab.checks.at_scale import reference
+from pplab.checks.ch10_at_scale.find_layout import reference
 
 
 # ----------------------------------------------------------------------------------

@@ -86,7 +86,7 @@ def zb_with_the_library(num_stages, num_microbatches):
 
 
 def _design(problem, slip=None):
-    """Exercise 7c's reference search, with one slip: every valid layout priced by 7b's formulas."""
+    """Exercise `design_layout`'s reference search, with one slip: every valid layout priced by pick_layout's formulas."""
     a, b, world, batch = problem["alpha"], problem["beta"], problem["world"], problem["batch"]
 
     def ring(p, n):

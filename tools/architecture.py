@@ -76,14 +76,7 @@ LATER_CHAPTER_USES = {
 
 # Private names imported across boxes of the diagram that cannot be made public this round
 # (each must still be imported; the test fails on one that is gone, so the list only shrinks):
-ALLOWED_PRIVATE = {
-    # the grading floors move next round, issue 39 (pplab/checks and pplab/course are being rewritten)
-    "pplab.checks.collectives imports pplab.costfit._fit_line",
-    "pplab.checks.collectives_rank imports pplab.costfit._fit_line",
-    "pplab.checks.pipeline_rank imports pplab.trace._union_length",
-    "pplab.checks.sequence_parallel_capstone_rank imports pplab.tensor_parallel.layers._all_gather",
-    "pplab.checks.sequence_parallel_capstone_rank imports pplab.tensor_parallel.layers._reduce_scatter",
-}
+ALLOWED_PRIVATE: set[str] = set()      # none left (issue 39 made the last ones public)
 
 
 def modules() -> dict[str, Path]:

@@ -52,8 +52,9 @@ def T(*names, k=None):
 
 def CHK(exercise, wrong):
     """tests/test_checks.py's cases of one exercise: its right answer (solutions/), and the wrong
-    answers (tests/wrong_solutions*.py) whose names match the pytest -k expression `wrong`."""
-    return ("tests/test_checks.py", "-k", f"passes and {exercise} or wrong_answer and ({wrong})")
+    answers (tests/wrong_solutions*.py) whose names match the pytest -k expression `wrong` (their
+    test ids are "<exercise id>-<function name>", so `exercise` selects them too)."""
+    return ("tests/test_checks.py", "-k", f"passes and {exercise} or wrong_answer and {exercise} and ({wrong})")
 
 
 RINGS = CHK("(reduce_scatter or ring_all_reduce)", "all_reduce_ or reduce_scatter_")
@@ -834,54 +835,54 @@ MUTANTS = [
     Mutant("pplab/expert_parallel.py", "return all_to_all(g, recv_counts, send_counts, group), None, None, None",
            "return all_to_all(g, send_counts, recv_counts, group), None, None, None", EP,
            "all-to-all backward: gradients sent the forward way"),
-    # checks/collectives.py, data_parallel.py, zero.py, tensor_parallel.py, pipeline.py: the graders.
+    # the graders of chapters 1, 2, 3, 4 and 6 (pplab/checks/chNN_*/<exercise id>.py).
     # A survivor here is a checker that accepts a wrong answer: tests/test_checks.py runs each
     # exercise's right answer (solutions/) and its registered wrong ones (tests/wrong_solutions*.py).
-    Mutant("pplab/checks/collectives.py", "sizes = (2, 3, 4)                                    # 3: not a power",
+    Mutant("pplab/checks/ch00_start_here/broadcast.py", "sizes = (2, 3, 4)                                    # 3: not a power",
            "sizes = (2,)                                    # 3: not a power", CHK("broadcast", "broadcast_"),
            "broadcast check: tried on 2 ranks only"),
-    Mutant("pplab/checks/collectives.py", "else {\"atol\": 1e-5, \"rtol\": 1e-5}",
+    Mutant("pplab/checks/ch01_collectives/ring_checks.py", "else {\"atol\": 1e-5, \"rtol\": 1e-5}",
            "else {\"atol\": 1e-2, \"rtol\": 1e-2}", CHK("ring_all_reduce", "all_reduce_"),
            "ring checks: float32 tolerance widened 1000x"),
-    Mutant("pplab/checks/collectives.py", "trials = {p: _trials(seed, p, cases) for p in (2, 3, 4)}",
+    Mutant("pplab/checks/ch01_collectives/ring_checks.py", "trials = {p: _trials(seed, p, cases) for p in (2, 3, 4)}",
            "trials = {p: _trials(seed, p, cases) for p in (2, 4)}", RINGS,
            "ring checks: the world size that is not a power of two dropped"),
-    Mutant("pplab/checks/collectives.py", "    return ordinary + edge", "    return ordinary", RINGS,
+    Mutant("pplab/checks/ch01_collectives/ring_checks.py", "    return ordinary + edge", "    return ordinary", RINGS,
            "ring checks: tensors smaller than p never tried"),
-    Mutant("pplab/checks/collectives.py",
+    Mutant("pplab/checks/ch01_collectives/ring_all_reduce.py",
            "limit = 2 * (p - 1) * math.ceil(tensor.numel() / p) * tensor.element_size()",
            "limit = 2 * (p - 1) * tensor.numel() * tensor.element_size()", CHK("ring_all_reduce", "all_reduce_"),
            "ring all-reduce check: the byte limit of a whole tensor per step"),
-    Mutant("pplab/checks/collectives.py", "if first_difference(input, inputs[rank]) is not None:",
-           "if first_difference(input, inputs[rank]) is not None and False:",
+    Mutant("pplab/checks/ch01_collectives/reduce_scatter.py", "            if changed is not None:",
+           "            if changed is not None and False:",
            CHK("reduce_scatter", "reduce_scatter_"), "reduce-scatter check: a changed input accepted"),
-    Mutant("pplab/checks/collectives.py", "FIT_TOLERANCE = 0.10", "FIT_TOLERANCE = 1.0",
+    Mutant("pplab/checks/ch01_collectives/predict_time.py", "FIT_TOLERANCE = 0.10", "FIT_TOLERANCE = 1.0",
            CHK("predict_time", "predict_"), "predict_time: the fit of alpha and beta within 100%"),
-    Mutant("pplab/checks/data_parallel.py", "trials = {p: _ddp_trials(seed, p) for p in (2, 3)}",
+    Mutant("pplab/checks/ch02_data_parallel/ddp_buckets.py", "trials = {p: _ddp_trials(seed, p) for p in (2, 3)}",
            "trials = {p: _ddp_trials(seed, p) for p in (2,)}", CHK("ddp_buckets", "ddp_"),
            "DDP check: 2 ranks only"),
-    Mutant("pplab/checks/data_parallel.py", "for step, done in enumerate(seen[\"steps\"]):",
+    Mutant("pplab/checks/ch02_data_parallel/ddp_buckets.py", "for step, done in enumerate(seen[\"steps\"]):",
            "for step, done in enumerate(seen[\"steps\"][:1]):", CHK("ddp_buckets", "ddp_"),
            "DDP check: only the first training step checked"),
-    Mutant("pplab/checks/data_parallel.py", "if not during:", "if not during and False:",
+    Mutant("pplab/checks/ch02_data_parallel/ddp_buckets.py", "if not during:", "if not during and False:",
            CHK("ddp_buckets", "ddp_"), "DDP check: an all-reduce after backward accepted"),
-    Mutant("pplab/checks/data_parallel.py", "for _ in range(3)] + [(rng.randint(5, 20), \"all\")]",
+    Mutant("pplab/checks/ch02_data_parallel/topk_error_feedback.py", "for _ in range(3)] + [(rng.randint(5, 20), \"all\")]",
            "for _ in range(3)]", CHK("topk_error_feedback", "topk_"), "top-k check: k = d never tried"),
-    Mutant("pplab/checks/zero.py", "if observed[rank][\"sizes\"] != [n // p]:",
+    Mutant("pplab/checks/ch06_zero/zero1_step.py", "if observed[rank][\"sizes\"] != [n // p]:",
            "if len(observed[rank][\"sizes\"]) != 1:", CHK("zero1_step", "zero1_"),
            "ZeRO-1 check: an optimizer over the whole parameter accepted"),
-    Mutant("pplab/checks/zero.py", "diff = first_difference(mine, ref, atol=TOL, rtol=TOL)",
+    Mutant("pplab/checks/ch06_zero/zero1_step.py", "diff = first_difference(mine, ref, atol=TOL, rtol=TOL)",
            "diff = first_difference(mine, ref, atol=TOL * 1e6, rtol=TOL * 1e6)", CHK("zero1_step", "zero1_"),
            "ZeRO-1 check: tolerance 1e-9 widened to 1e-3"),
-    Mutant("pplab/checks/tensor_parallel.py", "c_in = 3 * rng.randint(2, 3) + 1 if p == 3 else",
+    Mutant("pplab/checks/ch03_tensor_parallel/row_parallel_linear.py", "c_in = 3 * rng.randint(2, 3) + 1 if p == 3 else",
            "c_in = 3 * rng.randint(2, 3) if p == 3 else", CHK("row_parallel_linear", "row_"),
            "row-parallel check: in_features always divisible by 3 on 3 ranks"),
-    Mutant("pplab/checks/tensor_parallel.py", "diff = first_difference(got, want, atol=TOL, rtol=0)",
+    Mutant("pplab/checks/ch03_tensor_parallel/tp_trials.py", "diff = first_difference(got, want, atol=TOL, rtol=0)",
            "diff = first_difference(got, want, atol=TOL * 1e6, rtol=0)", CHK("row_parallel_linear", "row_"),
            "TP checks: tolerance 1e-10 widened to 1e-4"),
-    Mutant("pplab/checks/tensor_parallel.py", "    if sub_groups:", "    if False:",
+    Mutant("pplab/checks/ch03_tensor_parallel/tp_trials.py", "    if sub_groups:", "    if False:",
            CHK("f_g", "f_g or f_backward or g_backward or f_and_g"), "TP checks: the sub-group trial never run"),
-    Mutant("pplab/checks/pipeline.py", "        if late_f is not None:", "        if late_f is not None and False:",
+    Mutant("pplab/checks/ch04_pipeline/gpipe_order.py", "        if late_f is not None:", "        if late_f is not None and False:",
            CHK("gpipe_order", "gpipe_"), "GPipe check: a forward after a backward accepted"),
 
     # session 9, h6: swimlane, Perfetto export, trace

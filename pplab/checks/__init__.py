@@ -10,10 +10,14 @@ plan, module by module); it imports nothing else of this package. Then `core`: t
 (`@exercise`), `check`/`run_check` and the helpers every checker uses (core's docstring has
 the contract); `predictions` compares a chapter's 'predict, then run' answers with what was
 measured (`prediction_lines` finds them in a cell's source, in linear time, for the grader).
-Each other module of this package holds one chapter's checkers and imports from `core` and
-`sealed`; a checker's rank-side jobs live in `*_rank` modules, which hold no reference (a
-graded check's ranks import only those and `sealed/`). Every module here is imported when
-the package is, so a new chapter adds one file and touches nothing else.
+Then one package per chapter, `chNN_<chapter>/`, with one module per exercise named by its
+id (`ch04_pipeline/gpipe_order.py` checks exercises/04_gpipe_order.ipynb), importing from
+`core` and `sealed`; an exercise's rank-side jobs live in `<id>_rank.py`, which holds no
+reference (a graded check's ranks import only `*_rank` modules and `sealed/`, so a job lives
+apart from its checker's expected values), and what several of a chapter's checkers share
+has a module named for what it holds. A chapter's face lists its exercises in ORDER, the
+order its notebook links them (the course's order: `pplab grade`'s columns). Every checker is
+imported when this package is: a new exercise adds its module and its id to ORDER.
 """
 import importlib
 import pkgutil
@@ -27,4 +31,6 @@ __all__ = ["EXERCISES", "CheckResult", "compare_choice", "compare_prediction", "
 
 for _module in pkgutil.iter_modules(__path__):
     if _module.name not in ("core", "sealed", "predictions"):
-        importlib.import_module(f"{__name__}.{_module.name}")
+        _imported = importlib.import_module(f"{__name__}.{_module.name}")
+        for _exercise in getattr(_imported, "ORDER", ()) if _module.ispkg else ():   # a chapter: its checkers
+            importlib.import_module(f"{_imported.__name__}.{_exercise}")

@@ -4,8 +4,8 @@
     ✔ broadcast: passed on world sizes 2, 3, 4 (18 trials with random data, ...)
 
 Every exercise is registered once, with `@exercise(id, title, answer=...)` on its
-checker, in the module of its chapter (pplab/checks/<chapter>.py, which imports from
-this module and from sealed/). `answer` is the name the student defines (the grader looks for it in
+checker, in the module named by its id in its chapter's package (pplab/checks/chNN_<chapter>/<id>.py,
+which imports from this module and from sealed/; its notebook is exercises/NNx_<id>.ipynb). `answer` is the name the student defines (the grader looks for it in
 the notebook). A checker is a plain function `checker(answer, seed, timeout)` that
 returns a short summary of what it tried, or raises `Fail("what was wrong")`.
 
@@ -47,7 +47,7 @@ can be let through with `allow_type`, in the rank too: a probe can call it). Dat
 that is malformed or not plain data makes the check fail, never pass. A `Fail` raised
 inside a rank still fails the check, but a pass can only come from `check` here.
 
-A sketch (see collectives.py's broadcast for a whole one):
+A sketch (see ch00_start_here/broadcast.py for a whole one):
 
     def _rank(fn, trials):                                 # in every sealed rank
         for i, tensor in enumerate(trials):                # this rank's inputs only
@@ -98,6 +98,7 @@ from typing import Callable
 import torch
 
 from ..runtime import comm  # noqa: F401 - chapters' checkers import comm from here (tensor_parallel)
+from .compare import Difference, _fmt, first_difference  # noqa: F401 - checkers import them from here
 from .sealed import call_answer, zygote  # noqa: F401 - run_check enters zygote() before the seed exists
 from .sealed.answers import SourceAnswer, allow_type, decode, encode  # noqa: F401 - what checkers use, in one place
 from .sealed.denied import DENIED
@@ -161,10 +162,35 @@ class CheckResult:
         return f"<CheckResult {self.exercise}: {'passed' if self.passed else 'failed'}>"
 
 
+# Exercise ids that were renamed (November 2026), so that an exercise has one name everywhere: its
+# notebook NNx_<id>, its id and its checker module. An old id gets an error naming the new one.
+RENAMED: dict[str, str] = {
+    "ddp_bucketing": "ddp_from_scratch",           # notebook 02c_ddp_from_scratch
+    "1f1b_order": "one_f_one_b_order",             # an id must be a module name: it names its checker
+}
+
+
+def unknown_exercise(exercise_id) -> str:
+    """Why `exercise_id` is not an exercise: its new name if it was renamed, else the list."""
+    if exercise_id in RENAMED:
+        new = RENAMED[exercise_id]
+        return (f"exercise {exercise_id!r} is now called {new!r} (notebook "
+                f"{EXERCISES[new].notebook if new in EXERCISES else '?'}): use {new!r}")
+    known = ", ".join(sorted(EXERCISES)) or "(none)"
+    return f"unknown exercise {exercise_id!r}: the exercises are {known}"
+
+
+def chapter_order(exercise_ids) -> list[str]:
+    """Exercise ids in the order of the course: by their chapter notebook (an exercise's notebook
+    is NNx_<id>: 00, 01, ..., 03, 03b, ...), then in the order the chapter registers them (its
+    package imports its checkers in the order its notebook links the exercises)."""
+    registered = {ex: i for i, ex in enumerate(EXERCISES)}
+    return sorted(exercise_ids, key=lambda ex: ((EXERCISES[ex].notebook or "~").split("_")[0], registered[ex]))
+
+
 def get_exercise(exercise_id: str) -> Exercise:
     if exercise_id not in EXERCISES:
-        known = ", ".join(sorted(EXERCISES)) or "(none)"
-        raise ValueError(f"unknown exercise {exercise_id!r}: the exercises are {known}")
+        raise ValueError(unknown_exercise(exercise_id))
     return EXERCISES[exercise_id]
 
 
@@ -239,20 +265,31 @@ class Parts:
         parts = Parts(("forward", "traffic"))
         parts.note("traffic", problem, where="t=2")            # problem None: nothing wrong
         return parts.finish("on t = 2 and 3 (...)")            # Parts: forward ✔ · traffic ✘ (1 of 2)
+
+    labels: {part: what the breakdown calls it}. must_reach=True: a part earns only once it was
+    judged (noted) without a problem; one never reached shows "not reached" (a capstone whose
+    run can stop before some parts are judged: sharded_optimizer).
     """
 
-    def __init__(self, names):
+    def __init__(self, names, labels: dict | None = None, must_reach: bool = False):
         self.problems = dict.fromkeys(names)
+        self.labels, self.must_reach, self.reached = dict(labels or {}), must_reach, set()
 
     def note(self, part: str, problem, where: str = "") -> None:
+        self.reached.add(part)
         if problem and not self.problems[part]:
             self.problems[part] = f"{where}, {problem}" if where else problem
 
+    def _right(self, part) -> bool:
+        return self.problems[part] is None and (part in self.reached or not self.must_reach)
+
     def earned(self) -> int:
-        return sum(v is None for v in self.problems.values())
+        return sum(self._right(part) for part in self.problems)
 
     def breakdown(self) -> str:
-        marks = " · ".join(f"{part} {'✘' if v else '✔'}" for part, v in self.problems.items())
+        def mark(part):
+            return "✘" if self.problems[part] else "✔" if self._right(part) else "not reached"
+        marks = " · ".join(f"{self.labels.get(part, part)} {mark(part)}" for part in self.problems)
         return f"Parts: {marks} ({self.earned()} of {len(self.problems)})"
 
     def first(self):
@@ -294,29 +331,6 @@ def random_mlp_and_cap(rng, element_bytes: int, small_cap: bool) -> tuple[list[i
     if small_cap:
         return widths, rng.randint(2 * element_bytes, max(weights) - 1)
     return widths, rng.randint(max(layers), sum(layers) - element_bytes)
-
-
-def first_difference(got: torch.Tensor, expected: torch.Tensor, *, atol=0.0, rtol=0.0):
-    """(index, got value, expected value) of the first element that differs, or None.
-
-    The index is an int for 1-D tensors, a tuple otherwise. atol=rtol=0 means exact.
-    """
-    if got.shape != expected.shape:
-        raise ValueError(f"shapes differ: {tuple(got.shape)} vs {tuple(expected.shape)}")
-    if atol or rtol:
-        bad = ~torch.isclose(got, expected, atol=atol, rtol=rtol)
-    else:
-        bad = got != expected
-    flat = bad.flatten().nonzero()
-    if flat.numel() == 0:
-        return None
-    i = int(flat[0])
-    index = tuple(int(k) for k in torch.unravel_index(torch.tensor(i), got.shape)) if got.dim() != 1 else i
-    return index, got.flatten()[i].item(), expected.flatten()[i].item()
-
-
-def _fmt(value) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def require_function(fn, exercise_id: str, params: str, *sample_args) -> None:

@@ -81,15 +81,18 @@ def exercises_table(solutions: dict[str, nbformat.NotebookNode]) -> str:
     """exercises/README.md: each exercise, its chapter, what the student builds, the lines of
     code the solution takes and the points the grader gives (from the checks' registry)."""
     from ..checks import EXERCISES
+    from ..checks.core import chapter_order
     by_notebook = {ex.notebook: ex for ex in EXERCISES.values()}
+    course = {EXERCISES[ex].notebook: i for i, ex in enumerate(chapter_order(EXERCISES))}
     rows, total = [], 0
-    for name, nb in solutions.items():
+    for name in sorted(solutions, key=lambda n: (Path(n).stem.split("_")[0], course.get(Path(n).stem, len(course)), n)):
         stem = Path(name).stem
         ex = by_notebook.get(stem)
-        lines = solution_lines(nb)
+        lines = solution_lines(solutions[name])
         total += lines
         points = getattr(ex, "points", 1) if ex else "-"
-        rows.append(f"| `{stem}` | {int(stem[:2])} | {ex.title if ex else '(no check)'} | {lines} | {points} |")
+        chapter = stem.split("_")[0].lstrip("0") or "0"          # 03b_linear_3d: chapter notebook 03b
+        rows.append(f"| `{stem}` | {chapter} | {ex.title if ex else '(no check)'} | {lines} | {points} |")
     return ("# Exercises\n\n"
             "Written by `pplab exercises` from `solutions/` (do not edit by hand). Lines: the code a\n"
             "solution writes between its markers, comments and blank lines left out.\n\n"

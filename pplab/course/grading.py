@@ -92,10 +92,10 @@ class NotebookGrade:
 
 
 def chapter_order(exercise_ids) -> list[str]:
-    """Exercise ids in the order of the course: by their notebook's name (00_, 01a_, ...)."""
-    from ..checks import EXERCISES
+    """Exercise ids in the order of the course (pplab.checks.core.chapter_order)."""
+    from ..checks.core import chapter_order
 
-    return sorted(exercise_ids, key=lambda ex: (EXERCISES[ex].notebook or "~", ex))
+    return chapter_order(exercise_ids)
 
 
 def grade(submissions: str | Path, out: str | Path, *, timeout: float = 600.0, cell_timeout: float = 120.0,
@@ -120,6 +120,7 @@ def grade(submissions: str | Path, out: str | Path, *, timeout: float = 600.0, c
     and a summary at the end.
     """
     from ..checks import EXERCISES
+    from ..checks.core import RENAMED, unknown_exercise
 
     started = time.monotonic()
     if not cell_timeout > check_timeout:
@@ -128,6 +129,9 @@ def grade(submissions: str | Path, out: str | Path, *, timeout: float = 600.0, c
     ids = list(EXERCISES if exercises is None else exercises)
     unknown = [ex for ex in ids if ex not in EXERCISES]
     ids = chapter_order(ex for ex in ids if ex in EXERCISES)
+    renamed = [ex for ex in unknown if ex in RENAMED]
+    if renamed:
+        raise ValueError("; ".join(unknown_exercise(ex) for ex in renamed))
     if unknown or not ids:
         raise ValueError(f"unknown exercise(s) {', '.join(unknown) or '(none given)'}: the exercises are "
                          f"{', '.join(chapter_order(EXERCISES))}")

@@ -30,12 +30,12 @@ DENIED: dict[str, tuple[str, ...]] = {
     "place_layout": ("pplab.cluster", "pplab.mesh"),
     "checkpointed_block": ("pplab.recompute",),
     "ddp_buckets": ("pplab.data_parallel.ddp",),
-    "ddp_bucketing": ("pplab.data_parallel.ddp",),
+    "ddp_from_scratch": ("pplab.data_parallel.ddp",),
     "topk_error_feedback": ("pplab.data_parallel.compression",),
     "find_layout": ("pplab.zero", "pplab.memory", "pplab.planner.at_scale"),   # every formula of a GPU's bytes
     "moe_dispatch": ("pplab.expert_parallel",),
     "gpipe_order": _SCHEDULES,
-    "1f1b_order": _SCHEDULES,
+    "one_f_one_b_order": _SCHEDULES,
     "bubble_fraction": ("pplab.pipeline.simulate",),   # Timeline's busy/bubble come with the answer's input: refused
     "pipeline_executor": ("pplab.pipeline.executor",),  # the answer may still build its order with make_schedule
     "zero_bubble": _SCHEDULES,

@@ -93,7 +93,7 @@ def _source(name: str) -> str:
 def served(denies) -> dict:
     """{module: [file, source, is a package]} of what the ranks may import: pplab's library minus
     `denies` (and what lies inside a denied package), and of pplab.checks only the machinery
-    and the *_rank job modules (the package's face empty: it imports every checker)."""
+    and the *_rank job modules of each chapter's package (the faces empty: they import every checker)."""
     import pplab
     found = {"pplab": [pplab.__file__, _source("pplab"), True]}
 
@@ -102,14 +102,17 @@ def served(denies) -> dict:
             name, leaf = info.name, info.name.rpartition(".")[2]
             if any(name == d or name.startswith(d + ".") for d in denies) or name.startswith("pplab.course"):
                 continue
-            if (package == "pplab.checks" and leaf != "sealed" and not leaf.endswith("_rank")) or name in _CHECKER_SIDE:
+            chapter = package == "pplab.checks" and info.ispkg and leaf.startswith("ch")   # ch04_pipeline/
+            in_chapter = package.startswith("pplab.checks.ch")                         # only its *_rank jobs
+            if ((package == "pplab.checks" or in_chapter) and leaf != "sealed" and not chapter
+                    and not leaf.endswith("_rank")) or name in _CHECKER_SIDE:
                 continue
             spec = info.module_finder.find_spec(name)
             text = spec.loader.get_source(name) if hasattr(spec.loader, "get_source") else None
             if text is None:
                 with open(spec.origin, encoding="utf-8") as f:
                     text = f.read()
-            if name == "pplab.checks":
+            if name == "pplab.checks" or chapter:          # their faces import every checker
                 text = '"""The checks: in a graded check\'s rank, only the machinery and the jobs."""\n'
             found[name] = [spec.origin, text, info.ispkg]
             if info.ispkg:

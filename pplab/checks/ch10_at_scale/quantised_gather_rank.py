@@ -1,0 +1,28 @@
+"""What exercise quantised_gather's checker (quantised_gather.py) runs in its sealed ranks."""
+from __future__ import annotations
+
+import importlib
+import torch
+
+from .. import sealed
+from ..sealed.forbidden import refuse_library
+from ..sealed.library_view import unavailable
+
+
+def _rank_job(fn, trials):
+    """In every sealed rank: the answer gathers into a NaN-filled buffer; record what it wrote."""
+    for i, t in enumerate(trials):
+        sealed.begin(i)
+        output = torch.full((t["p"] * t["input"].numel(),), float("nan"))
+        fn(output, t["input"].clone(), t["block"])
+        sealed.observe(i, {"output": output})
+
+
+def _refuse_plusplus(fn) -> None:
+    """In the sealed rank: Forbidden if the answer calls pplab.zero.plusplus's own quantiser or gather."""
+    plusplus = importlib.import_module("pplab.zero.plusplus")
+    if unavailable(plusplus):                               # a graded check: the answer cannot reach it
+        return
+    refuse_library(fn, "quantised_gather", "the quantised all-gather",
+                   {"quantised_all_gather": plusplus.quantised_all_gather, "quantize": plusplus.quantize,
+                    "dequantize": plusplus.dequantize}, "pplab.zero.plusplus")
