@@ -46,7 +46,11 @@ $(STAMP): pyproject.toml
 	  echo "torch $$($(PYTHON) -c 'import torch; print(torch.__version__)') is already importable: keeping it"; \
 	  $(PYTHON) -m venv --system-site-packages $(VENV); \
 	else \
-	  $(PYTHON) -m venv $(VENV) && $(BIN)/pip install $(TORCH); \
+	  $(PYTHON) -m venv $(VENV); \
+	fi; \
+	if ! $(BIN)/python -c "import torch" >/dev/null 2>&1; then \
+	  echo "installing $(TORCH) into $(VENV)"; \
+	  $(BIN)/pip install $(TORCH) || exit 1; \
 	fi
 	$(BIN)/pip install -e ".[test]"
 	$(BIN)/python -c "import torch, pplab; print('pplab', pplab.__version__, 'with torch', torch.__version__)"

@@ -6,6 +6,7 @@ the prediction lines (pplab/checks/prediction_lines.py) and the students' identi
 import csv
 import json
 import os
+import random
 import re
 import socket
 import stat
@@ -208,7 +209,7 @@ def test_the_child_runs_pplab_as_the_grader_read_it_not_the_files_on_disk(tmp_pa
     (b"{ not json", "not a notebook (not JSON: JSONDecodeError)"),
     (b"[" * 1_000_000 + b"]" * 1_000_000, "not a notebook (not JSON: RecursionError)"),
     (json.dumps({"worksheets": [], "nbformat": 3}).encode(), "nbformat 3: open and save it in Jupyter"),
-    (b"\xff\xfe" + os.urandom(2048), "not a notebook (not JSON"),
+    (b"\xff\xfe" + random.Random(0).randbytes(2048), "not a notebook (not JSON"),   # the same in every xdist process
 ])
 def test_what_is_not_a_notebook_is_refused_with_a_note(tmp_path, data, note):
     (tmp_path / "x.ipynb").write_bytes(data)

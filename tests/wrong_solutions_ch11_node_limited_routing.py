@@ -98,6 +98,13 @@ def with_the_library(scores, experts_per_rank, ranks_per_node, max_nodes, k):
     return pplab.experts_at_scale.node_limited_topk(scores, sizes, max_nodes, k)
 
 
+def imports_the_library_inside(scores, experts_per_rank, ranks_per_node, max_nodes, k):
+    """The library's function imported by name inside the answer (IMPORT_FROM, not an attribute)."""
+    from pplab.experts_at_scale import node_limited_topk
+    sizes = [sum(experts_per_rank[i:i + ranks_per_node]) for i in range(0, len(experts_per_rank), ranks_per_node)]
+    return node_limited_topk(scores, sizes, max_nodes, k)
+
+
 def rows_ascending_as_lists(scores, experts_per_rank, ranks_per_node, max_nodes, k):
     return [sorted(r) for r in _route(scores, experts_per_rank, ranks_per_node, max_nodes, k).tolist()]
 
@@ -122,6 +129,7 @@ WRONG = {
         (plain_topk, [ROUTING], None),
         (returns_one_row_per_node, [r"must return 48 rows of k=\d experts"], None),
         (with_the_library, [r"pplab\.experts_at_scale"], None),
+        (imports_the_library_inside, [r"pplab\.experts_at_scale"], None),
     ],
 }
 

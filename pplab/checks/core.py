@@ -333,6 +333,26 @@ def random_mlp_and_cap(rng, element_bytes: int, small_cap: bool) -> tuple[list[i
     return widths, rng.randint(max(layers), sum(layers) - element_bytes)
 
 
+def problems_showing(draw, shows, wanted, count: int, enough=None, tries: int = 10_000) -> list:
+    """`count` problems from draw(i) (None: draw again), among them, for each of `wanted` (the slips
+    a checker promises to catch, or the cases it promises to try), at least one that shows it:
+    shows(problem) is the set of those it shows. Room is kept for what is not yet shown, so the list
+    is never longer than `count` unless it must be; enough(problems), if given, must also hold.
+    After `tries` draws, something no problem shows is the checker's own error, raised."""
+    out, shown = [], set()
+    for i in range(tries):
+        if len(out) >= count and shown >= set(wanted) and (enough is None or enough(out)):
+            return out
+        problem = draw(i)
+        if problem is None:
+            continue
+        new = shows(problem) - shown
+        if len(out) < count - len(set(wanted) - shown) or new:
+            out.append(problem)
+            shown |= new
+    raise RuntimeError(f"no problem shows {sorted(set(wanted) - shown)} in {tries} draws")
+
+
 def require_function(fn, exercise_id: str, params: str, *sample_args) -> None:
     """Fail unless `fn` is a function that can be called with `sample_args` (named `params`)."""
     if not callable(fn):

@@ -1,15 +1,13 @@
 """What exercise linear_3d's checker (linear_3d.py) runs in its sealed ranks."""
 from __future__ import annotations
 
-import importlib
 
-from ..sealed.library_view import unavailable
 from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
 from .. import sealed
-from ..sealed.forbidden import refuse_library
+from ..sealed.forbidden import refuse_module
 
 
 WORLD, Q = 8, 2                                      # a 2x2x2 cube of ranks
@@ -52,11 +50,7 @@ def _rank_job(fn, trials):
 
 def _refuse_tp3d(fn) -> None:
     """In the sealed rank: Forbidden if the answer uses the library's own 3D layer."""
-    tp3d = importlib.import_module("pplab.tensor_parallel.tp3d")
-    if unavailable(tp3d):                                    # a graded check: the answer cannot reach it
-        return
-    refuse_library(fn, "linear_3d", "the 3D linear layer",
-                   {"Linear3D": tp3d.Linear3D, "_Matmul3D": tp3d._Matmul3D}, "pplab.tensor_parallel.tp3d")
+    refuse_module(fn, "linear_3d", "the 3D linear layer", "pplab.tensor_parallel.tp3d", ("Linear3D", "_Matmul3D"))
 
 
 def _place(rank):

@@ -1,15 +1,13 @@
 """What exercise pipeline_executor's checker (pipeline_executor.py) runs in its sealed ranks."""
 from __future__ import annotations
 
-import importlib
 
-from ..sealed.library_view import unavailable
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from .. import sealed
-from ..sealed.forbidden import refuse_library
+from ..sealed.forbidden import refuse_module
 from ..stage_rank import WatchedStage
 
 
@@ -42,8 +40,5 @@ def _executor_rank(fn, trials):
 
 def _refuse_executor(fn) -> None:
     """In the sealed rank: Forbidden if the answer uses pplab.pipeline's executor."""
-    executor = importlib.import_module("pplab.pipeline.executor")
-    if unavailable(executor):                                    # a graded check: the answer cannot reach it
-        return
-    refuse_library(fn, "pipeline_executor", "the executor loop", {"PipelineExecutor": executor.PipelineExecutor,
-                   "run_pipeline": executor.run_pipeline}, "pplab.pipeline's executor")
+    refuse_module(fn, "pipeline_executor", "the executor loop", "pplab.pipeline.executor",
+                  ("PipelineExecutor", "run_pipeline"), shown="pplab.pipeline's executor")

@@ -6,17 +6,11 @@ pplab.pipeline.Action come back as plain data."""
 from __future__ import annotations
 
 from ..sealed.answers import allow_type
-from ..sealed.forbidden import refuse_library
-from ..sealed.library_view import unavailable
+from ..sealed.forbidden import refuse_module
 
 
 def refuse_schedules(fn, exercise_id: str, what: str, names) -> None:
     """Forbidden if `fn` reaches any of pplab.pipeline.schedules' `names` (what they would build: `what`)."""
-    import importlib
     from ...pipeline import Action
     allow_type(Action)
-    schedules = importlib.import_module("pplab.pipeline.schedules")
-    if unavailable(schedules):                              # a graded check: the answer cannot reach them
-        return
-    refuse_library(fn, exercise_id, what, {name: getattr(schedules, name) for name in names},
-                   "pplab.pipeline's schedules")
+    refuse_module(fn, exercise_id, what, "pplab.pipeline.schedules", names, shown="pplab.pipeline's schedules")

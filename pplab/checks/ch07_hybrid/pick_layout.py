@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 
 from .. import sealed
-from ..core import Fail, exercise, require_function
+from ..core import Fail, exercise, problems_showing, require_function
 from .layout_costs import SLIPS, _hint, _mb, _problem, _slipped
 from .refuse_planner_rank import _refuse_planner
 
@@ -26,17 +26,19 @@ def _answer(preds, budget):
 def problems(seed: int, count: int = 16):
     """`count` clear-cut problems, (learner's dict, planner's predictions, budget, right answer),
     among them for each common slip (SLIPS) at least one that the slip gets wrong."""
-    rng, out, caught = random.Random(seed), [], set()
-    while len(out) < count or caught != set(SLIPS):
+    rng = random.Random(seed)
+
+    def draw(_):
         problem, preds, budget = _problem(rng)
         best, clear = _answer(preds, budget)
         if not clear or _slipped(problem, None) != best:    # the learner's formulas must be able to get it right
-            continue
-        wrong = {slip for slip in SLIPS if _slipped(problem, slip) != best}
-        if len(out) < count - len(set(SLIPS) - caught) or wrong - caught:   # room kept for the slips not yet caught
-            out.append((problem, preds, budget, best))
-            caught |= wrong
-    return out
+            return None
+        return problem, preds, budget, best
+
+    def slips_wrong(case):
+        problem, _, _, best = case
+        return {slip for slip in SLIPS if _slipped(problem, slip) != best}
+    return problems_showing(draw, slips_wrong, SLIPS, count)
 
 
 def _describe(problem, preds, budget) -> str:

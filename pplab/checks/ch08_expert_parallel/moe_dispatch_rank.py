@@ -8,8 +8,7 @@ import torch
 import torch.distributed as dist
 
 from .. import sealed
-from ..sealed.forbidden import refuse_library
-from ..sealed.library_view import unavailable
+from ..sealed.forbidden import refuse_module
 
 
 def _rows(rank, n):
@@ -50,10 +49,5 @@ def _dispatch_rank(fn, trials):
 
 def _refuse_dispatch_plan(fn) -> None:
     """In the sealed rank: Forbidden if the answer uses the library's dispatch_plan."""
-    import importlib
-    library = importlib.import_module("pplab.expert_parallel")    # loaded only when this check runs
-    if unavailable(library):                                # a graded check: the answer cannot reach it
-        return
-    dispatch_plan = library.dispatch_plan
-    refuse_library(fn, "moe_dispatch", "the dispatch", {"dispatch_plan": dispatch_plan},
-                   "pplab.expert_parallel.dispatch_plan")
+    refuse_module(fn, "moe_dispatch", "the dispatch", "pplab.expert_parallel", ("dispatch_plan",),    # loaded only now
+                  shown="pplab.expert_parallel.dispatch_plan")

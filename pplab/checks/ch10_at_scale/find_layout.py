@@ -22,7 +22,7 @@ from __future__ import annotations
 import random
 
 from .. import sealed
-from ..core import Fail, exercise, require_function
+from ..core import Fail, exercise, problems_showing, require_function
 
 
 SLIPS = ("no_zero", "gpipe_memory", "pp_in_flight", "zero2_shards_parameters", "selective_keeps_scores",
@@ -61,18 +61,18 @@ def _problem(rng):
 
 
 def problems(seed: int, count: int = 12):
-    """`count` problems, among them for every slip at least one it gets wrong by more than 1%."""
-    rng, out, caught = random.Random(seed), [], set()
-    for _ in range(10_000):                  # a few dozen draws suffice; the cap turns a slip no problem shows into an error
-        if len(out) >= count and caught == set(SLIPS):
-            return out
+    """`count` (problem, right answer) pairs, among them for every slip at least one it gets wrong
+    by more than 1%."""
+    rng = random.Random(seed)
+
+    def draw(_):
         problem = _problem(rng)
-        right = sum(reference(problem))
-        wrong = {s for s in SLIPS if abs(sum(reference(problem, s)) / right - 1) > 0.01}
-        if len(out) < count - len(set(SLIPS) - caught) or wrong - caught:
-            out.append((problem, right))
-            caught |= wrong
-    raise RuntimeError(f"no problem tells {sorted(set(SLIPS) - caught)} from the right answer")
+        return problem, sum(reference(problem))
+
+    def slips_wrong(case):
+        problem, right = case
+        return {s for s in SLIPS if abs(sum(reference(problem, s)) / right - 1) > 0.01}
+    return problems_showing(draw, slips_wrong, SLIPS, count)
 
 
 HINTS = {"no_zero": "ZeRO stage {zero} shards over the dp = {dp} ranks: the optimizer state from stage 1, "

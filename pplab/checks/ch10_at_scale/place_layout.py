@@ -23,7 +23,7 @@ import itertools
 import random
 
 from .. import sealed
-from ..core import Fail, exercise, require_function
+from ..core import Fail, exercise, problems_showing, require_function
 from .place_layout_rank import _refuse_cluster
 
 
@@ -67,21 +67,15 @@ def _problem(rng) -> dict:
 def problems(seed: int, count: int = 12) -> list:
     """`count` problems, among them at least one where the rule of thumb is not the best order,
     one where the pipeline crosses, and one with rings of 3 or more that cross on some links only."""
-    rng, out = random.Random(seed), []
-    wanted = {"rule_loses": False, "pp_crosses": False, "long_ring": False}
-    while len(out) < count or not all(wanted.values()):
-        p = _problem(rng)
+    rng = random.Random(seed)
+
+    def cases_shown(p):
         totals = _totals(p)
-        rule_loses = totals[_by_rule(p)] > min(totals.values())
-        pp_crosses = any(_reference(p, o)["pp"] for o in totals)
-        long_ring = any(p["sizes"][d] >= 3 for d in ("dp", "tp"))
-        new = [k for k, v in (("rule_loses", rule_loses), ("pp_crosses", pp_crosses), ("long_ring", long_ring))
-               if v and not wanted[k]]
-        if len(out) < count - sum(not v for v in wanted.values()) or new:
-            out.append(p)
-            for k in new:
-                wanted[k] = True
-    return out
+        shown = {"rule_loses": totals[_by_rule(p)] > min(totals.values()),
+                 "pp_crosses": any(_reference(p, o)["pp"] for o in totals),
+                 "long_ring": any(p["sizes"][d] >= 3 for d in ("dp", "tp"))}
+        return {k for k, v in shown.items() if v}
+    return problems_showing(lambda _: _problem(rng), cases_shown, ("rule_loses", "pp_crosses", "long_ring"), count)
 
 
 def _read(got, problem, k):

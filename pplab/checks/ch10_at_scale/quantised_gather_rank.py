@@ -1,12 +1,10 @@
 """What exercise quantised_gather's checker (quantised_gather.py) runs in its sealed ranks."""
 from __future__ import annotations
 
-import importlib
 import torch
 
 from .. import sealed
-from ..sealed.forbidden import refuse_library
-from ..sealed.library_view import unavailable
+from ..sealed.forbidden import refuse_module
 
 
 def _rank_job(fn, trials):
@@ -20,9 +18,5 @@ def _rank_job(fn, trials):
 
 def _refuse_plusplus(fn) -> None:
     """In the sealed rank: Forbidden if the answer calls pplab.zero.plusplus's own quantiser or gather."""
-    plusplus = importlib.import_module("pplab.zero.plusplus")
-    if unavailable(plusplus):                               # a graded check: the answer cannot reach it
-        return
-    refuse_library(fn, "quantised_gather", "the quantised all-gather",
-                   {"quantised_all_gather": plusplus.quantised_all_gather, "quantize": plusplus.quantize,
-                    "dequantize": plusplus.dequantize}, "pplab.zero.plusplus")
+    refuse_module(fn, "quantised_gather", "the quantised all-gather", "pplab.zero.plusplus",
+                  ("quantised_all_gather", "quantize", "dequantize"))

@@ -20,7 +20,7 @@ from __future__ import annotations
 import random
 
 from .. import sealed
-from ..core import Fail, exercise, require_function
+from ..core import Fail, exercise, problems_showing, require_function
 from .doc_split_rank import _refuse_packed
 
 SLIPS = ("tokens", "forgets_itself", "late_reset", "cuts_alone")
@@ -105,20 +105,18 @@ def busiest(docs, ranges) -> int:
 
 def problems(seed: int, count: int = 12):
     """`count` (docs, p) problems, p = 2, 3 and 4 each, and for every slip at least one it gets wrong."""
-    rng, out, caught = random.Random(seed), [], set()
-    for draw in range(10_000):
-        if len(out) >= count and caught == set(SLIPS) and {p for _, p in out} == {2, 3, 4}:
-            return out
-        p = (2, 3, 4)[draw % 3]
+    rng = random.Random(seed)
+
+    def draw(i):
+        p = (2, 3, 4)[i % 3]
         docs = [rng.randint(1, 30) for _ in range(rng.randint(1, 6))]
-        if sum(docs) < p:
-            continue
+        return (docs, p) if sum(docs) >= p else None
+
+    def slips_wrong(case):
+        docs, p = case
         best = best_busiest(docs, p)[0]
-        wrong = {s for s in SLIPS if busiest(docs, slip_answer(docs, p, s)) > best}
-        if len(out) < count - len(set(SLIPS) - caught) or wrong - caught:
-            out.append((docs, p))
-            caught |= wrong
-    raise RuntimeError(f"no problem tells {sorted(set(SLIPS) - caught)} from the right answer")
+        return {s for s in SLIPS if busiest(docs, slip_answer(docs, p, s)) > best}
+    return problems_showing(draw, slips_wrong, SLIPS, count, enough=lambda out: {p for _, p in out} == {2, 3, 4})
 
 
 HINTS = {"tokens": "that balances tokens, not work: a token deep in a long document computes many more "

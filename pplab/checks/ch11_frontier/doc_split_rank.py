@@ -5,16 +5,10 @@ module and nothing of the checker (fresh_zygote.py), and there pplab.sequence_pa
 which holds the library's doc_split, is not available at all (denied.py)."""
 from __future__ import annotations
 
-import importlib
 
-from ..sealed.forbidden import refuse_library
-from ..sealed.library_view import unavailable
+from ..sealed.forbidden import refuse_module
 
 
 def _refuse_packed(fn) -> None:
     """In the sealed rank: Forbidden if the answer calls pplab.sequence_parallel.packed's own split."""
-    packed = importlib.import_module("pplab.sequence_parallel.packed")
-    if unavailable(packed):                                 # a graded check: the answer cannot reach it
-        return
-    refuse_library(fn, "doc_split", "the document-aware split", {"doc_split": packed.doc_split},
-                   "pplab.sequence_parallel.packed")
+    refuse_module(fn, "doc_split", "the document-aware split", "pplab.sequence_parallel.packed", ("doc_split",))

@@ -5,15 +5,13 @@ module and nothing of the checker (fresh_zygote.py), and there pplab.overlap.dua
 library's own answer, is not available at all (denied.py)."""
 from __future__ import annotations
 
-import importlib
 from dataclasses import asdict
 
 import torch
 from torch import nn
 
 from .. import sealed
-from ..sealed.forbidden import refuse_library
-from ..sealed.library_view import unavailable
+from ..sealed.forbidden import refuse_module
 from ... import trace
 from ...overlap.stage import Chunk
 
@@ -53,8 +51,4 @@ def _rank_job(fn, trials):
 
 def _refuse_dualpipe(fn) -> None:
     """In the sealed rank: Forbidden if the answer calls the library's own dualpipe_step."""
-    pair = importlib.import_module("pplab.overlap.dualpipe_pair")
-    if unavailable(pair):                                 # a graded check: the answer cannot reach it
-        return
-    refuse_library(fn, "overlapped_step", "the overlapped step", {"dualpipe_step": pair.dualpipe_step},
-                   "pplab.overlap.dualpipe_pair")
+    refuse_module(fn, "overlapped_step", "the overlapped step", "pplab.overlap.dualpipe_pair", ("dualpipe_step",))

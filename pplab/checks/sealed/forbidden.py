@@ -119,8 +119,8 @@ def refuse_library(fn, exercise_id: str, what: str, library: dict, shown: str) -
                 continue
             codes += [c for c in code.co_consts if inspect.iscode(c)]
             for ins in dis.get_instructions(code):
-                if ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and ins.argval in library:
-                    found = True
+                if ins.opname in ("LOAD_ATTR", "LOAD_METHOD", "IMPORT_FROM") and ins.argval in library:
+                    found = True                            # lib.answer(...), or `from lib import answer` inside
                 elif ins.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
                     value = names.get(ins.argval)
                     found = found or any(value is v for v in library.values())
@@ -130,6 +130,15 @@ def refuse_library(fn, exercise_id: str, what: str, library: dict, shown: str) -
             raise Forbidden(f"exercise '{exercise_id}' asks you to work out {what} yourself; you use {shown}, "
                             f"the library's answer.")
         todo += [c for c in cells if (inspect.isfunction(c) or inspect.isclass(c)) and c.__module__ == home]
+
+
+def refuse_module(fn, exercise_id: str, what: str, module: str, names, shown: str | None = None) -> None:
+    """refuse_library for the names of one module of pplab (a dotted name): Fail if the answer uses
+    any of them. In a graded check the module does not exist for the answer: nothing to refuse."""
+    lib = importlib.import_module(module)
+    if unavailable(lib):
+        return
+    refuse_library(fn, exercise_id, what, {name: getattr(lib, name) for name in names}, shown or module)
 
 
 def _filled(cell) -> bool:
