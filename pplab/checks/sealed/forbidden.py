@@ -100,6 +100,9 @@ def refuse_library(fn, exercise_id: str, what: str, library: dict, shown: str) -
     if isinstance(fn, SourceAnswer):
         raise TypeError("refuse_library looks at a function: run it in the sealed rank (probe=)")
     library = {name: obj for name, obj in library.items() if not unavailable(obj)}   # denied: out of reach already
+    if any(fn is obj for obj in library.values()):         # the library's own function handed in as the answer
+        raise Forbidden(f"exercise '{exercise_id}' asks you to work out {what} yourself; you handed in {shown}'s "
+                        f"own function, the library's answer.")
     home = getattr(fn, "__module__", None)
     todo, seen = [fn], set()
     while todo:
