@@ -15,7 +15,7 @@ TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.pplab-installed
 
-.PHONY: lab test test-busy install exercises benchmarks browser-test clean
+.PHONY: lab test test-busy seed-sweep install exercises benchmarks browser-test clean
 
 # JupyterLab refuses to run as root unless told; containers often are root
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
@@ -38,6 +38,12 @@ test: $(STAMP)
 # Separate from `make test`, which must stay quick; CI runs both (.ci/run).
 test-busy: $(STAMP)
 	$(BIN)/python -m pytest -n 2 --dist loadscope --no-loadscope-reorder --busy --nbval-lax --nbval-cell-timeout=900 --durations=25 -q notebooks
+
+# The checks' tests under other inputs: each test draws its checks' seeds from its own id, so
+# `make test` is repeatable; this runs those tests again under SEEDS other draws (SEEDS="1 2 3").
+SEEDS ?= 1 2 3
+seed-sweep: $(STAMP)
+	for s in $(SEEDS); do echo "PPLAB_TEST_SEED=$$s"; PPLAB_TEST_SEED=$$s $(BIN)/python -m pytest -n 2 -q -p no:cacheprovider tests/test_checks*.py || exit 1; done
 
 install: $(STAMP)
 

@@ -25,6 +25,23 @@ def _launch_timeout_for_tests(monkeypatch):
         monkeypatch.setenv("PPLAB_LAUNCH_TIMEOUT", "30")
 
 
+# A check called without seed= draws a fresh one from os.urandom. Here each test draws from its own
+# generator instead, seeded by the test's id: a run of the suite is repeatable, so a wrong answer whose
+# message depends on its inputs cannot fail one CI run in twenty. To explore other inputs, set
+# PPLAB_TEST_SEED (any whole number): `make seed-sweep` runs the checks' tests under several.
+_TEST_SEED = int(os.environ.get("PPLAB_TEST_SEED", "0"))
+
+
+@pytest.fixture(autouse=True)
+def _check_seeds_fixed_per_test(request, monkeypatch):
+    import random
+    import zlib
+
+    from pplab.checks import core
+    draws = random.Random(zlib.crc32(request.node.nodeid.encode()) ^ _TEST_SEED)
+    monkeypatch.setattr(core, "fresh_seed", lambda: draws.getrandbits(32))
+
+
 def descendants(pid=None):
     """Pids of every live process below `pid` (default: this test process), from /proc; but not the
     template of graded checks' zygotes (pplab/checks/sealed/template.py): it is kept for the next check, and

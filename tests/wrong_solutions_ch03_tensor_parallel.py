@@ -454,8 +454,11 @@ WRONG = {
         (ce_gradient_forgets_vocab_start, [r"^world_size=2, \d tokens, vocabulary \d+, rank 1: the gradient of "
                                            r"logits_shard differs", r"target - vocab_start on the rank that owns"],
          None),
+        # the loss catches it unless the doubly-counted target happens to be its row's maximum (its
+        # shifted logit is 0, so the loss is unchanged): then the gradient does (seed=1869083643)
         (ce_target_owner_for_two_ranks, [r"^world_size=3, \d tokens, vocabulary \d+( \(logits around 800\))?, "
-                                         r"rank \d: the loss differs", r"only the rank whose slice holds it"], None),
+                                         r"rank \d: the (loss|gradient of logits_shard) differs",
+                                         r"only the rank whose slice holds it|on the rank that owns it"], None),
         (ce_log_with_an_epsilon, [WHERE_CE, r"the loss differs from the single-process value"], None),
         (ce_from_library, [r"^exercise 'vocab_parallel_ce' asks you to work out the vocabulary-parallel loss "
                            r"yourself; you use pplab\.tensor_parallel\.transformer\.vocab_parallel_cross_entropy"],

@@ -119,6 +119,15 @@ def check_result(x, where="the result", depth=0) -> None:
             check_result(v, f"{where}.{k}", depth + 1)
 
 
+def _everyone_joined(store, world_size):
+    """Wait until every rank has finished joining the group. Gloo's joining is pairwise: without
+    this, a rank could finish first, fail in fn, exit, and break a peer that was still connecting
+    (which would then report a lost connection instead of reaching the same error itself)."""
+    if store.add("joined", 1) == world_size:
+        store.set("all joined", "1")
+    store.wait(["all joined"])
+
+
 def rank_main(rank, world_size, folder, backend, threads, group_timeout, parent_pid, payload, conn, out_conn,
               err_conn):
     """group_timeout: seconds a collective may wait before gloo gives up (finite; the launch's
@@ -143,6 +152,7 @@ def rank_main(rank, world_size, folder, backend, threads, group_timeout, parent_
         store = dist.FileStore(os.path.join(folder, "store"), world_size)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=group_timeout))
+        _everyone_joined(store, world_size)
         fn, args, kwargs = cloudpickle.loads(payload) if isinstance(payload, bytes) else payload
         trace.reset(rank)
         callboard.attach(os.path.join(folder, "board"), rank)
