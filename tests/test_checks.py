@@ -170,7 +170,17 @@ def test_first_difference():
     assert checks.first_difference(torch.tensor([5, 6]), torch.tensor([5, 7])) == (1, 6, 7)
 
 
-def test_a_numeric_exercise_needs_no_ranks():
+
+def test_known_mistake_names_the_first_near_miss_that_matches():
+    from pplab.checks.compare import known_mistake
+    want = torch.tensor([1.0, -2.0, 3.0])
+    mistakes = [(None, "skipped: no such mistake here"), (2 * want, "twice"), (2 * want, "also twice"),
+                (torch.zeros(2), "another shape")]
+    assert known_mistake(2 * want, mistakes) == " twice"                          # the first that matches
+    assert known_mistake(2 * want + 1e-7, mistakes, atol=1e-6) == " twice"        # within the tolerance
+    assert known_mistake(2 * want + 1e-5, mistakes, atol=1e-6) == ""              # just outside it
+    assert known_mistake(torch.zeros(2), mistakes[:3]) == ""                      # a shape no mistake has
+    assert known_mistake(want, []) == ""
     """Later chapters register numeric answers (a bubble fraction): a plain function."""
     @checks.exercise("test_bubble", "GPipe bubble fraction, p=4 stages, m=8 micro-batches", answer="bubble")
     def check_bubble(answer, seed, timeout):

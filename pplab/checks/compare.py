@@ -6,6 +6,9 @@ differ: one wording for every chapter.
     # rank 2's result differs from the sum over all ranks at index (1, 3) (got 0.5, expected 0.25).
 
 A Difference is also a tuple (index, got, expected), for a checker that words its own hint.
+known_mistake names the near miss a wrong result matches, for that hint:
+
+    hint = known_mistake(got, [(p * expected, f"It is {p} times that: divide the sum by p.")], atol=1e-6)
 """
 from __future__ import annotations
 
@@ -43,3 +46,12 @@ def first_difference(got: torch.Tensor, expected: torch.Tensor, *, atol=0.0, rto
     i = int(flat[0])
     index = tuple(int(k) for k in torch.unravel_index(torch.tensor(i), got.shape)) if got.dim() != 1 else i
     return Difference(index, got.flatten()[i].item(), expected.flatten()[i].item())
+
+
+def known_mistake(got: torch.Tensor, mistakes, *, atol=0.0, rtol=0.0) -> str:
+    """The hint of the first of `mistakes` ((what that mistake would give, or None; its hint) pairs)
+    whose result `got` equals within atol + rtol·|that|, with a leading space; "" if none matches."""
+    for wrong, hint in mistakes:
+        if wrong is not None and wrong.shape == got.shape and torch.allclose(got, wrong, atol=atol, rtol=rtol):
+            return f" {hint}"
+    return ""

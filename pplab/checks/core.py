@@ -98,7 +98,7 @@ from typing import Callable
 import torch
 
 from ..runtime import comm  # noqa: F401 - chapters' checkers import comm from here (tensor_parallel)
-from .compare import Difference, _fmt, first_difference  # noqa: F401 - checkers import them from here
+from .compare import Difference, _fmt, first_difference, known_mistake  # noqa: F401 - checkers import them from here
 from .sealed import call_answer, zygote  # noqa: F401 - run_check enters zygote() before the seed exists
 from .sealed.answers import SourceAnswer, allow_type, decode, encode  # noqa: F401 - what checkers use, in one place
 from .sealed.denied import DENIED

@@ -7,7 +7,6 @@ from __future__ import annotations
 import torch
 
 from ..core import Fail, exercise, first_difference, require_function
-from ..ch00_start_here.broadcast import _received
 from .reduce_scatter_rank import _reduce_scatter_rank
 from .ring_checks import _check_ring_traffic, _inputs, _returned_new, _run, _same_kind, _tolerance
 
@@ -46,10 +45,7 @@ def _check_reduce_scatter(name, trials, seed):
                 raise Fail(f"rank {rank}'s input changed {changed}: like "
                            f"torch.distributed.reduce_scatter_tensor, leave input as it was (add up partial sums "
                            f"in a copy, input.clone()).")
-            n_bytes = input.numel() * input.element_size()
-            _check_ring_traffic(rank, p, traffic[rank]["sends"], _received(traffic, rank) > 0,
-                                (p - 1) * n * input.element_size(), n_bytes,
-                                "a ring reduce-scatter (p-1 steps of one chunk)",
+            _check_ring_traffic(traffic, rank, p, input, p - 1, "a ring reduce-scatter (p-1 steps of one chunk)",
                                 "sending each chunk straight to the rank that owns it is not a ring")
     return check
 

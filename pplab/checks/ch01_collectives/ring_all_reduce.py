@@ -4,11 +4,9 @@
 """
 from __future__ import annotations
 
-import math
 import torch
 
 from ..core import Fail, exercise, first_difference, require_function
-from ..ch00_start_here.broadcast import _received
 from .ring_all_reduce_rank import _all_reduce_rank
 from .ring_checks import _check_ring_traffic, _inputs, _returned_new, _run, _same_kind, _tolerance
 
@@ -46,9 +44,7 @@ def _check_all_reduce(name, trials, seed):
                                 f"tensor.tensor_split({p}) {'are' if len(wrong) > 1 else 'is'} wrong on this rank: "
                                 f"every rank must take part in all {p - 1} steps of the all-gather.")
                 raise Fail(message)
-            n_bytes = tensor.numel() * tensor.element_size()
-            limit = 2 * (p - 1) * math.ceil(tensor.numel() / p) * tensor.element_size()
-            _check_ring_traffic(rank, p, traffic[rank]["sends"], _received(traffic, rank) > 0, limit, n_bytes,
+            _check_ring_traffic(traffic, rank, p, tensor, 2 * (p - 1),
                                 "a ring all-reduce (2(p-1) steps of one chunk of at most ceil(numel/p) elements)",
                                 "sending everything to one rank and back is a parameter server, not a ring")
     return check

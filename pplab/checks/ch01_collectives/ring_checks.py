@@ -12,10 +12,13 @@ compared with them) and random p and sizes (its prediction with pplab.costmodel'
 """
 from __future__ import annotations
 
+import math
 import random
+
 import torch
 
 from .. import sealed
+from ..ch00_start_here.broadcast import _received
 from ..core import Fail, first_difference
 
 
@@ -45,8 +48,12 @@ def _tolerance(dtype) -> dict:
     return {} if dtype == torch.int64 else {"atol": 1e-5, "rtol": 1e-5}
 
 
-def _check_ring_traffic(rank, p, sends, received_any, limit, n_bytes, what, not_a_ring) -> None:
-    """Sent only to the right neighbour, at most `limit` bytes in all, and received something."""
+def _check_ring_traffic(traffic, rank, p, tensor, steps, what, not_a_ring) -> None:
+    """Rank `rank` sent only to its right neighbour, at most `steps` chunks of ceil(numel/p) elements
+    in all, and received something (`traffic`: the router's record of every rank)."""
+    sends = traffic[rank]["sends"]
+    n_bytes = tensor.numel() * tensor.element_size()
+    limit = steps * math.ceil(tensor.numel() / p) * tensor.element_size()
     right = (rank + 1) % p
     others = sorted({dst for dst, _ in sends if dst != right})
     if others:
@@ -58,7 +65,7 @@ def _check_ring_traffic(rank, p, sends, received_any, limit, n_bytes, what, not_
         raise Fail(f"rank {rank} sent {total:,} bytes for a tensor of {n_bytes:,} bytes, more than the {limit:,} "
                    f"bytes of {what}: cut the tensor into p chunks (tensor.tensor_split(p)) and send one chunk "
                    f"per step, not the whole tensor.")
-    if not received_any and n_bytes:
+    if not _received(traffic, rank) and n_bytes:
         raise Fail(f"rank {rank} ended with the right values but received no point-to-point message: "
                    f"the data must travel with send/recv (pplab.comm or torch.distributed).")
 

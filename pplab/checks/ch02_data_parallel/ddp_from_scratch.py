@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import sealed
-from ..core import Fail, exercise, first_difference, require_function
+from ..core import Fail, exercise, first_difference, known_mistake, require_function
 from ..core import _fmt, random_mlp_and_cap
 from .ddp_from_scratch_rank import _STEPS, _ddp_rank_of_trials, _mlp, _refuse_library_ddp
 
@@ -165,17 +165,15 @@ def _check_grads(grads, reference, rank, p_group, step):
         diff = first_difference(got, ref, atol=_ATOL, rtol=_RTOL)
         if diff is None:
             continue
-        index, g, w = diff
-        hint = ""
-        if torch.allclose(got, p_group * ref, atol=_ATOL, rtol=_RTOL):
-            hint = f" It is {p_group} times that: the all-reduce sums the ranks' gradients; divide by the group's size."
-        elif torch.allclose(got, own, atol=_ATOL, rtol=_RTOL):
-            hint = " It is this rank's own gradient: the averaged bucket never made it back into .grad."
-        elif before is not None and torch.allclose(got, ref + before, atol=_ATOL, rtol=_RTOL):
-            hint = (" It is this step's gradient plus the step before's: what your hooks add into is never emptied; "
-                    "start every step from zero (in finish(), or by copying rather than adding).")
-        raise Fail(f"{where} at {index} is {_fmt(g)}, but the single-process gradient of the group's whole batch is "
-                   f"{_fmt(w)}.{hint}")
+        hint = known_mistake(got, [
+            (p_group * ref, f"It is {p_group} times that: the all-reduce sums the ranks' gradients; divide by the "
+                            f"group's size."),
+            (own, "It is this rank's own gradient: the averaged bucket never made it back into .grad."),
+            (None if before is None else ref + before,
+             "It is this step's gradient plus the step before's: what your hooks add into is never emptied; "
+             "start every step from zero (in finish(), or by copying rather than adding).")], atol=_ATOL, rtol=_RTOL)
+        raise Fail(f"{where} at {diff.index} is {_fmt(diff.got)}, but the single-process gradient of the group's "
+                   f"whole batch is {_fmt(diff.expected)}.{hint}")
 
 
 def _check_ddp(configs, seed):

@@ -129,27 +129,24 @@ def _judge_values(prob, observed, parts, where):
                 break
 
 
-def _judge_traffic(prob, observed, traffic, parts, where):
-    right = {ph: not parts.problems[ph] for ph in ("forward", "backward")}
+def _traffic_problem(prob, observed, traffic, right):
+    """What is wrong with the bytes the ranks sent in the phases that computed the right values
+    (`right`: phase -> bool), or None: 3D's bytes per rank are the bound."""
     if not any(right.values()):
-        parts.note("traffic", "no phase computed the right values, so its traffic cannot be judged.", where)
-        return
+        return "no phase computed the right values, so its traffic cannot be judged."
     limit = formula_bytes(prob["B"], prob["in"], prob["out"])
-    for phase in ("forward", "backward"):
-        if not right[phase]:
-            continue
-        for rank in sorted(observed):                   # every rank's bytes
-            got = _sent(traffic[rank], phase)
-            if got > limit * (1 + 1e-9):
-                kinds = sorted({c["kind"] for c in traffic[rank]["collectives"] if c["phase"] == phase})
-                how = ("an all-reduce sends twice a reduce-scatter's bytes, and each rank keeps only its piece of "
-                       "the sum: reduce-scatter the terms instead" if "all_reduce" in kinds else
-                       "gather only the blocks one product needs (X_il along group_j, W_lj along group_i) and "
-                       "reduce-scatter, rather than gathering whole matrices")
-                parts.note("traffic", f"rank {rank} put {got:.0f} bytes on the wire in the {phase} ({', '.join(kinds)}"
-                                      f"), where 3D needs (q-1)·(B·in + in·out + B·out)/q³ · 8 = {limit:.0f}: "
-                                      f"{how}.", where)
-                return
+    over = [(phase, rank, _sent(traffic[rank], phase)) for phase in ("forward", "backward") if right[phase]
+            for rank in sorted(observed)]                   # every rank's bytes
+    phase, rank, got = next(((ph, r, b) for ph, r, b in over if b > limit * (1 + 1e-9)), (None, None, 0))
+    if phase is None:
+        return None
+    kinds = sorted({c["kind"] for c in traffic[rank]["collectives"] if c["phase"] == phase})
+    how = ("an all-reduce sends twice a reduce-scatter's bytes, and each rank keeps only its piece of "
+           "the sum: reduce-scatter the terms instead" if "all_reduce" in kinds else
+           "gather only the blocks one product needs (X_il along group_j, W_lj along group_i) and "
+           "reduce-scatter, rather than gathering whole matrices")
+    return (f"rank {rank} put {got:.0f} bytes on the wire in the {phase} ({', '.join(kinds)}), where 3D needs "
+            f"(q-1)·(B·in + in·out + B·out)/q³ · 8 = {limit:.0f}: {how}.")
 
 
 @exercise("linear_3d", "3D tensor parallelism: one linear layer on a 2x2x2 cube", answer="linear_3d",
@@ -170,7 +167,10 @@ def check_linear_3d(fn, seed: int, timeout: float) -> str:
         if len(observed) < p:
             return
         _judge_values(problems[n], observed, parts, describe(p, n))
-        _judge_traffic(problems[n], observed, traffic, parts, describe(p, n))
+        problem = _traffic_problem(problems[n], observed, traffic,
+                                   {ph: not parts.problems[ph] for ph in ("forward", "backward")})
+        if problem:
+            parts.note("traffic", problem, describe(p, n))
 
     inputs = [[_inputs(prob, r) for r in range(WORLD)] for prob in problems]
     try:

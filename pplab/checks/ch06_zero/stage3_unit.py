@@ -16,7 +16,7 @@ import random
 import torch
 
 from .. import sealed
-from ..core import Fail, exercise, first_difference, require_function
+from ..core import Fail, exercise, first_difference, known_mistake, require_function
 from ..core import _fmt
 from .stage3_unit_rank import _unit_rank
 from .tolerance import TOL, _off
@@ -113,13 +113,12 @@ def _check_unit_trial(fn, trial, p, got, where=""):
             if diff is None:
                 continue
             j, a, w = diff
-            hint = ""
-            if name == "shard.grad":
-                if torch.allclose(value, want * p, atol=TOL, rtol=TOL):
-                    hint = (f" It is {p} times that: the reduce-scatter sums the ranks' gradients; divide by the "
-                            f"world size for the mean.")
-                elif torch.allclose(value, full_grad[:size], atol=TOL, rtol=TOL) and rank:
-                    hint = " It is rank 0's piece: each rank keeps the piece of the gradient of its own shard."
+            hint = "" if name != "shard.grad" else known_mistake(value, [
+                (want * p, f"It is {p} times that: the reduce-scatter sums the ranks' gradients; divide by the world "
+                           f"size for the mean."),
+                (full_grad[:size] if rank else None,
+                 "It is rank 0's piece: each rank keeps the piece of the gradient of its own shard.")],
+                atol=TOL, rtol=TOL)
             raise Fail(f"{where}rank {rank}'s {name} at {j} is {_fmt(a)}, expected {_fmt(w)}{_off(a, w)}"
                        + (" (its piece of the mean over ranks of the [weight, bias] gradient, padding 0)"
                           if name == "shard.grad" else "") + f".{hint}")
