@@ -5,7 +5,7 @@ Every route from a student's code to the library's own function (tests/wrong_sol
 earns 0 with the note "the library's X is not available while your answer is checked"; the same
 submissions, run with a zygote forked from the checker (as before), do reach the library and
 score, so the attacks are real. Correct answers keep full marks in
-test_checks_sealed.py::test_every_solution_passes_as_a_function_and_as_source.
+test_checks_sealed.py::test_every_solution_passes_as_the_grader_reads_it.
 """
 import os
 

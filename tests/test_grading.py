@@ -186,7 +186,7 @@ def test_a_notebook_that_ignores_interrupts_is_killed_with_everything_it_started
 
 
 # Every solution graded from its source, as the grader takes it (nothing ignored): in
-# tests/test_checks_sealed.py::test_every_solution_passes_as_a_function_and_as_source.
+# tests/test_checks_sealed.py::test_every_solution_passes_as_the_grader_reads_it.
 
 
 def test_the_predictions_a_student_filled_in_go_with_the_written_answers():
