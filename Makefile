@@ -45,7 +45,9 @@ test-busy: $(STAMP)
 # `make test` is repeatable; this runs those tests again under SEEDS other draws (SEEDS="1 2 3").
 SEEDS ?= 1 2 3
 seed-sweep: $(STAMP)
-	for s in $(SEEDS); do echo "PPLAB_TEST_SEED=$$s"; PPLAB_TEST_SEED=$$s $(BIN)/python -m pytest -n 2 -q -p no:cacheprovider tests/test_checks*.py || exit 1; done
+	@failed=""; for s in $(SEEDS); do echo "PPLAB_TEST_SEED=$$s"; \
+	  PPLAB_TEST_SEED=$$s $(BIN)/python -m pytest -n 2 -q -p no:cacheprovider tests/test_checks*.py || failed="$$failed $$s"; \
+	done; if [ -n "$$failed" ]; then echo "failed under PPLAB_TEST_SEED=$$failed"; exit 1; fi
 
 install: $(STAMP)
 

@@ -102,6 +102,13 @@ def _hint(row, got, want, p) -> str:
     node = [d for d, s in enumerate(sizes) for _ in range(s)]
     if len({node[e] for e in got}) > p["max_nodes"]:
         return f" Your choice spans {len({node[e] for e in got})} nodes, more than max_nodes."
+    per, starts = math.ceil(p["k"] / p["max_nodes"]), [sum(sizes[:d]) for d in range(len(sizes))]
+    worth = [sum(sorted(row[a:a + n], reverse=True)[:per]) for a, n in zip(starts, sizes)]
+    mine, right = sorted({node[e] for e in got}), sorted({node[e] for e in want})
+    if mine != right and sorted(worth[d] for d in mine) == sorted(worth[d] for d in right):
+        yours, kept = (f"node {mine[0]}", f"node {right[0]}") if len(mine) == 1 else (f"nodes {mine}", f"{right}")
+        return (f" Your {yours} and the expected {kept} are worth the same (the sum of their top ceil(k/M) = {per} "
+                f"scores): equal node sums go to the lower node, equal scores to the lower expert.")
     if sorted(row[e] for e in got) == sorted(row[e] for e in want):
         return " The same scores, other experts: equal scores go to the lower expert, equal node sums to the lower node."
     return ""
