@@ -30,8 +30,8 @@ MUTANTS += [
     Mutant("pplab/checks/ch01_collectives/ring_checks.py", "trials = {p: _trials(seed, p, cases) for p in (2, 3, 4)}",
            "trials = {p: _trials(seed, p, cases) for p in (2, 4)}", CHK("reduce_scatter", "reduce_scatter_"),
            "reduce-scatter check: world size 3 dropped"),
-    Mutant("pplab/checks/ch01_collectives/reduce_scatter.py", "(p - 1) * n * input.element_size(), n_bytes,",
-           "p * p * n * input.element_size(), n_bytes,", CHK("reduce_scatter", "reduce_scatter_"),
+    Mutant("pplab/checks/ch01_collectives/reduce_scatter.py", "_check_ring_traffic(traffic, rank, p, input, p - 1,",
+           "_check_ring_traffic(traffic, rank, p, input, p * p,", CHK("reduce_scatter", "reduce_scatter_"),
            "reduce-scatter check: the whole input may travel (byte limit p·N)"),
     # ring_all_reduce
     Mutant("pplab/checks/ch01_collectives/ring_all_reduce.py", "sorted(observed.items()):   # every rank: a slip may show on one only",

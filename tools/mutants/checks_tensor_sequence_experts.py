@@ -40,8 +40,8 @@ MUTANTS += [
     # 3D: one world (the 2x2x2 cube), so no world size to drop
     Mutant("pplab/checks/ch03_tensor_parallel/linear_3d.py", "for rank in sorted(observed):                   # every rank's values",
            "for rank in sorted(observed)[:1]:", _L3D, "3D check: values on rank 0 only"),
-    Mutant("pplab/checks/ch03_tensor_parallel/linear_3d.py", "for rank in sorted(observed):                   # every rank's bytes",
-           "for rank in sorted(observed)[:1]:", _L3D, "3D check: bytes on rank 0 only"),
+    Mutant("pplab/checks/ch03_tensor_parallel/linear_3d.py", "for rank in sorted(observed)]                   # every rank's bytes",
+           "for rank in sorted(observed)[:1]]", _L3D, "3D check: bytes on rank 0 only"),
     Mutant("pplab/checks/ch03_tensor_parallel/linear_3d.py", "TOL = 1e-10", "TOL = 1e-8", _L3D, "3D check: tolerance 1e-10 widened 100x"),
     Mutant("pplab/checks/ch03_tensor_parallel/linear_3d.py", "return 2 * (g - 1) / g * nbytes", "return (g - 1) / g * nbytes", _L3D,
            "3D check: an all-reduce counted at a reduce-scatter's bytes"),
