@@ -178,9 +178,35 @@ def test_comm_refuses_bad_shapes_and_roots_on_every_rank(call, message, hang_det
     assert message in head
 
 
+
+def test_no_rank_runs_fn_before_every_rank_has_joined(tmp_path):
+    """The start-up rendezvous behind the test above: gloo joins pair by pair, so a rank that ran
+    ahead, failed and exited could break a peer still connecting ("lost the connection" where the
+    peer would have raised the same error). Here rank 1 arrives late: rank 0 waits for it."""
+    import threading
+    import time
+
+    from pplab.runtime.rank_main import _everyone_joined
+    path, done = str(tmp_path / "store"), {}
+
+    def join(rank):
+        _everyone_joined(dist.FileStore(path, 3), 3)
+        done[rank] = time.monotonic()
+
+    early = [threading.Thread(target=join, args=(r,), daemon=True) for r in (0, 2)]
+    for t in early:
+        t.start()
+    time.sleep(0.5)
+    assert not done, "a rank went on before rank 1 had joined"
+    arrived = time.monotonic()
+    join(1)
+    for t in early:
+        t.join(timeout=30)
+    assert sorted(done) == [0, 1, 2] and min(done.values()) >= arrived
+
+
 def test_same_error_on_every_rank_is_said_once():
-    def f():
-        dist.barrier()              # every rank has joined: none can lose a peer still starting up
+    def f():                        # no barrier first: the launch runs fn once every rank has joined
         raise ValueError(f"shape {dist.get_world_size()} is wrong")
 
     with pytest.raises(pplab.LaunchError) as info:
