@@ -16,7 +16,10 @@ and reports one of:
 
 The file is restored in a `finally` (Ctrl-C and SIGTERM included). The tool edits the files
 of the checkout it sits in: run it in a clean one (it refuses files with uncommitted
-changes); if it was killed with SIGKILL, `git checkout -- pplab` puts everything back.
+changes); if it was killed with SIGKILL, `git checkout -- pplab` puts everything back. While it
+runs, one mutant is always planted in the working tree: commit nothing there until it ends (a
+`git add -A` in the same checkout once took a planted byte limit into a commit), or run it in a
+`git worktree` of its own.
 """
 from __future__ import annotations
 
