@@ -98,3 +98,29 @@ def test_every_test_file_and_notebook_belongs_to_a_chapter():
     assert chapters_of(ROOT / "tests" / "test_checks.py", {"exercise_id": "bubble_fraction"}) == ["04"]
     assert chapters_of(ROOT / "notebooks" / "04b_schedules_and_torch.ipynb") == ["04"]
     assert "-m ch$(CH)" in (ROOT / "Makefile").read_text()
+
+
+
+def test_a_notebook_kernel_that_died_at_start_is_started_again_but_a_silent_one_is_not():
+    """conftest.py's guard against two kernels taking the same free port (make test's two processes)."""
+    import pytest
+    from conftest import _start_kernel_again_if_it_died
+    calls = []
+
+    def dies(times, message="Kernel died before replying to kernel_info"):
+        def start(**kwargs):
+            calls.append(kwargs)
+            if len(calls) <= times:
+                raise RuntimeError(message)
+            return "km", "kc"
+        return start
+
+    assert _start_kernel_again_if_it_died(dies(2))(startup_timeout=5) == ("km", "kc") and len(calls) == 3
+    calls.clear()
+    with pytest.raises(RuntimeError, match="died"):                    # three deaths: the error stands
+        _start_kernel_again_if_it_died(dies(3))(startup_timeout=5)
+    assert len(calls) == 3
+    calls.clear()
+    with pytest.raises(RuntimeError, match="didn't respond"):          # a silent kernel: not retried
+        _start_kernel_again_if_it_died(dies(1, "Kernel didn't respond in 5 seconds"))(startup_timeout=5)
+    assert len(calls) == 1
