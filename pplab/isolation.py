@@ -229,11 +229,19 @@ def isolate_rank(tmpfs_size: str, hide=()) -> list:
             _hide(path, files)
         except OSError:
             missing.append(f"{path} (hidden)")
-    try:                                                 # lock the mounts: a namespace below cannot undo them
+    # Lock the mounts: a namespace below cannot undo them. A non-dumpable process (a graded check's
+    # zygote is one) may not write its own /proc/self maps where its owner is not mapped here (the
+    # grader's check process, run as a uid of its own): dumpable while it does, as in
+    # enter_user_namespace; nothing of the student's has run yet.
+    was = _libc.prctl(3, 0, 0, 0, 0)                     # PR_GET_DUMPABLE
+    prctl(PR_SET_DUMPABLE, 1)
+    try:
         unshare(NEWUSER | NEWNS)
         map_ids(0, 0, 0)
     except OSError:
         missing.append("locked mounts")
+    finally:
+        prctl(PR_SET_DUMPABLE, was)
     return missing
 
 

@@ -10,7 +10,7 @@ import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 from pplab import checks
-from pplab.course import cli, exercises, grading, reading, submission
+from pplab.course import check_process, cli, exercises, grading, reading, sandbox, submission
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -206,3 +206,21 @@ def test_solution_lines_count_the_code_between_the_markers():
     table = exercises.exercises_table({"02_ddp_from_scratch.ipynb": nb, "09z_unknown.ipynb": nb})
     assert "| `02_ddp_from_scratch` | 2 | DDP from scratch" in table and "| 3 | 1 |" in table
     assert "| `09z_unknown` | 9z | (no check) | 3 | - |" in table and "6 lines of solution code" in table
+
+
+# -- the grader's own check process, in its sandbox -------------------------------------
+
+@pytest.mark.skipif(sandbox.why_not() is not None, reason="no namespace sandbox on this machine")
+@pytest.mark.parametrize("exercise_id", ["ddp_from_scratch", "sharded_optimizer", "fsdp"])
+def test_solutions_pass_in_the_graders_check_process(exercise_id):
+    """Checked as `pplab grade` checks them: in a check process, in the grader's sandbox (as root
+    here, under a uid of its own), with ranks forked from a non-dumpable fresh zygote. These three
+    once lost every point there: a rank could not lock its mounts, then looked for its working
+    folder under the /tmp its own tmpfs covered ("FileNotFoundError: .../pplab-answer-...")."""
+    from notebook_answers import solution_notebook
+
+    name = checks.get_exercise(exercise_id).answer
+    cells = [(n, c.source) for n, c in enumerate(solution_notebook(exercise_id).cells, 1) if c.cell_type == "code"]
+    answer = submission.definitions(cells, {name}).answers[name]
+    verdict = check_process.run_check_process(exercise_id, answer, check_process.pplab_sources(), 60)
+    assert verdict.passed and verdict.score == checks.get_exercise(exercise_id).points, verdict.message

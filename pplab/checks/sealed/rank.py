@@ -426,7 +426,10 @@ def _run(channel: Channel, missing: str) -> None:
         module, _, name = launch["job"].partition(":")
         job = getattr(importlib.import_module(module), name)
         answer = _STATE.pop("answer")
-        workdir = "/tmp/work" if not missing else None
+        # /tmp/work on the rank's private /tmp wherever it has one (the checker's TMPDIR lies
+        # under the /tmp that tmpfs covers), even if some other part of the isolation was missing
+        private_tmp = not missing.startswith("no namespaces") and "private /tmp" not in missing
+        workdir = "/tmp/work" if private_tmp else None
         if workdir:
             os.makedirs(workdir, exist_ok=True)
             os.chdir(workdir)
