@@ -26,6 +26,16 @@ def solution_notebook(exercise_id):
     return nbformat.read(REPO / "solutions" / f"{checks.get_exercise(exercise_id).notebook}.ipynb", 4)
 
 
+def solution_definitions(exercise_id):
+    """The answer's name, and what the grader takes from the solution notebook's source for it
+    (submission.definitions: .answers[name], a SourceAnswer; .notes, what it ignored)."""
+    from pplab.course import submission
+
+    name = checks.get_exercise(exercise_id).answer
+    cells = [(n, c.source) for n, c in enumerate(solution_notebook(exercise_id).cells, 1) if c.cell_type == "code"]
+    return name, submission.definitions(cells, {name})
+
+
 def solution(exercise_id):
     """The solution's function, as the solution notebook defines it."""
     return notebook_function(solution_notebook(exercise_id), checks.get_exercise(exercise_id).answer)

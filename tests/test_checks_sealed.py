@@ -592,10 +592,8 @@ def test_every_solution_passes_as_the_grader_reads_it(exercise_id, capsys):
     """The definitions taken from the solution notebook's source, with nothing ignored, run only in
     the ranks. (As a function, pplab.check in the notebook, each solution notebook checks itself:
     solutions/ runs under nbval in `make test`.)"""
-    from notebook_answers import solution_notebook
-    name = checks.get_exercise(exercise_id).answer
-    cells = [(n, c.source) for n, c in enumerate(solution_notebook(exercise_id).cells, 1) if c.cell_type == "code"]
-    found = submission.definitions(cells, {name})
+    from notebook_answers import solution_definitions
+    name, found = solution_definitions(exercise_id)
     assert found.notes == []
     result = checks.check(exercise_id, found.answers[name])
     assert result, result.message

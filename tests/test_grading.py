@@ -217,10 +217,9 @@ def test_solutions_pass_in_the_graders_check_process(exercise_id):
     here, under a uid of its own), with ranks forked from a non-dumpable fresh zygote. These three
     once lost every point there: a rank could not lock its mounts, then looked for its working
     folder under the /tmp its own tmpfs covered ("FileNotFoundError: .../pplab-answer-...")."""
-    from notebook_answers import solution_notebook
+    from notebook_answers import solution_definitions
 
-    name = checks.get_exercise(exercise_id).answer
-    cells = [(n, c.source) for n, c in enumerate(solution_notebook(exercise_id).cells, 1) if c.cell_type == "code"]
-    answer = submission.definitions(cells, {name}).answers[name]
+    name, found = solution_definitions(exercise_id)
+    answer = found.answers[name]
     verdict = check_process.run_check_process(exercise_id, answer, check_process.pplab_sources(), 60)
     assert verdict.passed and verdict.score == checks.get_exercise(exercise_id).points, verdict.message
