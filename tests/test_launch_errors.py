@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import pplab
-from pplab.runtime import callboard, watch
+from pplab.runtime import callboard, launcher, watch
 from conftest import descendants
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
@@ -272,6 +272,24 @@ def test_default_timeout_comes_from_the_environment(monkeypatch):
     with pytest.raises(ValueError, match="PPLAB_LAUNCH_TIMEOUT='soon' must be a number of seconds"):
         pplab.launch(hang, world_size=2)
     assert pplab.launch(lambda: 3, world_size=1, timeout=30) == [3]     # timeout= wins
+
+
+def test_the_ranks_meet_in_the_folder_the_environment_names(monkeypatch, tmp_path):
+    def where():
+        import torch.distributed as dist
+        return dist.get_rank(), os.environ.get("PPLAB_LAUNCH_DIR")
+
+    meet = tmp_path / "meet"
+    monkeypatch.setenv("PPLAB_LAUNCH_DIR", str(meet))
+    with pytest.raises(ValueError, match=r"PPLAB_LAUNCH_DIR='.*meet' must name a folder this process can write to"):
+        pplab.launch(where, world_size=2)
+    meet.mkdir()
+    seen = []
+    real_mkdtemp = launcher.tempfile.mkdtemp
+    monkeypatch.setattr(launcher.tempfile, "mkdtemp",
+                        lambda **kw: seen.append(kw["dir"]) or real_mkdtemp(**kw))
+    assert [r for r, _ in pplab.launch(where, world_size=2)] == [0, 1]
+    assert seen == [str(meet)] and list(meet.iterdir()) == []      # met there, and removed after
 
 
 def test_a_dying_rank_leaves_no_cpp_noise(capfd):

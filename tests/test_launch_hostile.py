@@ -384,23 +384,27 @@ CALLER = textwrap.dedent(f'''
 ''')
 
 
-def _launch_folders(pid):
-    where = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-    return glob.glob(os.path.join(where, f"pplab-launch-{pid}-*"))
+def _launch_folders(pid, tmp_path):
+    return glob.glob(os.path.join(tmp_path / "meet", f"pplab-launch-{pid}-*"))
 
 
 def _start_a_caller(mark, tmp_path):
-    """A python process in the middle of a launch whose ranks each started a process of their own."""
+    """A python process in the middle of a launch whose ranks each started a process of their own.
+
+    Its ranks meet in a folder of this test's own (PPLAB_LAUNCH_DIR): in /dev/shm, a launch
+    in another test running at the same time would remove a killed caller's folder first."""
     script = tmp_path / "caller.py"
     script.write_text(CALLER)
+    (tmp_path / "meet").mkdir()
     here = os.path.dirname(os.path.dirname(os.path.abspath(pplab.__file__)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]),
+           "PPLAB_LAUNCH_DIR": str(tmp_path / "meet")}
     caller = subprocess.Popen([sys.executable, str(script), mark, str(tmp_path)], env=env, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
     while len(list(tmp_path.glob("ready.*"))) < 2:
         assert time.monotonic() < deadline and caller.poll() is None, caller.stderr.read().decode()[-3000:]
         time.sleep(0.05)
-    assert len(_launch_folders(caller.pid)) == 1
+    assert len(_launch_folders(caller.pid, tmp_path)) == 1
     return caller
 
 
@@ -409,9 +413,9 @@ def test_a_caller_killed_outright_leaves_no_process_and_no_folder(mark, tmp_path
     caller.kill()                               # SIGKILL: no finally, no atexit in the caller
     caller.wait()
     deadline = time.monotonic() + 30            # the host sees the caller go and ends the launch
-    while (ours(mark) or _launch_folders(caller.pid)) and time.monotonic() < deadline:
+    while (ours(mark) or _launch_folders(caller.pid, tmp_path)) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _launch_folders(caller.pid)
+    assert not _launch_folders(caller.pid, tmp_path)
     # the `mark` fixture checks that the ranks' own processes are gone too
 
 
@@ -427,9 +431,9 @@ def test_a_caller_killed_while_a_rank_is_stopped_leaves_nothing(mark, tmp_path):
     caller.kill()
     caller.wait()
     deadline = time.monotonic() + 30
-    while (ours(mark) or _launch_folders(caller.pid)) and time.monotonic() < deadline:
+    while (ours(mark) or _launch_folders(caller.pid, tmp_path)) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _launch_folders(caller.pid)
+    assert not _launch_folders(caller.pid, tmp_path)
 
 
 def _children(pid):
@@ -437,7 +441,7 @@ def _children(pid):
         return [int(c) for c in f.read().split()]
 
 
-def test_the_next_launch_removes_what_a_killed_launch_left(mark, tmp_path):
+def test_the_next_launch_removes_what_a_killed_launch_left(mark, tmp_path, monkeypatch):
     caller = _start_a_caller(mark, tmp_path)
     everyone = [caller.pid] + sorted(descendants(caller.pid))
     for pid in everyone:                        # the caller and its host at once (the OOM killer, say)
@@ -447,8 +451,8 @@ def test_the_next_launch_removes_what_a_killed_launch_left(mark, tmp_path):
     deadline = time.monotonic() + 30
     while any(alive(pid) for pid in everyone) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert len(_launch_folders(caller.pid)) == 1            # nobody was left to remove it
-    lock = os.open(os.path.join(_launch_folders(caller.pid)[0], "lock"), os.O_RDONLY)
+    assert len(_launch_folders(caller.pid, tmp_path)) == 1            # nobody was left to remove it
+    lock = os.open(os.path.join(_launch_folders(caller.pid, tmp_path)[0], "lock"), os.O_RDONLY)
     try:                # the kernel lets go of a dead process's lock a moment after it died
         while time.monotonic() < deadline:
             with contextlib.suppress(BlockingIOError):
@@ -457,11 +461,12 @@ def test_the_next_launch_removes_what_a_killed_launch_left(mark, tmp_path):
             time.sleep(0.01)
     finally:
         os.close(lock)
-    where = os.path.dirname(_launch_folders(caller.pid)[0])
+    where = os.path.dirname(_launch_folders(caller.pid, tmp_path)[0])
     live = tempfile.mkdtemp(prefix=f"pplab-launch-{os.getpid()}-", dir=where)
+    monkeypatch.setenv("PPLAB_LAUNCH_DIR", where)
     try:
         assert pplab.launch(lambda: 1, world_size=1) == [1]
-        assert not _launch_folders(caller.pid)              # its owner is gone: removed
+        assert not _launch_folders(caller.pid, tmp_path)              # its owner is gone: removed
         assert os.path.isdir(live)                          # this (live) process's: kept
     finally:
         os.rmdir(live)

@@ -254,15 +254,21 @@ def launch(fn, *args, world_size: int = 4, backend: str = "auto", timeout: float
 
 
 def _launch_folder() -> tuple[str, int]:
-    """Where the ranks meet: in memory (/dev/shm) where there is one; and a lock on it.
+    """Where the ranks meet: PPLAB_LAUNCH_DIR if set, else in memory (/dev/shm) where there is
+    one, else the temporary folder; and a lock on it.
 
     A caller killed outright (kill -9, the OOM killer) cannot remove its folder. Its name
     holds the caller's pid, and the caller, the host and the forked ranks hold its lock (the
     kernel lets go of it when the last of them dies): the next launch removes a folder
     whose caller is gone and whose lock nobody holds, and never a live launch's folder.
     """
-    shm = "/dev/shm"
-    where = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
+    where = os.environ.get("PPLAB_LAUNCH_DIR", "")
+    if where and not (os.path.isdir(where) and os.access(where, os.W_OK | os.X_OK)):
+        raise ValueError(f"the environment variable PPLAB_LAUNCH_DIR={where!r} must name a folder this "
+                         f"process can write to; create it, or unset it to use /dev/shm")
+    if not where:
+        shm = "/dev/shm"
+        where = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
     for name in os.listdir(where):
         owner = re.fullmatch(r"pplab-launch-(\d+)-\w+", name)
         if owner and not _alive(int(owner[1])) and _unlocked(os.path.join(where, name, "lock")):
