@@ -176,8 +176,8 @@ def test_a_notebook_that_ignores_interrupts_is_killed_with_everything_it_started
     _write(path, "import signal, time\nimport pplab\nsignal.signal(signal.SIGINT, signal.SIG_IGN)",
            "def stuck():\n    time.sleep(10**6)\n\npplab.launch(stuck, world_size=2, timeout=10**6)")
     started = time.monotonic()
-    grade = grading.grade_notebook(path, timeout=15, cell_timeout=60, check_timeout=5)   # the notebook limit fires first
-    assert "stopped after 15 s (the notebook's time limit)" in grade.notes
+    grade = grading.grade_notebook(path, timeout=10, cell_timeout=60, check_timeout=5)   # the notebook limit fires first
+    assert "stopped after 10 s (the notebook's time limit)" in grade.notes
     assert grade.passed == {} and time.monotonic() - started < 60
 
 

@@ -83,6 +83,10 @@ def _ours_alive():
 
 FIXTURES = Path(__file__).parent / "fixtures" / "grading"
 SANDBOXED = sandbox.why_not() is None
+# a cell's limit: ada's endless loop and floods_output's endless output run this long (the
+# longest honest cell here, the solution notebook's own check, takes about 3 s)
+CELL_TIMEOUT = 16
+CHECK_TIMEOUT = 12           # the grader wants a check's limit under a cell's
 
 
 def _good_and_broken(subs):
@@ -226,7 +230,7 @@ def graded(tmp_path_factory):
     before = descendants()
     try:
         run = subprocess.run(PPLAB + ["grade", str(subs), "--out", str(out), "--timeout", "150", "--cell-timeout",
-                                      "25", "--check-timeout", "15", "--jobs", "3", *limits],
+                                      str(CELL_TIMEOUT), "--check-timeout", str(CHECK_TIMEOUT), "--jobs", "3", *limits],
                              capture_output=True, text=True, timeout=900, env=env, cwd=tmp)
         left = _ours_alive()
     finally:
@@ -260,7 +264,7 @@ def test_a_folder_of_good_and_broken_submissions(graded):
     assert scores == {"ada": ("1", 1), "bob": ("missing", 0), "cyd": ("1", 1), "dan": ("1", 1), "eve": ("0", 0),
                       "hal": ("missing", 0)}, rows
     assert all(r["ring_all_reduce"] == "missing" for r in rows.values())
-    assert rows["ada"]["notes"] == "cell 3 timed out after 25 s"
+    assert rows["ada"]["notes"] == f"cell 3 timed out after {CELL_TIMEOUT} s"
     assert "is not implemented yet" not in rows["bob"]["notes"]
     assert rows["cyd"]["notes"] == ""
     assert "kernel died in cell 2" in rows["dan"]["notes"]
@@ -337,7 +341,7 @@ def test_every_kind_of_hostile_submission_gets_its_row_and_note(graded):
     assert "my_broadcast is defined inside an `if` block (cell 2, line 2)" in notes["in_a_block"]
     # output without end: the cell times out, or the messages queued for it pass the memory limit first
     # (or, where the kernel buffers the output itself, a MemoryError at the submission's memory limit)
-    assert "cell 3 timed out after 25 s" in notes["floods_output"] or \
+    assert f"cell 3 timed out after {CELL_TIMEOUT} s" in notes["floods_output"] or \
         "the notebook was stopped: its processes held" in notes["floods_output"] or \
         "cell 3 raised MemoryError (the submission's memory limit: pplab grade --memory 1.46G)" in notes["floods_output"]
     assert "a check's ranks have no process group" in notes["rank_uses_the_backend"]
@@ -349,7 +353,7 @@ def test_every_kind_of_hostile_submission_gets_its_row_and_note(graded):
     assert "cell 4 has a syntax error" in notes["huge_expression"]
     assert "the notebook was stopped: it ran" in notes["fork_bomb"] and "--processes 200" in notes["fork_bomb"]
     # in the check, the bomb's ranks reach the limit, or (forking slowly on a loaded machine) its time limit
-    assert "the check was stopped: it ran" in notes["fork_bomb"] or "still running after 15 s" in notes["fork_bomb"]
+    assert "the check was stopped: it ran" in notes["fork_bomb"] or f"still running after {CHECK_TIMEOUT} s" in notes["fork_bomb"]
     assert "can't allocate memory" in notes["allocates_30_gb"] and "--memory 1.46G" in notes["allocates_30_gb"]
     assert "--disk 128M" in notes["fills_the_disk"]
     assert "limits per submission: memory 1.46G, 200 processes, disk 128M" in run.stderr

@@ -247,7 +247,7 @@ def _workers_left_running(mark, folder, ending):
 
 def _launch_and_end(ending, fn, *args):
     """Launch fn on 2 ranks that end as `ending` says: returned, raised, or stopped at the timeout."""
-    launch = functools.partial(pplab.launch, fn, *args, world_size=2, timeout=10 if ending == "times out" else 120)
+    launch = functools.partial(pplab.launch, fn, *args, world_size=2, timeout=5 if ending == "times out" else 120)
     if ending == "returns":
         assert launch() == ["ok", "ok"]
     else:
