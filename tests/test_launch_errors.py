@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import pplab
-from pplab.runtime import callboard, launcher, watch
+from pplab.runtime import callboard, watch
 from conftest import descendants
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
@@ -275,21 +275,17 @@ def test_default_timeout_comes_from_the_environment(monkeypatch):
 
 
 def test_the_ranks_meet_in_the_folder_the_environment_names(monkeypatch, tmp_path):
-    def where():
-        import torch.distributed as dist
-        return dist.get_rank(), os.environ.get("PPLAB_LAUNCH_DIR")
+    def inside(folder):                 # what a rank sees there while the launch runs
+        return sorted(os.listdir(folder))
 
     meet = tmp_path / "meet"
     monkeypatch.setenv("PPLAB_LAUNCH_DIR", str(meet))
     with pytest.raises(ValueError, match=r"PPLAB_LAUNCH_DIR='.*meet' must name a folder this process can write to"):
-        pplab.launch(where, world_size=2)
+        pplab.launch(inside, str(meet), world_size=2)
     meet.mkdir()
-    seen = []
-    real_mkdtemp = launcher.tempfile.mkdtemp
-    monkeypatch.setattr(launcher.tempfile, "mkdtemp",
-                        lambda **kw: seen.append(kw["dir"]) or real_mkdtemp(**kw))
-    assert [r for r, _ in pplab.launch(where, world_size=2)] == [0, 1]
-    assert seen == [str(meet)] and list(meet.iterdir()) == []      # met there, and removed after
+    seen = pplab.launch(inside, str(meet), world_size=2)
+    assert seen[0] == seen[1] and len(seen[0]) == 1 and seen[0][0].startswith(f"pplab-launch-{os.getpid()}-")
+    assert list(meet.iterdir()) == []                               # removed after
 
 
 def test_a_dying_rank_leaves_no_cpp_noise(capfd):
