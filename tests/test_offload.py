@@ -601,3 +601,39 @@ def test_fit_disk_times_the_sizes_in_turn_and_fits_by_hand_values(monkeypatch, t
     assert sorted(closed) == [2 ** 16, 2 ** 20]
     assert fit.write_latency == pytest.approx(1e-3) and fit.write_bandwidth == pytest.approx(5e8)
     assert fit.read_latency == pytest.approx(2e-3) and fit.read_bandwidth == pytest.approx(1e9)
+
+
+def test_fit_disk_measures_again_when_a_burst_bends_a_line_and_says_so_when_it_never_grows(monkeypatch, tmp_path):
+    """A made-up disk whose larger file writes faster than the smaller one in the first
+    measurement (a burst of load on the small one): fit_disk measures again and fits the second.
+    One that never grows fails after offload.MEASUREMENTS measurements, saying why."""
+    from pplab.zero import offload
+    clock, rounds = [0.0], []
+
+    def fake(bent_rounds):
+        class FakeFile:
+            def __init__(self, numel, dtype, folder, drop_cache):
+                self.n = 4 * numel
+
+            def write(self, t):
+                rounds.append(self.n)
+                first = len(rounds) <= 2 + 2 * bent_rounds       # setup writes, then bent measurements
+                clock[0] += 1e-3 + self.n / 5e8 + (0.05 if first and self.n == 2 ** 16 else 0.0)
+
+            def read(self, t):
+                clock[0] += 2e-3 + self.n / 1e9
+
+            def close(self):
+                pass
+        return FakeFile
+    monkeypatch.setattr(offload.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(offload, "TensorFile", fake(bent_rounds=3))      # the whole first measurement (3 repeats)
+    fit = fit_disk(str(tmp_path), sizes=(2 ** 16, 2 ** 20), repeats=3)
+    assert len(rounds) == 2 + 2 * 3 * 2                                    # set up, then measured twice
+    assert fit.write_latency == pytest.approx(1e-3) and fit.write_bandwidth == pytest.approx(5e8)
+    rounds.clear()
+    monkeypatch.setattr(offload, "TensorFile", fake(bent_rounds=10 ** 6))   # always bent
+    with pytest.raises(RuntimeError, match="did not grow with the sizes"):
+        fit_disk(str(tmp_path), sizes=(2 ** 16, 2 ** 20), repeats=3)
+    assert len(rounds) == 2 + 2 * 3 * offload.MEASUREMENTS
+
