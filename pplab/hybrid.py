@@ -125,7 +125,9 @@ def train(cfg: GPTConfig, mesh, steps: int = 5, batch_size: int = 8, lr: float =
     before_step: called as before_step(model, optimizer, mesh) once the step's gradients are final
     (after DP's all-reduce), just before optimizer.step(): e.g. pplab.grad_clip.clip_grad_norm_.
     Returns {"losses": the global batch's mean loss at each step (on every rank), "step_times":
-    seconds per step (barrier to barrier), "state_bytes": parameters + gradients + optimizer state
+    seconds per step (barrier to barrier), "step_cpu_times": the CPU seconds this rank's process
+    spent in each step (its work, without its waiting: unlike step_times, load does not grow them),
+    "state_bytes": parameters + gradients + optimizer state
     this rank holds after the optimizer step, before zero_grad (pplab.zero.held_bytes),
     "activation_bytes": the most bytes autograd held for backward at once, "params":
     {"layer.name": this rank's shard after training}, "coords": its place in the mesh}.
@@ -165,13 +167,13 @@ def train(cfg: GPTConfig, mesh, steps: int = 5, batch_size: int = 8, lr: float =
                 model = DDP(model, group=mesh.dp_group)
         opt = _optimizer(model.parameters(), lr, zero, dp, mesh.dp_group)
 
-    losses, times, activation_bytes = [], [], 0
+    losses, times, cpu_times, activation_bytes = [], [], [], 0
     for step in range(steps):
         x, y = (t.to(dev) for t in shard(data.batch(batch_size, cfg.seq, step, seed), mesh.rank_in("dp"), dp))
         with (trace.paused() if trace_steps is not None and step not in trace_steps else contextlib.nullcontext()):
             with trace.paused():
                 dist.barrier()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             if pp > 1:
                 loss = runner.step(x, y)["loss"]
                 activation_bytes = max(activation_bytes, runner.peak_bytes)
@@ -191,6 +193,7 @@ def train(cfg: GPTConfig, mesh, steps: int = 5, batch_size: int = 8, lr: float =
                 opt.step()
                 loss = loss.item()
             times.append(time.perf_counter() - start)
+            cpu_times.append(time.process_time() - start_cpu)
             state_bytes = held_bytes(model, opt)["total"]      # at its peak: gradients still held
             opt.zero_grad()
         with trace.paused():             # the global loss, for the report: one number, untraced
@@ -205,7 +208,7 @@ def train(cfg: GPTConfig, mesh, steps: int = 5, batch_size: int = 8, lr: float =
                 whole.enter_context(module.full_parameters())
         named = runner.named_parameters() if pp > 1 else getattr(model, "module", model).named_parameters()
         params = {n: p.detach().clone() for n, p in named}
-    return {"losses": losses, "step_times": times, "coords": mesh.coords,
+    return {"losses": losses, "step_times": times, "step_cpu_times": cpu_times, "coords": mesh.coords,
             "state_bytes": state_bytes, "activation_bytes": activation_bytes, "params": params}
 
 

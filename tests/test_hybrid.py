@@ -194,3 +194,30 @@ def test_parallel_layers_on_one_rank_give_the_dense_loss():
     x, y = data.batch(2, CFG.seq)
     dense = gpt_loss(nn.Sequential(*gpt_layers(CFG))(x), y).item()
     assert abs(pplab.launch(sp_loss_job, world_size=1)[0] - dense) < TOL
+
+
+def _cpu_or_sleep(hook_seconds, spin):
+    import time
+
+    def before_step(model, opt, mesh):
+        if spin:                     # CPU work: the process's CPU clock moves hook_seconds
+            start = time.process_time()
+            while time.process_time() - start < hook_seconds:
+                pass
+        else:                        # waiting: the wall clock moves, the CPU clock does not
+            time.sleep(hook_seconds)
+
+    r = train(CFG, dict(dp=2), steps=2, before_step=before_step)
+    return r["step_times"], r["step_cpu_times"]
+
+
+@pytest.mark.parametrize("spin", [True, False])
+def test_step_cpu_times_count_the_work_of_a_step_and_not_its_waiting(spin):
+    # a hook inside each step that burns 0.15 CPU seconds, or sleeps 0.15 s: the CPU count must see
+    # the first and not the second, however busy the machine (CPU seconds do not grow with load)
+    for wall, cpu in pplab.launch(_cpu_or_sleep, 0.15, spin, world_size=2):
+        assert len(wall) == len(cpu) == 2 and all(w >= 0.15 for w in wall)
+        if spin:
+            assert all(c >= 0.15 for c in cpu), cpu
+        else:
+            assert all(c < w - 0.1 for c, w in zip(cpu, wall)), (cpu, wall)
