@@ -7,6 +7,7 @@ do not divide evenly per bucket: every run pads).
 """
 import math
 import os
+import time
 import tempfile
 
 import pytest
@@ -172,6 +173,22 @@ def test_disk_offload_trains_exactly_as_in_ram_and_moves_k_psi_over_n(p, tmp_pat
     assert os.listdir(tmp_path) == []
 
 
+
+def _in_shm():
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def _left_in_shm(before):
+    """What appeared in /dev/shm since `before` and stays there, other than launch folders (each
+    launch removes its own). What another test process makes for a moment (a DataLoader's
+    segment, a semaphore) is gone a second later; what a killed rank left would stay."""
+    new = {n for n in _in_shm() - before if not n.startswith("pplab-launch-")}
+    deadline = time.monotonic() + 1.0
+    while new and time.monotonic() < deadline:
+        time.sleep(0.1)
+        new &= _in_shm()
+    return new
+
 def fail_after_a_step(folder):
     rank = pplab.comm.rank()
     model = make_model(rank, torch.float64)
@@ -187,15 +204,14 @@ def fail_after_a_step(folder):
 
 
 def test_a_failed_run_leaves_no_file_behind(tmp_path):
-    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    shm_before = _in_shm()
     with pytest.raises(pplab.LaunchError) as info:
         pplab.launch(fail_after_a_step, str(tmp_path), world_size=3, timeout=30)
     message = str(info.value)
     assert "planned failure with files open" in message
     assert message.count(f"'{tmp_path}/#") >= 2 and "(deleted)" in message    # they were there, nameless
     assert os.listdir(tmp_path) == []
-    new_in_shm = (set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()) - shm_before
-    assert not [n for n in new_in_shm if not n.startswith("pplab-launch-")], new_in_shm
+    assert not _left_in_shm(shm_before)
 
 
 def test_tensor_file_round_trip_by_dtype_and_cache_setting(tmp_path):
@@ -457,15 +473,14 @@ def fail_in_forward_with_shards_on_disk(folder):
 
 
 def test_a_run_failing_with_shards_on_disk_leaves_nothing_behind(tmp_path):
-    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    shm_before = _in_shm()
     with pytest.raises(pplab.LaunchError) as info:
         pplab.launch(fail_in_forward_with_shards_on_disk, str(tmp_path), world_size=3, timeout=30)
     message = str(info.value)
     assert "planned failure in forward" in message
     assert message.count(f"'{tmp_path}/#") >= 2 and "(deleted)" in message     # they were there, nameless
     assert os.listdir(tmp_path) == []
-    new_in_shm = (set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()) - shm_before
-    assert not [n for n in new_in_shm if not n.startswith("pplab-launch-")], new_in_shm
+    assert not _left_in_shm(shm_before)
 
 
 def param_offload_bad_inputs(folder):
