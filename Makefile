@@ -14,7 +14,7 @@ VENV   ?= .venv
 TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.pplab-installed
-# pip byte-compiles every file it installs, on one core: about 20 of the install's 48 s here.
+# pip byte-compiles every file it installs, on one core: about 15 of the install's 45 s here.
 # Without it Python compiles what is imported, once, and keeps it; where PYTHONDONTWRITEBYTECODE
 # forbids keeping it, every process would compile again, so then all is compiled at install, on
 # every core.

@@ -7,8 +7,8 @@ do not divide evenly per bucket: every run pads).
 """
 import math
 import os
-import time
 import tempfile
+import time
 
 import pytest
 import torch
@@ -171,7 +171,6 @@ def test_disk_offload_trains_exactly_as_in_ram_and_moves_k_psi_over_n(p, tmp_pat
             assert links and all(link.startswith(str(tmp_path) + "/") and link.endswith("(deleted)")
                                  and nlink == 0 for link, nlink in links), (where, links)
     assert os.listdir(tmp_path) == []
-
 
 
 def _in_shm():
